@@ -1,0 +1,49 @@
+"""Key validation and scoping: the rules every entry point applies before a key touches a store."""
+
+from __future__ import annotations
+
+import hashlib
+
+from oncely.errors import InvalidKeyError
+
+__all__ = ["MAX_KEY_LENGTH", "scope_key", "validate_key"]
+
+MAX_KEY_LENGTH = 255
+"""The longest key a client may send (characters), as in Stripe's API."""
+
+
+def validate_key(key: object) -> str:
+    """Return *key* if it is a usable idempotency key, else raise `InvalidKeyError`.
+
+    A key is a non-empty string of at most 255 printable ASCII characters (space to ``~``),
+    with no leading or trailing space: exactly what can travel in an HTTP header unchanged.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"an idempotency key must be a string, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("the idempotency key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed"
+        )
+    for position, char in enumerate(key):
+        if not " " <= char <= "~":
+            raise InvalidKeyError(
+                f"the idempotency key has a character that is not printable ASCII "
+                f"({char!r} at position {position})"
+            )
+    if key[0] == " " or key[-1] == " ":
+        raise InvalidKeyError("the idempotency key starts or ends with a space")
+    return key
+
+
+def scope_key(scope: str, key: str) -> str:
+    """Return the stored form of *key* within *scope*.
+
+    Scopes are arbitrary strings (a function's qualified name, a route and a principal); they are
+    digested when long so the stored key stays short, and separated from the key so that no two
+    (scope, key) pairs collide.
+    """
+    if len(scope) > 64 or "|" in scope:
+        scope = "h" + hashlib.sha256(scope.encode()).hexdigest()[:32]
+    return f"{scope}|{key}"

@@ -1,0 +1,95 @@
+"""The store contract: one set of verbs for sync callers and one for async callers.
+
+Built-in stores implement both (`Store`), so one object serves Flask and FastAPI alike. The
+conformance suite in `oncely.testing`, not a base class, enforces the contract.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+from oncely._core.records import ClaimResult, LeaseLost, Record
+
+__all__ = ["AsyncStore", "Store", "SyncStore"]
+
+
+@runtime_checkable
+class SyncStore(Protocol):
+    """A store called from synchronous code. Each verb is one atomic transition."""
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """Take the lease on *key*, or say why not (DESIGN.md section 2).
+
+        *ttl* is how long an in-progress record is kept at the least, so that its fencing token
+        survives the lease.
+        """
+        ...
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """Store *result* as the outcome for *ttl*; `LeaseLost` if *token* no longer holds it."""
+        ...
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """Store a final *error* for *ttl*; `LeaseLost` if *token* no longer holds the lease."""
+        ...
+
+    def release(self, key: str, token: int) -> LeaseLost | None:
+        """Give the lease up so the next claim executes; the token is kept."""
+        ...
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """Move the end of the lease to *lease* from now."""
+        ...
+
+    def get(self, key: str) -> Record | None:
+        """Return the live record for *key*, or ``None``."""
+        ...
+
+    def close(self) -> None:
+        """Release connections. The store cannot be used afterwards."""
+        ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """A store called from asyncio code: the same verbs, prefixed with ``a``."""
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """Async `SyncStore.claim`."""
+        ...
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """Async `SyncStore.complete`."""
+        ...
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """Async `SyncStore.fail`."""
+        ...
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """Async `SyncStore.release`."""
+        ...
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """Async `SyncStore.extend`."""
+        ...
+
+    async def aget(self, key: str) -> Record | None:
+        """Async `SyncStore.get`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Async `SyncStore.close`."""
+        ...
+
+
+@runtime_checkable
+class Store(SyncStore, AsyncStore, Protocol):
+    """What every built-in backend implements: one object, both worlds."""

@@ -1,0 +1,272 @@
+"""`@idempotent`: make a sync or async function take effect once per key.
+
+.. code-block:: python
+
+    @oncely.idempotent(store=store, key="order_id", final_errors=(CardDeclined,))
+    def charge(order_id: str, amount_cents: int) -> Receipt:
+        ...
+
+    charge("o-1", 500)            # runs
+    charge(order_id="o-1", amount_cents=500)   # same key: replays the stored Receipt
+    charge("o-1", 900)            # same key, other arguments: FingerprintMismatchError
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+
+from oncely import _execution
+from oncely._core.codec import Codec, JSONCodec
+from oncely._core.fingerprint import digest
+from oncely._core.keys import scope_key, validate_key
+from oncely._core.policy import Duration, Policy
+from oncely._core.protocols import AsyncStore, SyncStore
+from oncely.errors import ConfigurationError
+from oncely.guard import _UNSET, build_policy
+from oncely.stores import open_store
+
+__all__ = ["IdempotentFunction", "KeyFunc", "idempotent"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+KeyFunc = Callable[..., str]
+"""A callable over the function's arguments that returns the idempotency key."""
+
+_IMPLICIT = frozenset({"self", "cls"})
+
+
+class IdempotentFunction(Protocol[P, R_co]):
+    """A function wrapped by `idempotent`: same signature, plus the attributes below."""
+
+    policy: Policy
+    """The behaviour of this operation."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        """Run once per key, replaying the stored outcome to duplicates."""
+        ...
+
+    def with_key(self, key: str) -> Callable[P, R_co]:
+        """Return the function bound to an explicit *key*, overriding the key specification."""
+        ...
+
+
+def _is_async(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's own __call__
+    )
+
+
+@dataclass(eq=False)
+class _CallPlan:
+    """Everything decided when the decorator is applied, so each call only reads arguments."""
+
+    fn: Callable[..., Any]
+    signature: inspect.Signature
+    scope: str
+    key: str | KeyFunc
+    fingerprint: Sequence[str] | Callable[..., Any] | object | None
+    policy: Policy
+    codec: Codec
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound
+
+    def key_for(self, bound: inspect.BoundArguments, explicit: str | None) -> str:
+        if explicit is not None:
+            key = explicit
+        elif isinstance(self.key, str):
+            key = bound.arguments[self.key]
+        else:
+            key = self.key(*bound.args, **bound.kwargs)
+        if isinstance(key, int) and not isinstance(key, bool):
+            key = str(key)
+        return scope_key(self.scope, validate_key(key))
+
+    def fingerprint_for(self, bound: inspect.BoundArguments) -> str:
+        spec = self.fingerprint
+        if spec is None:
+            return ""
+        if callable(spec):
+            return digest([spec(*bound.args, **bound.kwargs)])
+        if spec is _ALL:
+            names: Sequence[str] = [name for name in bound.arguments if name not in _IMPLICIT]
+        else:
+            names = typing.cast(Sequence[str], spec)
+        return digest([{name: bound.arguments[name] for name in names}])
+
+    @functools.cached_property
+    def annotation(self) -> Any:
+        try:
+            return typing.get_type_hints(self.fn).get("return", Any)
+        except Exception:  # unresolvable forward references: replay plain JSON
+            return Any
+
+
+_ALL: Any = object()
+
+
+class idempotent(Generic[P, R]):
+    """Decorate a function so that it takes effect once per key.
+
+    Args:
+        store: A store object, or a store URL opened with `oncely.open_store`.
+        key: The name of the parameter holding the key, or a callable over the function's
+            arguments that returns it. Positional and keyword calls give the same key.
+        scope: The key's namespace (default: the function's module and qualified name). Set it
+            explicitly to keep keys valid across a rename.
+        fingerprint: What defines "the same operation": by default every argument (``self`` and
+            ``cls`` excepted); a list of parameter names; a callable over the arguments returning
+            any canonicalisable value; or ``None`` to skip the check.
+        policy: The base `Policy`; the keyword arguments below override single fields of it.
+        ttl: How long the outcome is replayed (timedelta or seconds).
+        lease: How long the lease lasts between heartbeats.
+        on_conflict: For a concurrent duplicate: ``"raise"`` (`InProgressError`) or ``"wait"``
+            (bounded by ``wait_timeout``) for the first call's outcome.
+        wait_timeout: How long ``"wait"`` waits at most.
+        final_errors: Exception types that are stored and replayed as the same type; any other
+            exception releases the lease so that a retry executes.
+        heartbeat: Keep the lease alive while the function runs (default on).
+        codec: Serialises return values (JSON by default, with dataclasses and pydantic models).
+
+    Raises:
+        ConfigurationError: At decoration time, for a key parameter the function does not have,
+            or a store that cannot serve this kind of function.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        *,
+        store: SyncStore | AsyncStore | str,
+        key: str | KeyFunc,
+        scope: str | None = None,
+        fingerprint: Sequence[str] | Callable[..., Any] | None = _ALL,
+        policy: Policy | None = None,
+        ttl: Duration = _UNSET,
+        lease: Duration = _UNSET,
+        on_conflict: str = _UNSET,
+        wait_timeout: Duration = _UNSET,
+        final_errors: tuple[type[BaseException], ...] = _UNSET,
+        heartbeat: bool = _UNSET,
+        codec: Codec | None = None,
+    ) -> None:
+        self.store = open_store(store) if isinstance(store, str) else store
+        if not (isinstance(key, str) or callable(key)):
+            raise ConfigurationError(f"key must be a parameter name or a callable, not {key!r}")
+        if isinstance(fingerprint, str):
+            raise ConfigurationError("fingerprint takes a list of parameter names, not a string")
+        self.key = key
+        self.scope = scope
+        self.fingerprint = fingerprint
+        self.policy = build_policy(
+            policy,
+            ttl=ttl,
+            lease=lease,
+            on_conflict=on_conflict,
+            wait_timeout=wait_timeout,
+            final_errors=final_errors,
+            heartbeat=heartbeat,
+        )
+        self.codec: Codec = codec or JSONCodec()
+
+    def __call__(self, fn: Callable[P, R]) -> IdempotentFunction[P, R]:
+        """Wrap *fn*."""
+        if not callable(fn):
+            raise ConfigurationError(f"@idempotent decorates functions, not {fn!r}")
+        signature = inspect.signature(fn)
+        for name in ([self.key] if isinstance(self.key, str) else []) + (
+            list(self.fingerprint) if isinstance(self.fingerprint, (list, tuple)) else []
+        ):
+            if name not in signature.parameters:
+                raise ConfigurationError(
+                    f"{fn.__qualname__}() has no parameter {name!r} "
+                    f"(parameters: {', '.join(signature.parameters)})"
+                )
+        plan = _CallPlan(
+            fn=fn,
+            signature=signature,
+            scope=self.scope or f"{fn.__module__}.{fn.__qualname__}",
+            key=self.key,
+            fingerprint=self.fingerprint,
+            policy=self.policy,
+            codec=self.codec,
+        )
+        if _is_async(fn):
+            if not isinstance(self.store, AsyncStore):
+                raise ConfigurationError(
+                    f"{type(self.store).__name__} has no async verbs; it cannot serve the "
+                    f"coroutine function {fn.__qualname__}()"
+                )
+            return typing.cast(IdempotentFunction[P, R], _async_wrapper(plan, self.store))
+        if not isinstance(self.store, SyncStore):
+            raise ConfigurationError(
+                f"{type(self.store).__name__} has no sync verbs; it cannot serve "
+                f"{fn.__qualname__}()"
+            )
+        return typing.cast(IdempotentFunction[P, R], _sync_wrapper(plan, self.store))
+
+
+def _sync_wrapper(plan: _CallPlan, store: SyncStore) -> Any:
+    def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = plan.bind(args, kwargs)
+        flow = _execution.protected_call(
+            plan.key_for(bound, explicit_key),
+            plan.fingerprint_for(bound),
+            plan.policy,
+            plan.codec,
+            plan.annotation,
+        )
+        return _execution.run(flow, store, lambda: plan.fn(*args, **kwargs))
+
+    @functools.wraps(plan.fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(None, args, kwargs)
+
+    def with_key(key: str) -> Callable[..., Any]:
+        return functools.wraps(plan.fn)(lambda *args, **kwargs: call(key, args, kwargs))
+
+    wrapper.policy = plan.policy  # type: ignore[attr-defined]
+    wrapper.with_key = with_key  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _async_wrapper(plan: _CallPlan, store: AsyncStore) -> Any:
+    async def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = plan.bind(args, kwargs)
+        flow = _execution.protected_call(
+            plan.key_for(bound, explicit_key),
+            plan.fingerprint_for(bound),
+            plan.policy,
+            plan.codec,
+            plan.annotation,
+        )
+        return await _execution.arun(flow, store, lambda: plan.fn(*args, **kwargs))
+
+    @functools.wraps(plan.fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return await call(None, args, kwargs)
+
+    def with_key(key: str) -> Callable[..., Any]:
+        @functools.wraps(plan.fn)
+        async def keyed(*args: Any, **kwargs: Any) -> Any:
+            return await call(key, args, kwargs)
+
+        return keyed
+
+    wrapper.policy = plan.policy  # type: ignore[attr-defined]
+    wrapper.with_key = with_key  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,247 @@
+"""`Guard`: explicit idempotency around any block, sync (``with``) or async (``async with``).
+
+.. code-block:: python
+
+    with Guard(store, f"refund:{refund_id}", fingerprint=(refund_id, amount)) as guard:
+        if guard.replayed:
+            return guard.result          # the stored outcome of an earlier run
+        receipt = bank.refund(refund_id, amount, fencing_token=guard.token)
+        guard.complete(receipt)
+
+Entering claims the key (raising `InProgressError` or `FingerprintMismatchError` as the policy
+says) and starts a heartbeat that keeps the lease alive while the block runs. Leaving the block
+normally completes it (with ``None`` when `complete` was not called: a block that ran is never
+released); leaving by an exception releases the lease, or stores the exception when its type is
+declared final.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from oncely import _execution
+from oncely._core.codec import Codec, JSONCodec
+from oncely._core.fingerprint import digest
+from oncely._core.flow import Flow
+from oncely._core.keys import scope_key, validate_key
+from oncely._core.policy import Duration, Policy
+from oncely._core.protocols import AsyncStore, SyncStore
+from oncely._core.records import Replay
+from oncely.errors import ConfigurationError, OncelyError
+
+__all__ = ["Guard"]
+
+_UNSET: Any = object()
+
+
+class Guard:
+    """Claim a key around a block of code, then complete, fail or release it.
+
+    Args:
+        store: The store that keeps the record (any `oncely.SyncStore` for ``with``, any
+            `oncely.AsyncStore` for ``async with``).
+        key: The idempotency key; validated (`InvalidKeyError`) before it touches the store.
+        fingerprint: What the block was asked to do (any canonicalisable value); the same key with
+            another fingerprint raises `FingerprintMismatchError`. ``None``: not checked.
+        scope: A namespace for the key (for example the operation's name).
+        policy: The base `Policy`; the keyword arguments below override single fields of it.
+        ttl: How long the outcome is replayed (timedelta or seconds).
+        lease: How long the lease lasts between heartbeats.
+        on_conflict: ``"raise"`` or ``"wait"`` for a concurrent duplicate.
+        final_errors: Exception types stored and replayed instead of releasing the lease.
+        heartbeat: Keep the lease alive while the block runs (default on).
+        codec: Serialises the value given to `complete` (JSON by default).
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        store: SyncStore | AsyncStore,
+        key: str,
+        *,
+        fingerprint: Any = None,
+        scope: str = "guard",
+        policy: Policy | None = None,
+        ttl: Duration = _UNSET,
+        lease: Duration = _UNSET,
+        on_conflict: str = _UNSET,
+        final_errors: tuple[type[BaseException], ...] = _UNSET,
+        heartbeat: bool = _UNSET,
+        codec: Codec | None = None,
+    ) -> None:
+        self.store = store
+        self.key = scope_key(scope, validate_key(key))
+        self.fingerprint = "" if fingerprint is None else digest([fingerprint])
+        self.policy = build_policy(
+            policy,
+            ttl=ttl,
+            lease=lease,
+            on_conflict=on_conflict,
+            final_errors=final_errors,
+            heartbeat=heartbeat,
+        )
+        self.codec: Codec = codec or JSONCodec()
+        self._lease: _execution.Lease | None = None
+        self._replay: Replay | None = None
+        self._settled = False
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def replayed(self) -> bool:
+        """True when the operation had already finished: use `result`, do not run it again."""
+        return self._replay is not None
+
+    @property
+    def result(self) -> Any:
+        """The replayed outcome: the stored value, or the stored final error raised again.
+
+        Raises:
+            ResultUnavailableError: The outcome ran but could not be stored in replayable form.
+            OncelyError: The guard did not replay (check `replayed` first).
+        """
+        if self._replay is None:
+            raise OncelyError("this guard holds the lease: there is no stored result to replay")
+        return _execution.replay(self._replay, self.codec, Any, self.policy)
+
+    @property
+    def token(self) -> int:
+        """The fencing token of the lease: pass it to downstream writes to reject stale workers."""
+        return self._held().token
+
+    @property
+    def recovered(self) -> bool:
+        """True when the lease was taken over from a worker whose lease had expired."""
+        return self._held().recovered
+
+    @property
+    def attempt(self) -> int:
+        """How many times this operation has been started, this run included."""
+        return self._held().attempt
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat or settle call found the lease taken over."""
+        return self._lease is not None and self._lease.lost
+
+    def _held(self) -> _execution.Lease:
+        if self._lease is None:
+            raise OncelyError("this guard does not hold a lease (not entered, or replayed)")
+        return self._lease
+
+    def _settle_flow(self, verb: str, value: Any = None) -> Flow[None]:
+        lease = self._held()
+        if self._settled:
+            raise OncelyError(f"the guard for {self.key!r} was already settled")
+        self._settled = True
+        if verb == "complete":
+            return _execution.complete_with(lease, value, self.codec, self.policy)
+        if verb == "fail":
+            return _execution.settle_error(lease, value, self.policy)
+        return _execution.settle(lease, "release", None, self.policy)
+
+    def _exit_flow(self, exc: BaseException | None) -> Flow[None]:
+        if self._lease is None or self._settled:
+            return _nothing()
+        if exc is None:
+            return self._settle_flow("complete", None)
+        self._settled = True
+        return _execution.settle_error(self._lease, exc, self.policy)
+
+    def _entered(self, outcome: _execution.Lease | Replay) -> Guard:
+        if isinstance(outcome, Replay):
+            self._replay = outcome
+        else:
+            self._lease = outcome
+        return self
+
+    # -- sync ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> Guard:
+        store = _require(self.store, SyncStore, "with")
+        flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        return self._entered(_execution.run(flow, store))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _execution.run(self._exit_flow(exc), _require(self.store, SyncStore, "with"))
+
+    def complete(self, value: Any = None) -> None:
+        """Store *value* as the outcome now (it is replayed to later duplicates).
+
+        Raises:
+            LeaseLostError: The lease was taken over; another worker may repeat the work.
+        """
+        store = _require(self.store, SyncStore, "with")
+        _execution.run(self._settle_flow("complete", value), store)
+
+    def fail(self, error: BaseException) -> None:
+        """Settle with *error*: stored if its type is final, else the lease is released."""
+        store = _require(self.store, SyncStore, "with")
+        _execution.run(self._settle_flow("fail", error), store)
+
+    def release(self) -> None:
+        """Give the lease up without an outcome, so the next claim executes."""
+        store = _require(self.store, SyncStore, "with")
+        _execution.run(self._settle_flow("release"), store)
+
+    # -- async ---------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Guard:
+        store = _require(self.store, AsyncStore, "async with")
+        flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        return self._entered(await _execution.arun(flow, store))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        store = _require(self.store, AsyncStore, "async with")
+        await _execution.arun(self._exit_flow(exc), store)
+
+    async def acomplete(self, value: Any = None) -> None:
+        """Async `complete`."""
+        store = _require(self.store, AsyncStore, "async with")
+        await _execution.arun(self._settle_flow("complete", value), store)
+
+    async def afail(self, error: BaseException) -> None:
+        """Async `fail`."""
+        store = _require(self.store, AsyncStore, "async with")
+        await _execution.arun(self._settle_flow("fail", error), store)
+
+    async def arelease(self) -> None:
+        """Async `release`."""
+        store = _require(self.store, AsyncStore, "async with")
+        await _execution.arun(self._settle_flow("release"), store)
+
+
+def _nothing() -> Flow[None]:
+    return
+    yield
+
+
+def _require(store: Any, kind: type[Any], how: str) -> Any:
+    if not isinstance(store, kind):
+        raise ConfigurationError(f"{type(store).__name__} cannot be used with `{how}`")
+    return store
+
+
+def build_policy(policy: Policy | None, **overrides: Any) -> Policy:
+    """Return *policy* (or the default) with the overrides that were actually given."""
+    from dataclasses import replace
+
+    base = policy if policy is not None else Policy()
+    if not isinstance(base, Policy):
+        raise ConfigurationError(f"policy must be an oncely.Policy, not {base!r}")
+    given = {name: value for name, value in overrides.items() if value is not _UNSET}
+    return replace(base, **given) if given else base

@@ -1,0 +1,138 @@
+"""Key helpers: the four ways to name one logical operation.
+
+* client-provided: `from_header` validates (and unquotes) what a client sent;
+* content hash: `content_hash` digests the canonical form of the payload, so dict order and
+  number formatting do not change it, with chosen or excluded fields;
+* entity + operation (+ version): `entity_key`;
+* time-windowed: `windowed` puts a key in a time bucket ("at most once per hour").
+
+Every entry point scopes keys before they reach a store (by function, route and principal, or
+consumer group), so one caller can never read or overwrite another's record.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from oncely._core.fingerprint import canonical_json
+from oncely._core.keys import MAX_KEY_LENGTH, validate_key
+from oncely.errors import ConfigurationError, FingerprintError, InvalidKeyError
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "content_hash",
+    "entity_key",
+    "from_header",
+    "validate_key",
+    "windowed",
+]
+
+
+def from_header(value: str | bytes) -> str:
+    """Return the key a client sent in an ``Idempotency-Key`` header.
+
+    Both forms are accepted: a structured-field string (``"8e03978e-..."``, as the IETF draft
+    writes it) and a bare token.
+
+    Raises:
+        InvalidKeyError: The value is empty, over 255 characters, not printable ASCII, or a
+            malformed quoted string.
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise InvalidKeyError("the idempotency key is not ASCII") from exc
+    value = value.strip(" \t")
+    if value.startswith('"'):
+        if len(value) < 2 or not value.endswith('"'):
+            raise InvalidKeyError("the quoted idempotency key has no closing quote")
+        inner, out, escaped = value[1:-1], [], False
+        for char in inner:
+            if escaped:
+                if char not in '"\\':
+                    raise InvalidKeyError('only \\" and \\\\ may be escaped in a quoted key')
+                out.append(char)
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                raise InvalidKeyError("the quoted idempotency key has an unescaped quote")
+            else:
+                out.append(char)
+        if escaped:
+            raise InvalidKeyError("the quoted idempotency key ends in a backslash")
+        value = "".join(out)
+    return validate_key(value)
+
+
+def content_hash(
+    payload: Any,
+    *,
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    prefix: str = "sha256:",
+) -> str:
+    """Return a key derived from *payload*'s content.
+
+    The digest is taken over canonical JSON: key order, ``1`` versus ``1.0`` and tuples versus
+    lists do not change it.
+
+    Args:
+        payload: A JSON-like value, dataclass or pydantic model.
+        include: Top-level fields that define the operation (default: all).
+        exclude: Top-level fields to leave out, such as timestamps or trace ids.
+        prefix: Prepended to the hex digest.
+
+    Raises:
+        FingerprintError: The payload holds a value with no canonical form, or fields are chosen
+            on a payload that is not a mapping.
+    """
+    include = list(include) if include is not None else None
+    exclude = set(exclude)
+    if include is not None or exclude:
+        data = canonical_json(payload)
+        import json
+
+        mapping = json.loads(data)
+        if not isinstance(mapping, Mapping):
+            raise FingerprintError("include= and exclude= need a mapping payload")
+        chosen = include if include is not None else list(mapping)
+        payload = {name: mapping.get(name) for name in chosen if name not in exclude}
+    text = canonical_json(payload)
+    return prefix + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def entity_key(entity: str, entity_id: Any, operation: str, *, version: Any = None) -> str:
+    """Return ``entity:id:operation[:vN]``, e.g. ``order:123:charge:v2``.
+
+    Raises:
+        InvalidKeyError: The result is not a valid key (too long, or not printable ASCII).
+    """
+    parts = [entity, str(entity_id), operation]
+    if version is not None:
+        parts.append(f"v{version}")
+    return validate_key(":".join(parts))
+
+
+def windowed(key: str, window: timedelta, *, at: datetime) -> str:
+    """Return *key* within the time bucket of length *window* that contains *at*.
+
+    Use it for "at most once per window" operations (a daily digest e-mail). Buckets are
+    aligned to the Unix epoch in UTC; pass the event's own time as *at*, so that a retry
+    hours later still lands in the same bucket.
+
+    Raises:
+        ConfigurationError: *window* is not positive, or *at* has no timezone.
+    """
+    if window <= timedelta(0):
+        raise ConfigurationError("the window must be positive")
+    if at.tzinfo is None:
+        raise ConfigurationError("`at` must be timezone-aware, so every host agrees on buckets")
+    bucket = (at - datetime(1970, 1, 1, tzinfo=timezone.utc)) // window
+    return validate_key(f"{key}@{int(window.total_seconds())}s:{bucket}")

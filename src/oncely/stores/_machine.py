@@ -1,0 +1,178 @@
+"""Stores that run the reference state machine inside an atomic section of their own.
+
+The memory store's atomic section is a lock; the SQLite store's is an immediate transaction.
+Either way the record is read, `oncely._core.machine` decides, and the change is written before
+the section ends, so each transition is atomic and the table has one implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from oncely._core import machine
+from oncely._core.clock import Clock, SystemClock
+from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
+
+__all__ = ["MachineStore", "Step"]
+
+T = TypeVar("T")
+
+Step = Callable[[Record | None, int], tuple[Record | None, T]]
+"""Given the record as found and the clock's time, the record to write and the answer."""
+
+
+def _ms(duration: timedelta) -> int:
+    return max(1, int(duration / timedelta(milliseconds=1)))
+
+
+class MachineStore:
+    """Implements every verb of `oncely.Store` over one `_atomic` primitive.
+
+    Subclasses provide `_atomic(key, step)`, which reads the record of *key*, calls
+    ``step(record, now_ms)`` and writes the record it returns (if not ``None``) atomically, and
+    `_read(key)`. Async verbs run the same code through `_run_async`, which by default calls it
+    inline (right for stores that never block).
+    """
+
+    backend = "machine"
+
+    def __init__(self, *, namespace: str = "", clock: Clock | None = None) -> None:
+        self.namespace = namespace
+        self.clock: Clock = clock or SystemClock()
+
+    # -- primitives for subclasses -------------------------------------------------------------
+
+    def _atomic(self, key: str, step: Step[T]) -> T:
+        raise NotImplementedError
+
+    def _read(self, key: str) -> Record | None:
+        raise NotImplementedError
+
+    async def _run_async(self, call: Callable[[], T]) -> T:
+        return call()
+
+    def _stored_key(self, key: str) -> str:
+        return f"{self.namespace}:{key}" if self.namespace else key
+
+    # -- sync verbs --------------------------------------------------------------------------
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`."""
+        stored = self._stored_key(key)
+
+        def step(record: Record | None, now_ms: int) -> tuple[Record | None, ClaimResult]:
+            return machine.claim(
+                stored, record, fingerprint, now_ms=now_ms, lease_ms=_ms(lease), ttl_ms=_ms(ttl)
+            )
+
+        return typing.cast(ClaimResult, self._unscoped(self._atomic(stored, step)))
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`."""
+        return self._atomic(
+            self._stored_key(key),
+            lambda record, now_ms: machine.complete(
+                record, token, bytes(result), now_ms=now_ms, ttl_ms=_ms(ttl)
+            ),
+        )
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`."""
+        return self._atomic(
+            self._stored_key(key),
+            lambda record, now_ms: machine.fail(
+                record, token, bytes(error), now_ms=now_ms, ttl_ms=_ms(ttl)
+            ),
+        )
+
+    def release(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.SyncStore.release`."""
+        return self._atomic(
+            self._stored_key(key),
+            lambda record, now_ms: machine.release(record, token, now_ms=now_ms),
+        )
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.extend`."""
+        return self._atomic(
+            self._stored_key(key),
+            lambda record, now_ms: machine.extend(
+                record, token, now_ms=now_ms, lease_ms=_ms(lease)
+            ),
+        )
+
+    def get(self, key: str) -> Record | None:
+        """See `oncely.SyncStore.get`."""
+        record = self._read(self._stored_key(key))
+        if record is None or not record.is_live(self.clock.now_ms()):
+            return None
+        return typing.cast(Record, self._unscoped(record))
+
+    def _unscoped(self, value: Any) -> Any:
+        # Records leave the store with the caller's key, not the namespaced one.
+        if isinstance(value, Replay):
+            return Replay(self._unscoped(value.record))
+        if isinstance(value, Record) and self.namespace:
+            return replace(value, key=value.key[len(self.namespace) + 1 :])
+        return value
+
+    # -- async verbs -------------------------------------------------------------------------
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`."""
+        return await self._run_async(
+            functools.partial(self.claim, key, fingerprint, lease=lease, ttl=ttl)
+        )
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        return await self._run_async(functools.partial(self.complete, key, token, result, ttl=ttl))
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        return await self._run_async(functools.partial(self.fail, key, token, error, ttl=ttl))
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.AsyncStore.arelease`."""
+        return await self._run_async(functools.partial(self.release, key, token))
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.AsyncStore.aextend`."""
+        return await self._run_async(functools.partial(self.extend, key, token, lease=lease))
+
+    async def aget(self, key: str) -> Record | None:
+        """See `oncely.AsyncStore.aget`."""
+        return await self._run_async(functools.partial(self.get, key))
+
+    def close(self) -> None:
+        """Release resources; the store cannot be used afterwards."""
+
+    async def aclose(self) -> None:
+        """See `close`."""
+        await self._run_async(self.close)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self: _S) -> _S:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_S = TypeVar("_S", bound=MachineStore)

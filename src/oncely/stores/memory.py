@@ -1,0 +1,73 @@
+"""`memory://`: records in a dict, for tests and single-process apps."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from typing import Any, TypeVar
+
+from oncely._core.clock import Clock
+from oncely._core.records import Record
+from oncely.stores._machine import MachineStore, Step
+
+__all__ = ["MemoryStore"]
+
+T = TypeVar("T")
+
+
+class MemoryStore(MachineStore):
+    """Keeps records in this process's memory; nothing survives a restart.
+
+    Both sync and async callers use the same object; calls never block for I/O.
+
+    Args:
+        namespace: A prefix that keeps this store's keys apart from others'.
+        clock: The clock that judges leases and expiry (``oncely.testing.FrozenClock`` in tests).
+
+    .. versionadded:: 0.1.0
+    """
+
+    backend = "memory"
+
+    def __init__(self, *, namespace: str = "", clock: Clock | None = None) -> None:
+        super().__init__(namespace=namespace, clock=clock)
+        self._records: dict[str, Record] = {}
+        self._expiries: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryStore:
+        """Open ``memory://``."""
+        return cls(**options)
+
+    def _atomic(self, key: str, step: Step[T]) -> T:
+        with self._lock:
+            now_ms = self.clock.now_ms()
+            record, answer = step(self._records.get(key), now_ms)
+            if record is not None:
+                self._records[key] = record
+                heapq.heappush(self._expiries, (record.expires_at_ms, key))
+            self._purge_locked(now_ms, limit=8)
+            return answer
+
+    def _read(self, key: str) -> Record | None:
+        with self._lock:
+            return self._records.get(key)
+
+    def purge(self, *, limit: int = 10_000) -> int:
+        """Delete up to *limit* expired records; return how many were deleted."""
+        with self._lock:
+            return self._purge_locked(self.clock.now_ms(), limit=limit)
+
+    def _purge_locked(self, now_ms: int, *, limit: int) -> int:
+        removed = 0
+        while self._expiries and self._expiries[0][0] <= now_ms and removed < limit:
+            _, key = heapq.heappop(self._expiries)
+            record = self._records.get(key)
+            if record is not None and record.expires_at_ms <= now_ms:
+                del self._records[key]
+                removed += 1
+        return removed
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,43 @@
+"""SQLite statements, one named constant each, with their parameters and what they return."""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEMA_VERSION: Final = 1
+"""The schema version this code reads and writes."""
+
+SELECT_VERSION: Final = "SELECT version FROM oncely_schema WHERE id = 1"
+"""Returns one row with the applied schema version."""
+
+SELECT: Final = """
+SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
+       created_at_ms, updated_at_ms, result
+  FROM oncely_records WHERE key = ?
+"""
+"""Parameters: key. Returns the record's row, or nothing."""
+
+UPSERT: Final = """
+INSERT INTO oncely_records (key, status, fingerprint, token, attempt, lease_expires_at_ms,
+                            expires_at_ms, created_at_ms, updated_at_ms, result)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (key) DO UPDATE SET
+    status = excluded.status, fingerprint = excluded.fingerprint, token = excluded.token,
+    attempt = excluded.attempt, lease_expires_at_ms = excluded.lease_expires_at_ms,
+    expires_at_ms = excluded.expires_at_ms, created_at_ms = excluded.created_at_ms,
+    updated_at_ms = excluded.updated_at_ms, result = excluded.result
+"""
+"""Parameters: every column in table order. Writes the record the state machine decided on."""
+
+PURGE: Final = """
+DELETE FROM oncely_records
+ WHERE key IN (SELECT key FROM oncely_records WHERE expires_at_ms <= ? LIMIT ?)
+"""
+"""Parameters: now_ms, batch size. Deletes one batch of expired records (uses the index)."""
+
+SCAN: Final = """
+SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
+       created_at_ms, updated_at_ms, NULL
+  FROM oncely_records WHERE key > ? AND expires_at_ms > ? ORDER BY key LIMIT ?
+"""
+"""Parameters: after key, now_ms, limit. Live records in key order, without their results."""

@@ -1,0 +1,344 @@
+"""`sqlite:///path/to.db`: the embedded default store.
+
+Durable, and safe for several processes on one host: the database runs in WAL mode and every
+transition is one ``BEGIN IMMEDIATE`` transaction (read the record, let the reference state
+machine decide, write), so concurrent claimers in any number of threads and processes are
+serialised by SQLite's write lock. All processes of one host share its clock, which judges
+leases and expiry.
+
+Sync callers use a connection per thread; async callers hop to a small pool of threads owned by
+the store (never a thread per call), each with its own connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+from oncely._core.clock import Clock
+from oncely._core.records import Record, Status
+from oncely.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    SchemaMissingError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.stores._machine import MachineStore, Step
+from oncely.stores.sqlite import _sql
+
+__all__ = ["SQLiteStore"]
+
+T = TypeVar("T")
+
+_SYNCHRONOUS = ("off", "normal", "full", "extra")
+
+
+class SQLiteStore(MachineStore):
+    """Records in a SQLite database file.
+
+    Args:
+        path: The database file (created if missing), or ``":memory:"`` for a private
+            in-memory database shared by this store's connections.
+        namespace: A prefix that keeps this store's keys apart from others' in the same file.
+        clock: The clock that judges leases and expiry (the host's by default).
+        timeout: How long a transition waits for the write lock before
+            `StoreUnavailableError` (seconds).
+        synchronous: SQLite's ``synchronous`` pragma: ``"full"`` (default) survives power loss,
+            ``"normal"`` survives process crashes only and is faster.
+        migrate: Create or upgrade the schema when the store opens (default). With ``False`` a
+            missing schema raises `SchemaMissingError`.
+        async_workers: Threads serving async callers.
+
+    .. versionadded:: 0.1.0
+    """
+
+    backend = "sqlite"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        namespace: str = "",
+        clock: Clock | None = None,
+        timeout: float = 30.0,
+        synchronous: str = "full",
+        migrate: bool = True,
+        async_workers: int = 4,
+    ) -> None:
+        super().__init__(namespace=namespace, clock=clock)
+        if synchronous.lower() not in _SYNCHRONOUS:
+            raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
+        self._memory_name: str | None = None
+        if str(path) == ":memory:":
+            self._memory_name = f"file:oncely-{uuid.uuid4().hex}?mode=memory&cache=shared"
+            self.path = self._memory_name
+        else:
+            self.path = str(Path(path))
+        self._timeout = timeout
+        self._synchronous = synchronous.upper()
+        self._async_workers = async_workers
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        # An in-memory database lives while one connection to it is open: keep one.
+        self._anchor = self._connect() if self._memory_name else None
+        if migrate:
+            self.migrate()
+        else:
+            self._check_schema()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> SQLiteStore:
+        """Open ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` or
+        ``sqlite:///:memory:``; query parameters ``timeout`` and ``synchronous`` are accepted.
+        """
+        rest = url.partition("://")[2]
+        if not rest.startswith("/"):
+            raise ConfigurationError(
+                f"a SQLite URL is sqlite:///relative/path.db or sqlite:////absolute/path.db, "
+                f"not {url!r}"
+            )
+        path, _, query = rest[1:].partition("?")
+        if not path:
+            raise ConfigurationError(f"the SQLite URL {url!r} names no database file")
+        params = {name: values[-1] for name, values in parse_qs(query).items()}
+        unknown = set(params) - {"timeout", "synchronous"}
+        if unknown:
+            raise ConfigurationError(f"unknown SQLite URL parameters: {sorted(unknown)}")
+        if "timeout" in params:
+            try:
+                options.setdefault("timeout", float(params["timeout"]))
+            except ValueError:
+                raise ConfigurationError(
+                    f"timeout must be a number, not {params['timeout']!r}"
+                ) from None
+        if "synchronous" in params:
+            options.setdefault("synchronous", params["synchronous"])
+        return cls(path, **options)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        with self._translate_errors(""):
+            connection = sqlite3.connect(
+                self.path,
+                timeout=self._timeout,
+                isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE
+                check_same_thread=False,  # used by one thread; closed by whoever closes the store
+                uri=self._memory_name is not None,
+            )
+            if self._memory_name is None:
+                connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+        with self._connections_lock:
+            self._connections.append(connection)
+        return connection
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StoreError("the store is closed", backend=self.backend)
+        if os.getpid() != self._pid:
+            # A forked child must not use its parent's connections: forget them, never close.
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._connections = []
+            self._connections_lock = threading.Lock()
+            self._executor = None
+        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._local.connection = self._connect()
+        return connection
+
+    @contextlib.contextmanager
+    def _translate_errors(self, key: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            message = str(exc)
+            if "no such table" in message:
+                raise SchemaMissingError(
+                    "the oncely tables are missing from the SQLite database: run "
+                    "store.migrate() or `oncely migrate`",
+                    backend=self.backend,
+                ) from exc
+            if "locked" in message or "busy" in message or "unable to open" in message:
+                raise StoreUnavailableError(
+                    f"SQLite database {self.path!r} could not serve {key!r}: {message}",
+                    backend=self.backend,
+                ) from exc
+            raise StoreError(f"SQLite failed on {key!r}: {message}", backend=self.backend) from exc
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"SQLite failed on {key!r}: {exc}", backend=self.backend) from exc
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create or upgrade the schema. Idempotent, and safe to run from several processes."""
+        script = resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
+        connection = self._connection()
+        with self._translate_errors(""):
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in script.split(";"):
+                    if statement.strip():
+                        connection.execute(statement)
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
+        self._check_schema()
+
+    def _check_schema(self) -> None:
+        with self._translate_errors(""):
+            row = self._connection().execute(_sql.SELECT_VERSION).fetchone()
+        if row is None or row[0] < _sql.SCHEMA_VERSION:
+            raise SchemaMissingError(
+                "the SQLite database's oncely schema is older than this version: run "
+                "store.migrate() or `oncely migrate`",
+                backend=self.backend,
+            )
+
+    # -- the atomic primitive ------------------------------------------------------------------
+
+    def _atomic(self, key: str, step: Step[T]) -> T:
+        connection = self._connection()
+        with self._translate_errors(key):
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                record = self._decode(key, connection.execute(_sql.SELECT, (key,)).fetchone())
+                new, answer = step(record, self.clock.now_ms())
+                if new is not None:
+                    connection.execute(_sql.UPSERT, _encode(new))
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
+        return answer
+
+    def _read(self, key: str) -> Record | None:
+        with self._translate_errors(key):
+            row = self._connection().execute(_sql.SELECT, (key,)).fetchone()
+        return self._decode(key, row)
+
+    def _decode(self, key: str, row: tuple[Any, ...] | None) -> Record | None:
+        if row is None:
+            return None
+        try:
+            (
+                _,
+                status,
+                fingerprint,
+                token,
+                attempt,
+                lease_end,
+                expires,
+                created,
+                updated,
+                result,
+            ) = row
+            for number in (token, attempt, lease_end, expires, created, updated):
+                if type(number) is not int:
+                    raise TypeError(f"{number!r} is not an integer")
+            if not isinstance(fingerprint, str):
+                raise TypeError(f"fingerprint {fingerprint!r} is not text")
+            if result is not None and not isinstance(result, bytes):
+                raise TypeError(f"result of type {type(result).__name__} is not a blob")
+            return Record(
+                key=key,
+                status=Status(status),
+                fingerprint=fingerprint,
+                token=token,
+                attempt=attempt,
+                lease_expires_at_ms=lease_end,
+                expires_at_ms=expires,
+                created_at_ms=created,
+                updated_at_ms=updated,
+                result=result,
+            )
+        except (TypeError, ValueError) as exc:
+            raise CorruptRecordError(str(exc), backend=self.backend, key=key) from exc
+
+    # -- maintenance ---------------------------------------------------------------------------
+
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """Delete expired records in batches of *batch*; return how many were deleted.
+
+        Args:
+            batch: Records deleted per transaction, so writers are never blocked for long.
+            limit: Stop after about this many (default: until none is left).
+        """
+        connection = self._connection()
+        removed = 0
+        while limit is None or removed < limit:
+            with self._translate_errors(""):
+                cursor = connection.execute(_sql.PURGE, (self.clock.now_ms(), batch))
+            removed += cursor.rowcount
+            if cursor.rowcount < batch:
+                break
+        return removed
+
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """Return up to *limit* live records whose key sorts after *after*, results left out."""
+        prefix = self._stored_key("")
+        with self._translate_errors(""):
+            rows = (
+                self._connection()
+                .execute(_sql.SCAN, (prefix + after, self.clock.now_ms(), limit))
+                .fetchall()
+            )
+        records = [self._decode(row[0], row) for row in rows if row[0].startswith(prefix)]
+        return [self._unscoped(record) for record in records if record is not None]
+
+    # -- async and lifecycle -------------------------------------------------------------------
+
+    async def _run_async(self, call: Callable[[], T]) -> T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self._async_workers, thread_name_prefix="oncely-sqlite"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def close(self) -> None:
+        """Close every connection and the async worker threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
+
+    async def aclose(self) -> None:
+        """Close every connection and the async worker threads."""
+        self.close()
+
+
+def _encode(record: Record) -> tuple[Any, ...]:
+    return (
+        record.key,
+        record.status.value,
+        record.fingerprint,
+        record.token,
+        record.attempt,
+        record.lease_expires_at_ms,
+        record.expires_at_ms,
+        record.created_at_ms,
+        record.updated_at_ms,
+        record.result,
+    )

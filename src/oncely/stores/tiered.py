@@ -1,0 +1,185 @@
+"""`tiered+<url>`: an in-process LRU of finished records in front of any store.
+
+Replays of hot keys are answered from memory with no round trip. Only completed and failed
+records are cached: they change only by expiring, so the cache can never answer a stale
+in-progress state. Claims that miss, and every state change, go to the inner store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any
+
+from oncely._core.clock import Clock, SystemClock
+from oncely._core.protocols import Store
+from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay
+from oncely.errors import ConfigurationError
+
+__all__ = ["TieredStore"]
+
+_EXPIRY_MARGIN_MS = 1000
+"""Cached records are dropped this long before they expire, to absorb clock skew with the store."""
+
+
+class TieredStore:
+    """Caches finished records of *inner* in this process.
+
+    Args:
+        inner: The store that owns the records.
+        max_entries: The most records kept.
+        max_bytes: The most result bytes kept (records larger than a tenth of it are not cached).
+        clock: The local clock used to drop cached records before they expire.
+
+    .. versionadded:: 0.1.0
+    """
+
+    backend = "tiered"
+
+    def __init__(
+        self,
+        inner: Store,
+        *,
+        max_entries: int = 10_000,
+        max_bytes: int = 64 * 1024 * 1024,
+        clock: Clock | None = None,
+    ) -> None:
+        if max_entries < 1 or max_bytes < 1:
+            raise ConfigurationError("max_entries and max_bytes must be positive")
+        self.inner = inner
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.clock: Clock = clock or getattr(inner, "clock", None) or SystemClock()
+        self._cache: OrderedDict[str, Record] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> TieredStore:
+        """Open ``tiered+<inner url>``."""
+        from oncely.stores._registry import open_store
+
+        return open_store(url, **options)  # type: ignore[return-value]
+
+    # -- cache ---------------------------------------------------------------------------------
+
+    def _cached(self, key: str, fingerprint: str) -> ClaimResult | None:
+        with self._lock:
+            record = self._cache.get(key)
+            if record is None:
+                return None
+            if self.clock.now_ms() >= record.expires_at_ms - _EXPIRY_MARGIN_MS:
+                self._drop(key)
+                return None
+            self._cache.move_to_end(key)
+            self.hits += 1
+        if record.fingerprint != fingerprint:
+            return Mismatch(stored_fingerprint=record.fingerprint)
+        return Replay(record)
+
+    def _remember(self, answer: ClaimResult) -> ClaimResult:
+        if isinstance(answer, Replay):
+            record = answer.record
+            size = len(record.result or b"")
+            if size <= self.max_bytes // 10:
+                with self._lock:
+                    self._drop(record.key)
+                    self._cache[record.key] = record
+                    self._bytes += size
+                    while len(self._cache) > self.max_entries or self._bytes > self.max_bytes:
+                        self._drop(next(iter(self._cache)))
+        return answer
+
+    def _drop(self, key: str) -> None:
+        record = self._cache.pop(key, None)
+        if record is not None:
+            self._bytes -= len(record.result or b"")
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    # -- sync verbs ----------------------------------------------------------------------------
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`; a cached finished record answers without a round trip."""
+        cached = self._cached(key, fingerprint)
+        if cached is not None:
+            return cached
+        return self._remember(self.inner.claim(key, fingerprint, lease=lease, ttl=ttl))
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`."""
+        return self.inner.complete(key, token, result, ttl=ttl)
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`."""
+        return self.inner.fail(key, token, error, ttl=ttl)
+
+    def release(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.SyncStore.release`."""
+        return self.inner.release(key, token)
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.extend`."""
+        return self.inner.extend(key, token, lease=lease)
+
+    def get(self, key: str) -> Record | None:
+        """See `oncely.SyncStore.get` (always read from the inner store)."""
+        return self.inner.get(key)
+
+    def close(self) -> None:
+        """Close the inner store."""
+        self.inner.close()
+
+    # -- async verbs ---------------------------------------------------------------------------
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`."""
+        cached = self._cached(key, fingerprint)
+        if cached is not None:
+            return cached
+        return self._remember(await self.inner.aclaim(key, fingerprint, lease=lease, ttl=ttl))
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        return await self.inner.acomplete(key, token, result, ttl=ttl)
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        return await self.inner.afail(key, token, error, ttl=ttl)
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.AsyncStore.arelease`."""
+        return await self.inner.arelease(key, token)
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.AsyncStore.aextend`."""
+        return await self.inner.aextend(key, token, lease=lease)
+
+    async def aget(self, key: str) -> Record | None:
+        """See `oncely.AsyncStore.aget`."""
+        return await self.inner.aget(key)
+
+    async def aclose(self) -> None:
+        """Close the inner store."""
+        await self.inner.aclose()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
