@@ -1,0 +1,595 @@
+"""The store conformance suite: every row of DESIGN.md section 2, run against a real store.
+
+Every test runs twice, through the sync verbs and through the async verbs. Stores that take an
+injected clock (memory, SQLite) are driven by a `FrozenClock`; stores judged by a server's clock
+use short leases and wait for them to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from oncely._core import machine
+from oncely._core.protocols import Store
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Record,
+    Replay,
+    Status,
+)
+from oncely.stores import open_store
+from oncely.testing import FrozenClock
+
+__all__ = ["StoreCalls", "StoreConformance", "claim_in_process"]
+
+
+class StoreCalls:
+    """The store's verbs as plain calls: sync directly, or async on one event loop."""
+
+    def __init__(self, store: Store, mode: str) -> None:
+        self.store = store
+        self.mode = mode
+        self._loop = asyncio.new_event_loop() if mode == "async" else None
+
+    def _call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        if self._loop is None:
+            return getattr(self.store, verb)(*args, **kwargs)
+        return self._loop.run_until_complete(getattr(self.store, "a" + verb)(*args, **kwargs))
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> Any:
+        return self._call("claim", key, fingerprint, lease=lease, ttl=ttl)
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> Any:
+        return self._call("complete", key, token, result, ttl=ttl)
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> Any:
+        return self._call("fail", key, token, error, ttl=ttl)
+
+    def release(self, key: str, token: int) -> Any:
+        return self._call("release", key, token)
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> Any:
+        return self._call("extend", key, token, lease=lease)
+
+    def get(self, key: str) -> Record | None:
+        result: Record | None = self._call("get", key)
+        return result
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+
+
+def claim_in_process(url: str, namespace: str, key: str, barrier: Any, results: Any) -> None:
+    """Open *url* in this (child) process, wait at *barrier*, claim *key*, report the answer."""
+    store = open_store(url, namespace=namespace)
+    try:
+        barrier.wait(timeout=60)
+        answer = store.claim(key, "fp", lease=timedelta(minutes=1), ttl=timedelta(minutes=5))
+        results.put(type(answer).__name__)
+    except BaseException as exc:
+        results.put(f"error: {exc!r}")
+        raise
+    finally:
+        store.close()
+
+
+class StoreConformance:
+    """Subclass in a pytest module and implement `open_store` (and `store_url` for processes).
+
+    Attributes:
+        controls_clock: The store judges time by the ``clock`` passed to `open_store`; when
+            False it uses a server clock, and the suite waits for short leases to pass.
+        lease: The lease used by tests that let it expire.
+        racers: How many concurrent claimers the races use.
+
+    A store that cannot be shared between processes (the memory store) sets
+    ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
+    """
+
+    controls_clock: ClassVar[bool] = True
+    lease: ClassVar[timedelta] = timedelta(seconds=30)
+    racers: ClassVar[int] = 64
+
+    def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
+        """Return a fresh store using *clock* (when it controls one) and *namespace*."""
+        return open_store(self.store_url(), namespace=namespace, clock=clock)
+
+    def store_url(self) -> str:
+        """Return a URL that other processes can open to reach the same records."""
+        raise NotImplementedError
+
+    # -- fixtures ------------------------------------------------------------------------------
+
+    @pytest.fixture
+    def clock(self) -> FrozenClock | None:
+        return FrozenClock() if self.controls_clock else None
+
+    @pytest.fixture
+    def namespace(self) -> str:
+        return f"t{uuid.uuid4().hex[:12]}"
+
+    @pytest.fixture
+    def store(self, clock: FrozenClock | None, namespace: str) -> Iterator[Store]:
+        store = self.open_store(clock, namespace)
+        yield store
+        store.close()
+
+    @pytest.fixture(params=["sync", "async"])
+    def api(self, request: pytest.FixtureRequest, store: Store) -> Iterator[StoreCalls]:
+        calls = StoreCalls(store, request.param)
+        yield calls
+        calls.close()
+
+    @pytest.fixture
+    def key(self) -> str:
+        return f"key-{uuid.uuid4().hex}"
+
+    @pytest.fixture
+    def wait(self, clock: FrozenClock | None) -> Callable[[timedelta], None]:
+        """Let *duration* pass on the store's clock."""
+
+        def wait(duration: timedelta) -> None:
+            if clock is not None:
+                clock.advance(duration)
+            else:
+                time.sleep(duration.total_seconds())
+
+        return wait
+
+    @property
+    def short_lease(self) -> timedelta:
+        return self.lease if self.controls_clock else timedelta(milliseconds=300)
+
+    ttl = timedelta(hours=1)
+
+    def _acquire(self, api: StoreCalls, key: str, fingerprint: str = "fp") -> Acquired:
+        answer = api.claim(key, fingerprint, lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Acquired), answer
+        return answer
+
+    # -- claim ---------------------------------------------------------------------------------
+
+    def test_claim_absent_key_is_acquired_with_token_1(self, api: StoreCalls, key: str) -> None:
+        """claim on an absent key: in_progress, token 1, Acquired."""
+        answer = self._acquire(api, key)
+        assert answer == Acquired(1, recovered=False, attempt=1)
+        record = api.get(key)
+        assert record is not None
+        assert (record.status, record.token, record.fingerprint) == (Status.IN_PROGRESS, 1, "fp")
+
+    def test_claim_live_lease_same_fingerprint_is_in_progress(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """claim while the lease is live: InProgress with the lease's remaining time."""
+        self._acquire(api, key)
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, InProgress)
+        assert timedelta(0) < answer.retry_after <= self.short_lease
+
+    def test_claim_expired_lease_same_fingerprint_is_recovered(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """claim after the lease expired: token + 1, attempt + 1, Acquired(recovered=True)."""
+        self._acquire(api, key)
+        wait(self.short_lease + timedelta(milliseconds=50))
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert answer == Acquired(2, recovered=True, attempt=2)
+
+    def test_claim_completed_same_fingerprint_replays(self, api: StoreCalls, key: str) -> None:
+        """claim on a completed record: Replay of the record, result byte for byte."""
+        token = self._acquire(api, key).token
+        assert api.complete(key, token, b"\x00result\xff", ttl=self.ttl) is None
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Replay)
+        assert answer.record.status is Status.COMPLETED
+        assert answer.record.result == b"\x00result\xff"
+        assert answer.record.key == key
+
+    def test_claim_failed_same_fingerprint_replays(self, api: StoreCalls, key: str) -> None:
+        """claim on a failed record: Replay of the stored error."""
+        token = self._acquire(api, key).token
+        assert api.fail(key, token, b"declined", ttl=self.ttl) is None
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Replay)
+        assert (answer.record.status, answer.record.result) == (Status.FAILED, b"declined")
+
+    @pytest.mark.parametrize("state", ["in_progress", "completed", "failed"])
+    def test_claim_live_record_other_fingerprint_is_mismatch(
+        self, api: StoreCalls, key: str, state: str
+    ) -> None:
+        """claim with another fingerprint on any live record: Mismatch, nothing changes."""
+        token = self._acquire(api, key, "fp-1").token
+        if state == "completed":
+            api.complete(key, token, b"r", ttl=self.ttl)
+        elif state == "failed":
+            api.fail(key, token, b"e", ttl=self.ttl)
+        before = api.get(key)
+        answer = api.claim(key, "fp-2", lease=self.short_lease, ttl=self.ttl)
+        assert answer == Mismatch(stored_fingerprint="fp-1")
+        after = api.get(key)
+        assert before is not None and after is not None
+        assert (after.status, after.token, after.fingerprint) == (
+            before.status,
+            before.token,
+            before.fingerprint,
+        )
+
+    def test_claim_after_record_expiry_is_acquired_afresh(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """claim on a record past its expiry: Acquired, not recovered, any fingerprint."""
+        token = self._acquire(api, key).token
+        short_ttl = self.short_lease * 2
+        api.complete(key, token, b"old", ttl=short_ttl)
+        wait(short_ttl + timedelta(milliseconds=50))
+        assert api.get(key) is None
+        answer = api.claim(key, "other-fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Acquired)
+        assert not answer.recovered
+        assert answer.attempt == 1
+
+    def test_claim_after_release_is_acquired_with_next_token(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """A released key behaves as absent for claim but keeps its token."""
+        token = self._acquire(api, key).token
+        assert api.release(key, token) is None
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert answer == Acquired(token + 1, recovered=False, attempt=2)
+
+    def test_claim_after_release_accepts_another_fingerprint(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """A released tombstone does not hold the old fingerprint against a new request."""
+        token = self._acquire(api, key, "fp-1").token
+        api.release(key, token)
+        answer = api.claim(key, "fp-2", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Acquired)
+        assert answer.token == token + 1
+
+    # -- settle --------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("verb", ["complete", "fail", "release", "extend"])
+    def test_settle_with_wrong_token_is_lease_lost(
+        self, api: StoreCalls, key: str, verb: str
+    ) -> None:
+        """complete / fail / release / extend with a token that does not hold the lease."""
+        token = self._acquire(api, key).token
+        assert self._settle(api, verb, key, token + 1) == LeaseLost()
+        record = api.get(key)
+        assert record is not None
+        assert (record.status, record.token) == (Status.IN_PROGRESS, token)
+
+    @pytest.mark.parametrize("verb", ["complete", "fail", "release", "extend"])
+    def test_settle_absent_key_is_lease_lost(self, api: StoreCalls, key: str, verb: str) -> None:
+        """complete / fail / release / extend on an absent key: LeaseLost, nothing created."""
+        assert self._settle(api, verb, key, 1) == LeaseLost()
+        assert api.get(key) is None
+
+    @pytest.mark.parametrize("first", ["complete", "fail", "release"])
+    @pytest.mark.parametrize("verb", ["complete", "fail", "release", "extend"])
+    def test_settle_after_settled_is_lease_lost(
+        self, api: StoreCalls, key: str, first: str, verb: str
+    ) -> None:
+        """A lease settles once: any verb after complete, fail or release is LeaseLost."""
+        token = self._acquire(api, key).token
+        assert self._settle(api, first, key, token) is None
+        before = api.get(key)
+        assert self._settle(api, verb, key, token) == LeaseLost()
+        after = api.get(key)
+        assert before is not None and after is not None
+        assert (after.status, after.result) == (before.status, before.result)
+
+    @pytest.mark.parametrize("verb", ["complete", "fail", "release", "extend"])
+    def test_settle_after_takeover_is_lease_lost(
+        self, api: StoreCalls, key: str, verb: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """A zombie whose lease was taken over cannot settle the new owner's record."""
+        old = self._acquire(api, key).token
+        wait(self.short_lease + timedelta(milliseconds=50))
+        new = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(new, Acquired) and new.recovered
+        assert self._settle(api, verb, key, old) == LeaseLost()
+        assert api.complete(key, new.token, b"mine", ttl=self.ttl) is None
+        replay = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(replay, Replay) and replay.record.result == b"mine"
+
+    def test_complete_after_lease_expiry_without_takeover_succeeds(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """A slow worker whose lease expired but was not taken over still holds the token."""
+        token = self._acquire(api, key).token
+        wait(self.short_lease + timedelta(milliseconds=50))
+        assert api.complete(key, token, b"late", ttl=self.ttl) is None
+
+    def test_extend_moves_the_lease_forward(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """extend: a claim after the original lease's end still finds the lease live."""
+        token = self._acquire(api, key).token
+        wait(self.short_lease * 0.6)
+        assert api.extend(key, token, lease=self.short_lease) is None
+        wait(self.short_lease * 0.6)
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, InProgress)
+
+    def test_extend_on_expired_lease_before_takeover_succeeds(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """extend after expiry, with no takeover yet, renews the lease for the same token."""
+        token = self._acquire(api, key).token
+        wait(self.short_lease + timedelta(milliseconds=50))
+        assert api.extend(key, token, lease=self.short_lease) is None
+        assert isinstance(api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl), InProgress)
+
+    def _settle(self, api: StoreCalls, verb: str, key: str, token: int) -> Any:
+        if verb == "complete":
+            return api.complete(key, token, b"r", ttl=self.ttl)
+        if verb == "fail":
+            return api.fail(key, token, b"e", ttl=self.ttl)
+        if verb == "release":
+            return api.release(key, token)
+        return api.extend(key, token, lease=self.short_lease)
+
+    # -- fencing -------------------------------------------------------------------------------
+
+    def test_tokens_only_grow(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """Tokens grow across release, takeover and completion-then-expiry of the lease."""
+        tokens = [self._acquire(api, key).token]
+        api.release(key, tokens[-1])
+        tokens.append(self._acquire(api, key).token)
+        wait(self.short_lease + timedelta(milliseconds=50))
+        taken = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(taken, Acquired)
+        tokens.append(taken.token)
+        api.release(key, tokens[-1])
+        tokens.append(self._acquire(api, key).token)
+        assert tokens == sorted(set(tokens)), tokens
+        assert tokens == [1, 2, 3, 4]
+
+    # -- payloads ------------------------------------------------------------------------------
+
+    def test_multi_mib_binary_result_round_trips(self, api: StoreCalls, key: str) -> None:
+        """A 5 MiB result with every byte value replays byte for byte."""
+        payload = os.urandom(5 * 1024 * 1024) + bytes(range(256)) + b"\x00" * 1024
+        token = self._acquire(api, key).token
+        assert api.complete(key, token, payload, ttl=self.ttl) is None
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Replay)
+        assert answer.record.result == payload
+
+    def test_empty_result_is_not_none(self, api: StoreCalls, key: str) -> None:
+        """An empty result is stored as empty bytes, distinct from no result."""
+        token = self._acquire(api, key).token
+        api.complete(key, token, b"", ttl=self.ttl)
+        answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(answer, Replay) and answer.record.result == b""
+
+    def test_keys_are_binary_safe_text(self, api: StoreCalls) -> None:
+        """Keys with separators, quotes, braces and unicode do not collide or break the store."""
+        keys = [f"{uuid.uuid4().hex}{suffix}" for suffix in ("|a", "{b}", "'c\"", "d:e", "é ü")]
+        for key in keys:
+            self._acquire(api, key)
+        for key in keys:
+            record = api.get(key)
+            assert record is not None and record.key == key
+
+    def test_namespaces_are_isolated(self, store: Store, clock: FrozenClock | None) -> None:
+        """Two stores with different namespaces over the same backend never see each other."""
+        other = self.open_store(clock, f"other{uuid.uuid4().hex[:8]}")
+        try:
+            assert isinstance(
+                store.claim("shared", "fp", lease=self.short_lease, ttl=self.ttl), Acquired
+            )
+            assert isinstance(
+                other.claim("shared", "fp", lease=self.short_lease, ttl=self.ttl), Acquired
+            )
+        finally:
+            other.close()
+
+    # -- races ---------------------------------------------------------------------------------
+
+    def test_claim_race_threads_exactly_one_acquires(self, store: Store, key: str) -> None:
+        """64 threads claim one key at once: exactly one is Acquired, the rest InProgress."""
+        barrier = threading.Barrier(self.racers)
+
+        def claim() -> ClaimResult:
+            barrier.wait(timeout=60)
+            return store.claim(key, "fp", lease=timedelta(minutes=1), ttl=self.ttl)
+
+        with ThreadPoolExecutor(max_workers=self.racers) as pool:
+            answers = list(pool.map(lambda _: claim(), range(self.racers)))
+        acquired = [answer for answer in answers if isinstance(answer, Acquired)]
+        assert len(acquired) == 1
+        assert all(isinstance(a, (Acquired, InProgress)) for a in answers)
+
+    def test_claim_race_async_tasks_exactly_one_acquires(self, store: Store, key: str) -> None:
+        """64 asyncio tasks claim one key at once: exactly one is Acquired."""
+
+        async def race() -> list[ClaimResult]:
+            return await asyncio.gather(
+                *(
+                    store.aclaim(key, "fp", lease=timedelta(minutes=1), ttl=self.ttl)
+                    for _ in range(self.racers)
+                )
+            )
+
+        answers = asyncio.run(race())
+        assert sum(isinstance(answer, Acquired) for answer in answers) == 1
+
+    def test_claim_race_processes_exactly_one_acquires(self, namespace: str, key: str) -> None:
+        """64 processes claim one key at once: exactly one is Acquired."""
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["oncely", "oncely._conformance"])
+        barrier = context.Barrier(self.racers)
+        results = context.Queue()
+        racers = [
+            context.Process(
+                target=claim_in_process,
+                args=(self.store_url(), namespace, key, barrier, results),
+            )
+            for _ in range(self.racers)
+        ]
+        for racer in racers:
+            racer.start()
+        try:
+            answers = [results.get(timeout=120) for _ in racers]
+        finally:
+            for racer in racers:
+                racer.join(timeout=30)
+            results.close()
+            results.join_thread()
+        assert answers.count("Acquired") == 1, answers
+        assert set(answers) == {"Acquired", "InProgress"}, answers
+        assert all(racer.exitcode == 0 for racer in racers)
+
+    # -- model ---------------------------------------------------------------------------------
+
+    def test_store_agrees_with_reference_machine(
+        self, api: StoreCalls, clock: FrozenClock | None
+    ) -> None:
+        """Hypothesis drives the store and the pure state machine side by side: they agree."""
+        run_state_machine_as_test(
+            _model_machine(api, clock, self.lease),
+            settings=settings(
+                max_examples=25,
+                stateful_step_count=25,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+
+def _model_machine(
+    api: StoreCalls, clock: FrozenClock | None, lease: timedelta
+) -> type[RuleBasedStateMachine]:
+    """A state machine class bound to one store; the reference machine is its oracle."""
+    lease_ms = lease // timedelta(milliseconds=1)
+    ttl_ms = lease_ms * 4
+    # Without a controllable clock, time never matters: leases outlive the test.
+    now = clock.now_ms if clock is not None else (lambda: 0)
+
+    class StoreVersusModel(RuleBasedStateMachine):
+        tokens = Bundle("tokens")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.prefix = uuid.uuid4().hex[:10]
+            self.model: dict[str, Record] = {}
+
+        def _key(self, index: int) -> str:
+            return f"{self.prefix}-{index}"
+
+        def _apply(self, key: str, new: Record | None) -> None:
+            if new is not None:
+                self.model[key] = new
+
+        @rule(target=tokens, index=st.integers(0, 2), fp=st.sampled_from(["a", "b"]))
+        def claim(self, index: int, fp: str) -> int:
+            key = self._key(index)
+            new, expected = machine.claim(
+                key, self.model.get(key), fp, now_ms=now(), lease_ms=lease_ms, ttl_ms=ttl_ms
+            )
+            actual = api.claim(
+                key,
+                fp,
+                lease=timedelta(milliseconds=lease_ms),
+                ttl=timedelta(milliseconds=ttl_ms),
+            )
+            self._apply(key, new)
+            assert type(actual) is type(expected), (actual, expected)
+            if isinstance(expected, Replay):
+                got = actual.record
+                assert (got.status, got.token, got.result, got.fingerprint) == (
+                    expected.record.status,
+                    expected.record.token,
+                    expected.record.result,
+                    expected.record.fingerprint,
+                )
+            elif isinstance(expected, InProgress):
+                if clock is not None:
+                    assert actual == expected
+            else:
+                assert actual == expected
+            return expected.token if isinstance(expected, Acquired) else 0
+
+        @rule(
+            index=st.integers(0, 2),
+            token=st.one_of(tokens, st.integers(0, 9)),
+            verb=st.sampled_from(["complete", "fail", "release", "extend"]),
+            payload=st.binary(max_size=16),
+        )
+        def settle(self, index: int, token: int, verb: str, payload: bytes) -> None:
+            key = self._key(index)
+            record = self.model.get(key)
+            if verb == "complete":
+                new, expected = machine.complete(
+                    record, token, payload, now_ms=now(), ttl_ms=ttl_ms
+                )
+                actual = api.complete(key, token, payload, ttl=timedelta(milliseconds=ttl_ms))
+            elif verb == "fail":
+                new, expected = machine.fail(record, token, payload, now_ms=now(), ttl_ms=ttl_ms)
+                actual = api.fail(key, token, payload, ttl=timedelta(milliseconds=ttl_ms))
+            elif verb == "release":
+                new, expected = machine.release(record, token, now_ms=now())
+                actual = api.release(key, token)
+            else:
+                new, expected = machine.extend(record, token, now_ms=now(), lease_ms=lease_ms)
+                actual = api.extend(key, token, lease=timedelta(milliseconds=lease_ms))
+            self._apply(key, new)
+            assert actual == expected, (verb, actual, expected)
+
+        if clock is not None:
+
+            @rule(ms=st.integers(0, lease_ms * 2))
+            def advance(self, ms: int) -> None:
+                assert clock is not None
+                clock.advance(ms)
+
+        @invariant()
+        def records_agree(self) -> None:
+            for index in range(3):
+                key = self._key(index)
+                expected = self.model.get(key)
+                if expected is not None and not expected.is_live(now()):
+                    expected = None
+                actual = api.get(key)
+                if expected is None or expected.status is Status.RELEASED:
+                    assert actual is None or actual.status is Status.RELEASED
+                else:
+                    assert actual is not None
+                    assert (actual.status, actual.token, actual.attempt, actual.result) == (
+                        expected.status,
+                        expected.token,
+                        expected.attempt,
+                        expected.result,
+                    )
+
+    return StoreVersusModel
