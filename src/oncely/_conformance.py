@@ -232,7 +232,8 @@ class StoreConformance:
         answer = api.claim(key, "fp-2", lease=self.short_lease, ttl=self.ttl)
         assert answer == Mismatch(stored_fingerprint="fp-1")
         after = api.get(key)
-        assert before is not None and after is not None
+        assert before is not None
+        assert after is not None
         assert (after.status, after.token, after.fingerprint) == (
             before.status,
             before.token,
@@ -302,7 +303,8 @@ class StoreConformance:
         before = api.get(key)
         assert self._settle(api, verb, key, token) == LeaseLost()
         after = api.get(key)
-        assert before is not None and after is not None
+        assert before is not None
+        assert after is not None
         assert (after.status, after.result) == (before.status, before.result)
 
     @pytest.mark.parametrize("verb", ["complete", "fail", "release", "extend"])
@@ -313,11 +315,13 @@ class StoreConformance:
         old = self._acquire(api, key).token
         wait(self.short_lease + timedelta(milliseconds=50))
         new = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
-        assert isinstance(new, Acquired) and new.recovered
+        assert isinstance(new, Acquired)
+        assert new.recovered
         assert self._settle(api, verb, key, old) == LeaseLost()
         assert api.complete(key, new.token, b"mine", ttl=self.ttl) is None
         replay = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
-        assert isinstance(replay, Replay) and replay.record.result == b"mine"
+        assert isinstance(replay, Replay)
+        assert replay.record.result == b"mine"
 
     def test_complete_after_lease_expiry_without_takeover_succeeds(
         self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
@@ -390,7 +394,8 @@ class StoreConformance:
         token = self._acquire(api, key).token
         api.complete(key, token, b"", ttl=self.ttl)
         answer = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
-        assert isinstance(answer, Replay) and answer.record.result == b""
+        assert isinstance(answer, Replay)
+        assert answer.record.result == b""
 
     def test_keys_are_binary_safe_text(self, api: StoreCalls) -> None:
         """Keys with separators, quotes, braces and unicode do not collide or break the store."""
@@ -399,7 +404,8 @@ class StoreConformance:
             self._acquire(api, key)
         for key in keys:
             record = api.get(key)
-            assert record is not None and record.key == key
+            assert record is not None
+            assert record.key == key
 
     def test_namespaces_are_isolated(self, store: Store, clock: FrozenClock | None) -> None:
         """Two stores with different namespaces over the same backend never see each other."""
@@ -517,7 +523,7 @@ def _model_machine(
             new, expected = machine.claim(
                 key, self.model.get(key), fp, now_ms=now(), lease_ms=lease_ms, ttl_ms=ttl_ms
             )
-            actual = api.claim(
+            actual: ClaimResult = api.claim(
                 key,
                 fp,
                 lease=timedelta(milliseconds=lease_ms),
@@ -526,6 +532,7 @@ def _model_machine(
             self._apply(key, new)
             assert type(actual) is type(expected), (actual, expected)
             if isinstance(expected, Replay):
+                assert isinstance(actual, Replay)
                 got = actual.record
                 assert (got.status, got.token, got.result, got.fingerprint) == (
                     expected.record.status,
