@@ -1,0 +1,534 @@
+"""@idempotent on sync and async functions, over the memory and SQLite stores."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+import oncely
+from oncely import (
+    ConfigurationError,
+    CorruptRecordError,
+    FingerprintError,
+    FingerprintMismatchError,
+    InProgressError,
+    InvalidKeyError,
+    LeaseLostError,
+    ResultUnavailableError,
+    Store,
+)
+from oncely.stores.memory import MemoryStore
+from oncely.stores.sqlite import SQLiteStore
+from oncely.testing import FrozenClock
+from tests._helpers import SyncOnlyStore
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    made: Store = (
+        MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "oncely.db")
+    )
+    yield made
+    made.close()
+
+
+@dataclasses.dataclass
+class Receipt:
+    payment_id: str
+    cents: int
+
+
+class Model(pydantic.BaseModel):
+    name: str
+    tags: list[str]
+
+
+class CardDeclined(Exception):
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason, code)
+        self.reason = reason
+        self.code = code
+
+
+class TestSync:
+    def test_runs_once_and_replays(self, store: Store) -> None:
+        """The first call runs; repeats, positional or keyword, replay the stored value."""
+        calls: list[str] = []
+
+        @oncely.idempotent(store=store, key="payment_id")
+        def charge(payment_id: str, cents: int) -> Receipt:
+            calls.append(payment_id)
+            return Receipt(payment_id, cents)
+
+        first = charge("p1", 500)
+        assert charge("p1", 500) == first
+        assert charge(payment_id="p1", cents=500) == first
+        assert charge("p1", cents=500) == first
+        assert isinstance(charge("p1", 500), Receipt)
+        assert calls == ["p1"]
+        charge("p2", 500)
+        assert calls == ["p1", "p2"]
+
+    @pytest.mark.parametrize("value", [0, "", [], {}, None, False, 0.0, [None], {"a": []}])
+    def test_falsy_values_replay_exactly(self, store: Store, value: Any) -> None:
+        """0, "", [], None and friends replay as themselves, not as a miss."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: str) -> Any:
+            calls.append(k)
+            return value
+
+        assert op("a") == value
+        replayed = op("a")
+        assert replayed == value
+        assert type(replayed) is type(value)
+        assert len(calls) == 1
+
+    def test_models_and_containers_are_rebuilt_from_annotations(self, store: Store) -> None:
+        """Dataclasses, pydantic models and tuples come back as their annotated types."""
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: str) -> tuple[Receipt, list[Model], Model | None]:
+            return (Receipt(k, 1), [Model(name="m", tags=["x"])], None)
+
+        first = op("a")
+        second = op("a")
+        assert second == first
+        assert isinstance(second, tuple)
+        assert isinstance(second[1][0], Model)
+
+    def test_other_arguments_with_same_key_raise_mismatch(self, store: Store) -> None:
+        """The same key with other arguments is a client bug: FingerprintMismatchError."""
+
+        @oncely.idempotent(store=store, key="payment_id")
+        def charge(payment_id: str, cents: int) -> int:
+            return cents
+
+        charge("p", 1)
+        with pytest.raises(FingerprintMismatchError) as info:
+            charge("p", 2)
+        assert "p" in info.value.key
+
+    def test_fingerprint_choices(self, store: Store) -> None:
+        """fingerprint=None skips the check; a list of names limits it; a callable defines it."""
+
+        @oncely.idempotent(store=store, key="k", fingerprint=None)
+        def unchecked(k: str, x: int) -> int:
+            return x
+
+        @oncely.idempotent(store=store, key="k", fingerprint=["x"])
+        def by_name(k: str, x: int, trace: str) -> int:
+            return x
+
+        @oncely.idempotent(store=store, key="k", fingerprint=lambda k, x: x % 10)
+        def by_callable(k: str, x: int) -> int:
+            return x
+
+        assert unchecked("a", 1) == 1
+        assert unchecked("a", 2) == 1
+        assert by_name("a", 1, "t1") == 1
+        assert by_name("a", 1, "t2") == 1
+        assert by_callable("a", 3) == 3
+        assert by_callable("a", 13) == 3
+        with pytest.raises(FingerprintMismatchError):
+            by_callable("a", 4)
+
+    def test_unfingerprintable_argument_is_a_clear_error(self, store: Store) -> None:
+        """An argument without a canonical form raises before anything runs or is stored."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: str, session: object) -> None:
+            calls.append(k)
+
+        with pytest.raises(FingerprintError, match="fields that define the operation"):
+            op("a", object())
+        assert calls == []
+
+    def test_methods_leave_self_out_of_the_fingerprint(self, store: Store) -> None:
+        """Two instances of a service class share keys: `self` is not part of the fingerprint."""
+        calls = []
+
+        class Service:
+            @oncely.idempotent(store=store, key="order_id")
+            def ship(self, order_id: str) -> str:
+                calls.append(order_id)
+                return f"shipped {order_id}"
+
+        assert Service().ship("o1") == Service().ship("o1") == "shipped o1"
+        assert calls == ["o1"]
+
+    def test_key_callable_and_explicit_key(self, store: Store) -> None:
+        """A key callable sees the bound arguments; with_key() overrides it per call."""
+        calls = []
+
+        @oncely.idempotent(store=store, key=lambda order, amount=0: f"order:{order['id']}")
+        def pay(order: dict[str, Any], amount: int = 0) -> int:
+            calls.append(order["id"])
+            return amount
+
+        assert pay({"id": 1}, amount=5) == 5
+        assert pay(order={"id": 1}, amount=5) == 5
+        assert pay.with_key("explicit")({"id": 1}, 5) == 5
+        assert calls == [1, 1]
+
+    def test_integer_keys_are_accepted(self, store: Store) -> None:
+        """An int parameter used as the key is turned into its decimal string."""
+
+        @oncely.idempotent(store=store, key="n")
+        def op(n: int) -> int:
+            return n * 2
+
+        assert op(21) == op(21) == 42
+
+    @pytest.mark.parametrize("bad", ["", "x" * 256, "new\nline", None])
+    def test_invalid_key_is_rejected_before_the_store(self, store: Store, bad: Any) -> None:
+        """A malformed key raises InvalidKeyError and the function does not run."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: Any) -> None:
+            calls.append(k)
+
+        with pytest.raises(InvalidKeyError):
+            op(bad)
+        assert calls == []
+
+    def test_retryable_error_releases_the_lease(self, store: Store) -> None:
+        """An exception not declared final releases the lease: the retry executes."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k")
+        def flaky(k: str) -> str:
+            attempts.append(k)
+            if len(attempts) == 1:
+                raise ConnectionError("bank timed out")
+            return "ok"
+
+        with pytest.raises(ConnectionError):
+            flaky("a")
+        assert flaky("a") == "ok"
+        assert flaky("a") == "ok"
+        assert len(attempts) == 2
+
+    def test_final_error_is_stored_and_replayed_as_same_type(self, store: Store) -> None:
+        """A declared final error is stored; repeats raise the same type without running."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k", final_errors=(CardDeclined,))
+        def charge(k: str) -> None:
+            attempts.append(k)
+            raise CardDeclined("insufficient funds", 51)
+
+        with pytest.raises(CardDeclined):
+            charge("a")
+        with pytest.raises(CardDeclined) as replayed:
+            charge("a")
+        assert (replayed.value.reason, replayed.value.code) == ("insufficient funds", 51)
+        assert attempts == ["a"]
+
+    def test_stored_error_of_undeclared_type_is_not_rebuilt(self, store: Store) -> None:
+        """A stored error is rebuilt only as a declared type; otherwise ResultUnavailableError."""
+
+        @oncely.idempotent(store=store, key="k", final_errors=(CardDeclined,), scope="charge")
+        def charge(k: str) -> None:
+            raise CardDeclined("no", 1)
+
+        @oncely.idempotent(store=store, key="k", scope="charge")
+        def charge_without_declaration(k: str) -> None:
+            raise AssertionError("must not run")
+
+        with pytest.raises(CardDeclined):
+            charge("a")
+        with pytest.raises(ResultUnavailableError, match="CardDeclined"):
+            charge_without_declaration("a")
+
+    def test_unserialisable_result_is_returned_once_then_unavailable(self, store: Store) -> None:
+        """The first call returns its value; replays raise ResultUnavailableError, never rerun."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: str) -> object:
+            attempts.append(k)
+            return threading.Lock()
+
+        assert op("a") is not None
+        with pytest.raises(ResultUnavailableError):
+            op("a")
+        with pytest.raises(ResultUnavailableError):
+            op("a")
+        assert attempts == ["a"]
+
+    def test_corrupt_stored_result_fails_closed(self, store: Store) -> None:
+        """A record whose result oncely did not write is an error, never a reason to rerun."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k", scope="s")
+        def op(k: str) -> int:
+            attempts.append(k)
+            return 1
+
+        from oncely._core.fingerprint import digest
+
+        answer = store.claim("s|a", digest([{"k": "a"}]), lease=timedelta(1), ttl=timedelta(1))
+        assert isinstance(answer, oncely.Acquired)
+        store.complete("s|a", answer.token, b"\x80not oncely", ttl=timedelta(hours=1))
+        with pytest.raises(CorruptRecordError):
+            op("a")
+        assert attempts == []
+
+    def test_concurrent_duplicate_raises_in_progress(self, store: Store) -> None:
+        """While the first call runs, a duplicate raises InProgressError with retry_after."""
+        started, finish = threading.Event(), threading.Event()
+
+        @oncely.idempotent(store=store, key="k", lease=30)
+        def slow(k: str) -> str:
+            started.set()
+            finish.wait(10)
+            return "done"
+
+        first = threading.Thread(target=slow, args=("a",))
+        first.start()
+        try:
+            assert started.wait(10)
+            with pytest.raises(InProgressError) as info:
+                slow("a")
+            assert timedelta(0) < info.value.retry_after <= timedelta(seconds=30)
+        finally:
+            finish.set()
+            first.join()
+        assert slow("a") == "done"
+
+    def test_concurrent_duplicate_can_wait_for_the_result(self, store: Store) -> None:
+        """on_conflict="wait": the duplicate returns the first call's result."""
+        started, finish = threading.Event(), threading.Event()
+        calls = []
+
+        @oncely.idempotent(store=store, key="k", on_conflict="wait", wait_timeout=10)
+        def slow(k: str) -> str:
+            calls.append(k)
+            started.set()
+            finish.wait(10)
+            return "done"
+
+        results: list[str] = []
+        first = threading.Thread(target=lambda: results.append(slow("a")))
+        first.start()
+        assert started.wait(10)
+        second = threading.Thread(target=lambda: results.append(slow("a")))
+        second.start()
+        finish.set()
+        first.join()
+        second.join()
+        assert results == ["done", "done"]
+        assert calls == ["a"]
+
+    def test_waiting_is_bounded(self, store: Store) -> None:
+        """on_conflict="wait" gives up after wait_timeout with InProgressError."""
+        started, finish = threading.Event(), threading.Event()
+
+        @oncely.idempotent(store=store, key="k", on_conflict="wait", wait_timeout=0.2)
+        def slow(k: str) -> None:
+            started.set()
+            finish.wait(10)
+
+        first = threading.Thread(target=slow, args=("a",))
+        first.start()
+        try:
+            assert started.wait(10)
+            with pytest.raises(InProgressError):
+                slow("a")
+        finally:
+            finish.set()
+            first.join()
+
+    def test_heartbeat_keeps_a_slow_call_from_being_taken_over(self, store: Store) -> None:
+        """A call slower than its lease is not executed twice: the heartbeat extends it."""
+        started, finish = threading.Event(), threading.Event()
+        calls = []
+
+        @oncely.idempotent(store=store, key="k", lease=0.2, ttl=60)
+        def slow(k: str) -> str:
+            calls.append(k)
+            started.set()
+            finish.wait(10)
+            return "done"
+
+        first = threading.Thread(target=slow, args=("a",))
+        first.start()
+        try:
+            assert started.wait(10)
+            for _ in range(4):  # three leases' worth of time, probed along the way
+                finish.wait(0.2)
+                with pytest.raises(InProgressError):
+                    slow("a")
+        finally:
+            finish.set()
+            first.join()
+        assert calls == ["a"]
+
+    def test_lost_lease_is_reported_at_completion(self) -> None:
+        """A worker whose lease was taken over learns it at complete: LeaseLostError."""
+        clock = FrozenClock()
+        store = MemoryStore(clock=clock)
+
+        @oncely.idempotent(store=store, key="k", lease=1, heartbeat=False, scope="s")
+        def op(k: str) -> str:
+            clock.advance(timedelta(seconds=2))
+            taken = store.claim("s|a", _fp("a"), lease=timedelta(seconds=1), ttl=timedelta(1))
+            assert isinstance(taken, oncely.Acquired)
+            assert taken.recovered
+            return "late"
+
+        with pytest.raises(LeaseLostError) as info:
+            op("a")
+        assert info.value.token == 1
+
+    def test_store_given_as_url(self, tmp_path: Path) -> None:
+        """store= accepts a URL."""
+
+        @oncely.idempotent(store=f"sqlite:///{tmp_path}/x.db", key="k")
+        def op(k: str) -> str:
+            return k
+
+        assert op("a") == "a"
+
+
+def _fp(k: str) -> str:
+    from oncely._core.fingerprint import digest
+
+    return digest([{"k": k}])
+
+
+class TestAsync:
+    def test_runs_once_and_replays(self, store: Store) -> None:
+        """Coroutine functions: one execution, replays afterwards, positional or keyword."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="payment_id")
+        async def charge(payment_id: str, cents: int) -> Receipt:
+            calls.append(payment_id)
+            await asyncio.sleep(0)
+            return Receipt(payment_id, cents)
+
+        async def main() -> None:
+            first = await charge("p", 1)
+            assert await charge(payment_id="p", cents=1) == first
+            assert isinstance(await charge("p", 1), Receipt)
+
+        asyncio.run(main())
+        assert calls == ["p"]
+
+    def test_concurrent_tasks_one_execution(self, store: Store) -> None:
+        """Many tasks with one key: one runs, others get InProgressError or wait for it."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="k", on_conflict="wait")
+        async def op(k: str) -> str:
+            calls.append(k)
+            await asyncio.sleep(0.05)
+            return "v"
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(op("a") for _ in range(20)))
+
+        assert asyncio.run(main()) == ["v"] * 20
+        assert calls == ["a"]
+
+    def test_errors_and_final_errors(self, store: Store) -> None:
+        """Async: retryable errors release, final errors replay as their type."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k", final_errors=(CardDeclined,))
+        async def op(k: str) -> None:
+            attempts.append(k)
+            if k == "retry" and attempts.count(k) == 1:
+                raise TimeoutError
+            if k == "final":
+                raise CardDeclined("no", 5)
+
+        async def main() -> None:
+            with pytest.raises(TimeoutError):
+                await op("retry")
+            await op("retry")
+            await op("retry")
+            for _ in range(2):
+                with pytest.raises(CardDeclined):
+                    await op("final")
+
+        asyncio.run(main())
+        assert attempts == ["retry", "retry", "final"]
+
+    def test_cancelled_call_releases_the_lease(self, store: Store) -> None:
+        """A cancelled task releases its lease, so the retry runs at once."""
+        calls = []
+
+        @oncely.idempotent(store=store, key="k")
+        async def op(k: str) -> str:
+            calls.append(k)
+            if len(calls) == 1:
+                await asyncio.sleep(30)
+            return "ok"
+
+        async def main() -> None:
+            task = asyncio.create_task(op("a"))
+            while not calls:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await op("a") == "ok"
+
+        asyncio.run(main())
+        assert calls == ["a", "a"]
+
+    def test_sync_only_store_cannot_serve_coroutines(self, store: Store) -> None:
+        """Decorating a coroutine function with a sync-only store fails at decoration time."""
+        with pytest.raises(ConfigurationError, match="async"):
+
+            @oncely.idempotent(store=SyncOnlyStore(store), key="k")
+            async def op(k: str) -> None: ...
+
+
+class TestConfiguration:
+    def test_unknown_key_parameter(self) -> None:
+        """A key naming no parameter fails when the decorator is applied."""
+        with pytest.raises(ConfigurationError, match="no parameter 'order'"):
+
+            @oncely.idempotent(store=MemoryStore(), key="order")
+            def op(order_id: str) -> None: ...
+
+    @pytest.mark.parametrize(
+        "options",
+        [
+            {"lease": 0},
+            {"lease": -1},
+            {"ttl": 1, "lease": 5},
+            {"on_conflict": "ignore"},
+            {"final_errors": (int,)},
+            {"lease": "30s"},
+            {"fingerprint": "amount"},
+            {"key": 5},
+        ],
+    )
+    def test_bad_options_are_rejected(self, options: dict[str, Any]) -> None:
+        """Nonsense options raise ConfigurationError at decoration time."""
+        options = {"key": "k", **options}
+        with pytest.raises(ConfigurationError):
+
+            @oncely.idempotent(store=MemoryStore(), **options)
+            def op(k: str) -> None: ...
+
+    def test_unknown_store_scheme(self) -> None:
+        """An unknown URL scheme names the known ones."""
+        with pytest.raises(ConfigurationError, match="sqlite"):
+            oncely.open_store("dynamo://x")
