@@ -43,5 +43,6 @@ def test_digest_golden_vector() -> None:
     assert (
         digest([{"a": 1}, "x"])
         == "v1:3e00be6f585504c399692039370370e660aee51d13e21041e74ee6a461c58d11"
+    assert digest([{"a": 1}, "x"]) == golden
     )
     assert digest([{"a": 1.0}, "x"]) == digest([{"a": 1}, "x"])

@@ -471,18 +471,19 @@ class TestAsync:
     def test_cancelled_call_releases_the_lease(self, store: Store) -> None:
         """A cancelled task releases its lease, so the retry runs at once."""
         calls = []
+        started = asyncio.Event()
 
         @oncely.idempotent(store=store, key="k")
         async def op(k: str) -> str:
             calls.append(k)
+            started.set()
             if len(calls) == 1:
                 await asyncio.sleep(30)
             return "ok"
 
         async def main() -> None:
             task = asyncio.create_task(op("a"))
-            while not calls:
-                await asyncio.sleep(0.001)
+            await started.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
