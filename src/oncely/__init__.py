@@ -15,9 +15,9 @@ modules (``oncely.http``, ``oncely.consumers``) so importing oncely loads no opt
         ...
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations
 
-from typing import Any
+import typing as _typing
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.codec import Codec, JSONCodec
@@ -65,8 +65,8 @@ __all__ = [
     "FingerprintError",
     "FingerprintMismatchError",
     "Guard",
-    "IdempotentFunction",
     "idempotent",
+    "IdempotentFunction",
     "InProgress",
     "InProgressError",
     "InvalidKeyError",
@@ -91,7 +91,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name == "__version__":
         from importlib.metadata import version
 

@@ -20,7 +20,7 @@ import inspect
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from oncely import _execution
 from oncely._core.codec import Codec, JSONCodec
@@ -118,7 +118,7 @@ class _CallPlan:
 _ALL: Any = object()
 
 
-class idempotent(Generic[P, R]):
+class idempotent:
     """Decorate a function so that it takes effect once per key.
 
     Args:

@@ -1,0 +1,238 @@
+"""SQLite specifics: URLs, schema, corrupt rows, purge, locking faults and killed workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import oncely
+from oncely import (
+    Acquired,
+    ConfigurationError,
+    CorruptRecordError,
+    InProgress,
+    InProgressError,
+    SchemaMissingError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.stores.sqlite import SQLiteStore
+from oncely.testing import FrozenClock
+from tests._helpers import eventually
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(hours=1)
+
+
+def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sqlite:///relative, sqlite:////absolute, :memory: and query options all open."""
+    monkeypatch.chdir(tmp_path)
+    with oncely.open_store("sqlite:///relative.db?timeout=2&synchronous=normal") as store:
+        assert isinstance(store, SQLiteStore)
+        assert store.path == "relative.db"
+    assert (tmp_path / "relative.db").exists()
+    with oncely.open_store(f"sqlite:///{tmp_path}/absolute.db") as store:
+        assert isinstance(store, SQLiteStore)
+        assert store.path == str(tmp_path / "absolute.db")
+    with oncely.open_store("sqlite:///:memory:") as store:
+        assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), Acquired)
+        assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), InProgress)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite://",
+        "sqlite:///",
+        "sqlite://host/x.db",
+        "sqlite:///x.db?bogus=1",
+        "sqlite:///x?timeout=a",
+    ],
+)
+def test_bad_urls_are_configuration_errors(url: str) -> None:
+    """Malformed SQLite URLs are rejected with a message naming the expected form."""
+    with pytest.raises(ConfigurationError):
+        oncely.open_store(url)
+
+
+def test_missing_schema_without_migrate(tmp_path: Path) -> None:
+    """migrate=False on an empty file raises SchemaMissingError naming migrate()."""
+    with pytest.raises(SchemaMissingError, match="migrate"):
+        SQLiteStore(tmp_path / "empty.db", migrate=False)
+    SQLiteStore(tmp_path / "empty.db").close()
+    SQLiteStore(tmp_path / "empty.db", migrate=False).close()
+
+
+def _migrate(path: str) -> None:
+    SQLiteStore(path).close()
+
+
+def test_migrate_is_idempotent_across_processes(tmp_path: Path) -> None:
+    """Several processes opening (and migrating) one new file at once all succeed."""
+    path = str(tmp_path / "shared.db")
+    context = multiprocessing.get_context("forkserver")
+    workers = [context.Process(target=_migrate, args=(path,)) for _ in range(8)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert [worker.exitcode for worker in workers] == [0] * 8
+    with SQLiteStore(path) as store:
+        store.migrate()
+        assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), Acquired)
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("status", "exploded"), ("token", "one"), ("fingerprint", b"\xff"), ("result", "text")],
+)
+def test_corrupt_rows_fail_closed(tmp_path: Path, column: str, value: object) -> None:
+    """A damaged row is CorruptRecordError on claim: never treated as absent."""
+    path = tmp_path / "oncely.db"
+    with SQLiteStore(path) as store:
+        token = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(token, Acquired)
+        store.complete("k", token.token, b"r", ttl=TTL)
+    with sqlite3.connect(path) as raw:
+        raw.execute(f"UPDATE oncely_records SET {column} = ?", (value,))
+    raw.close()
+    with SQLiteStore(path) as store:
+        with pytest.raises(CorruptRecordError):
+            store.claim("k", "fp", lease=LEASE, ttl=TTL)
+        with pytest.raises(CorruptRecordError):
+            store.get("k")
+
+
+def test_not_a_database(tmp_path: Path) -> None:
+    """A file that is not SQLite is a StoreError, not a crash with a driver exception."""
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError):
+        SQLiteStore(path)
+
+
+def test_purge_deletes_only_expired_records(tmp_path: Path) -> None:
+    """purge() removes expired records in batches and keeps live ones."""
+    clock = FrozenClock()
+    with SQLiteStore(tmp_path / "oncely.db", clock=clock) as store:
+        for index in range(25):
+            answer = store.claim(f"old{index}", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(answer, Acquired)
+            store.complete(f"old{index}", answer.token, b"", ttl=timedelta(minutes=1))
+        store.claim("live", "fp", lease=LEASE, ttl=TTL)
+        clock.advance(timedelta(minutes=2))
+        assert store.purge(batch=10) == 25
+        assert store.purge() == 0
+        assert store.get("live") is not None
+        assert [record.key for record in store.scan()] == ["live"]
+
+
+def test_locked_database_is_unavailable_then_completion_retries(tmp_path: Path) -> None:
+    """A write lock held past the timeout: claim fails closed; complete is retried."""
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, timeout=0.05)
+    calls = []
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    @oncely.idempotent(store=store, key="k")
+    def op(k: str) -> str:
+        calls.append(k)
+        if k == "during":
+            blocker.execute("BEGIN EXCLUSIVE")
+            threading.Timer(0.3, blocker.execute, args=("COMMIT",)).start()
+        return "done"
+
+    blocker.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(StoreUnavailableError):
+        op("before")
+    blocker.execute("COMMIT")
+    assert calls == []
+    assert op("during") == "done"  # complete failed while locked, then succeeded on retry
+    assert op("during") == "done"
+    assert calls == ["during"]
+    blocker.close()
+    store.close()
+
+
+_WORKER = textwrap.dedent(
+    """
+    import sys, threading
+    import oncely
+
+    store = oncely.open_store(sys.argv[1])
+
+    @oncely.idempotent(store=store, key="k", lease=float(sys.argv[2]), scope="crash")
+    def charge(k):
+        print("started", flush=True)
+        threading.Event().wait(60)
+
+    charge("payment-1")
+    """
+)
+
+
+def test_worker_killed_between_claim_and_complete(tmp_path: Path) -> None:
+    """A SIGKILLed worker: duplicates wait while its lease is live, then recover it once."""
+    url = f"sqlite:///{tmp_path}/oncely.db"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, url, "0.5"], stdout=subprocess.PIPE, text=True
+    )
+    assert worker.stdout is not None
+    assert worker.stdout.readline().strip() == "started"
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(10)
+    worker.stdout.close()
+
+    store = oncely.open_store(url)
+    runs = []
+
+    @oncely.idempotent(store=store, key="k", lease=0.5, scope="crash")
+    def charge(k: str) -> str:
+        runs.append(k)
+        return "charged"
+
+    with pytest.raises(InProgressError):
+        charge("payment-1")  # the dead worker's lease is still live: never run twice
+
+    def recovered() -> str | None:
+        try:
+            return charge("payment-1")
+        except InProgressError:
+            return None
+
+    assert eventually(recovered, timeout=10) == "charged"
+    assert charge("payment-1") == "charged"
+    assert runs == ["payment-1"]
+    record = store.get("crash|payment-1")
+    assert record is not None
+    assert record.attempt == 2
+    assert record.token == 2
+    store.close()
+
+
+def test_forked_child_opens_its_own_connections(tmp_path: Path) -> None:
+    """A store used before fork keeps working in the child and the parent."""
+    store = SQLiteStore(tmp_path / "oncely.db")
+    assert isinstance(store.claim("parent", "fp", lease=LEASE, ttl=TTL), Acquired)
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_claim_child, args=(store,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert isinstance(store.claim("child", "fp", lease=LEASE, ttl=TTL), InProgress)
+    store.close()
+
+
+def _claim_child(store: SQLiteStore) -> None:
+    answer = store.claim("child", "fp", lease=LEASE, ttl=TTL)
+    os._exit(0 if isinstance(answer, Acquired) else 1)
