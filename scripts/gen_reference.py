@@ -1,0 +1,89 @@
+"""Write docs/reference.md from the public API's docstrings (checked by tests/test_docs.py)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+SECTIONS = [
+    ("oncely", None),
+    ("oncely.keys", None),
+    ("oncely.testing", ["FrozenClock", "StoreConformance"]),
+    ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
+    ("oncely.stores.tiered", ["TieredStore"]),
+]
+OPTIONAL = [
+    ("oncely.stores.postgres", ["PostgresStore"]),
+    ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
+]
+OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
+
+
+def _signature(obj: Any) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return ""
+
+
+def _doc(obj: Any) -> str:
+    return inspect.cleandoc(obj.__doc__ or "").strip()
+
+
+def _members(cls: type) -> list[str]:
+    lines = []
+    for name, member in vars(cls).items():
+        if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+            continue
+        target = member.fget if isinstance(member, property) else member
+        doc = _doc(target).split("\n\n")[0].replace("\n", " ")
+        signature = "" if isinstance(member, property) else _signature(member)
+        lines.append(f"- `{name}{signature}`: {doc}")
+    return lines
+
+
+def render() -> str:
+    out = [
+        "# API reference",
+        "",
+        "Generated from the docstrings by `python scripts/gen_reference.py`; do not edit.",
+        "",
+    ]
+    sections = list(SECTIONS)
+    for module_name, names in OPTIONAL:
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+        sections.append((module_name, names))
+    for module_name, names in sections:
+        module = importlib.import_module(module_name)
+        out += [f"## `{module_name}`", ""]
+        if names is None:
+            doc = _doc(module).split("\n\n")[0]
+            out += [doc, ""]
+            names = list(module.__all__)
+        for name in names:
+            obj = getattr(module, name)
+            if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            kind = "class" if inspect.isclass(obj) else "function"
+            out += [f"### {kind} `{name}{_signature(obj)}`", ""]
+            doc = _doc(obj)
+            if doc:
+                out += [doc, ""]
+            if inspect.isclass(obj) and not issubclass(obj, BaseException):
+                members = _members(obj)
+                if members:
+                    out += [*members, ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if "--check" in sys.argv:
+        sys.exit(0 if OUTPUT.read_text() == text else "docs/reference.md is out of date")
+    OUTPUT.write_text(text)
