@@ -15,21 +15,21 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 from oncely import _execution
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.keys import scope_key, validate_key
-from oncely._core.policy import Duration, Policy
+from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely.errors import ConfigurationError
-from oncely.guard import _UNSET, build_policy
 from oncely.stores import open_store
 
 __all__ = ["IdempotentFunction", "KeyFunc", "idempotent"]
@@ -42,6 +42,16 @@ KeyFunc = Callable[..., str]
 """A callable over the function's arguments that returns the idempotency key."""
 
 _IMPLICIT = frozenset({"self", "cls"})
+
+
+class _AllArguments(enum.Enum):
+    ALL = "ALL"
+
+    def __repr__(self) -> str:
+        return "ALL_ARGUMENTS"
+
+
+_ALL: Final = _AllArguments.ALL
 
 
 class IdempotentFunction(Protocol[P, R_co]):
@@ -115,9 +125,6 @@ class _CallPlan:
             return Any
 
 
-_ALL: Any = object()
-
-
 class idempotent:
     """Decorate a function so that it takes effect once per key.
 
@@ -154,14 +161,14 @@ class idempotent:
         store: SyncStore | AsyncStore | str,
         key: str | KeyFunc,
         scope: str | None = None,
-        fingerprint: Sequence[str] | Callable[..., Any] | None = _ALL,
+        fingerprint: Sequence[str] | Callable[..., Any] | _AllArguments | None = _ALL,
         policy: Policy | None = None,
-        ttl: Duration = _UNSET,
-        lease: Duration = _UNSET,
-        on_conflict: str = _UNSET,
-        wait_timeout: Duration = _UNSET,
-        final_errors: tuple[type[BaseException], ...] = _UNSET,
-        heartbeat: bool = _UNSET,
+        ttl: Duration | _Unset = UNSET,
+        lease: Duration | _Unset = UNSET,
+        on_conflict: Literal["raise", "wait"] | _Unset = UNSET,
+        wait_timeout: Duration | _Unset = UNSET,
+        final_errors: tuple[type[BaseException], ...] | _Unset = UNSET,
+        heartbeat: bool | _Unset = UNSET,
         codec: Codec | None = None,
     ) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
@@ -172,7 +179,7 @@ class idempotent:
         self.key = key
         self.scope = scope
         self.fingerprint = fingerprint
-        self.policy = build_policy(
+        self.policy = derive(
             policy,
             ttl=ttl,
             lease=lease,

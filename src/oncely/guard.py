@@ -20,21 +20,19 @@ declared final.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from oncely import _execution
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow
 from oncely._core.keys import scope_key, validate_key
-from oncely._core.policy import Duration, Policy
+from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Replay
 from oncely.errors import ConfigurationError, OncelyError
 
 __all__ = ["Guard"]
-
-_UNSET: Any = object()
 
 
 class Guard:
@@ -66,17 +64,17 @@ class Guard:
         fingerprint: Any = None,
         scope: str = "guard",
         policy: Policy | None = None,
-        ttl: Duration = _UNSET,
-        lease: Duration = _UNSET,
-        on_conflict: str = _UNSET,
-        final_errors: tuple[type[BaseException], ...] = _UNSET,
-        heartbeat: bool = _UNSET,
+        ttl: Duration | _Unset = UNSET,
+        lease: Duration | _Unset = UNSET,
+        on_conflict: Literal["raise", "wait"] | _Unset = UNSET,
+        final_errors: tuple[type[BaseException], ...] | _Unset = UNSET,
+        heartbeat: bool | _Unset = UNSET,
         codec: Codec | None = None,
     ) -> None:
         self.store = store
         self.key = scope_key(scope, validate_key(key))
         self.fingerprint = "" if fingerprint is None else digest([fingerprint])
-        self.policy = build_policy(
+        self.policy = derive(
             policy,
             ttl=ttl,
             lease=lease,
@@ -234,14 +232,3 @@ def _require(store: Any, kind: type[Any], how: str) -> Any:
     if not isinstance(store, kind):
         raise ConfigurationError(f"{type(store).__name__} cannot be used with `{how}`")
     return store
-
-
-def build_policy(policy: Policy | None, **overrides: Any) -> Policy:
-    """Return *policy* (or the default) with the overrides that were actually given."""
-    from dataclasses import replace
-
-    base = policy if policy is not None else Policy()
-    if not isinstance(base, Policy):
-        raise ConfigurationError(f"policy must be an oncely.Policy, not {base!r}")
-    given = {name: value for name, value in overrides.items() if value is not _UNSET}
-    return replace(base, **given) if given else base

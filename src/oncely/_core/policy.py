@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 from oncely.errors import ConfigurationError
 
-__all__ = ["Duration", "Policy", "to_timedelta"]
+__all__ = ["UNSET", "Duration", "Policy", "derive", "to_timedelta"]
 
 Duration: TypeAlias = timedelta | int | float
 """A duration: a `timedelta`, or a number of seconds."""
@@ -68,3 +69,25 @@ class Policy:
             if not (isinstance(error, type) and issubclass(error, BaseException)):
                 raise ConfigurationError(f"final_errors must be exception types, not {error!r}")
         object.__setattr__(self, "final_errors", errors)
+
+
+class _Unset(enum.Enum):
+    """The type of `UNSET`: an option that was not given, as opposed to one given as None."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset.UNSET
+"""Marks an option left at the policy's value."""
+
+
+def derive(policy: Policy | None, **overrides: Any) -> Policy:
+    """Return *policy* (or the default) with the overrides that were actually given."""
+    base = policy if policy is not None else Policy()
+    if not isinstance(base, Policy):
+        raise ConfigurationError(f"policy must be an oncely.Policy, not {base!r}")
+    given = {name: value for name, value in overrides.items() if value is not UNSET}
+    return replace(base, **given) if given else base
