@@ -1,0 +1,46 @@
+"""Read by mypy (scripts/test), never run: the public API keeps precise types.
+
+Under --strict, warn_unused_ignores turns each expected-error ignore into a regression test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from typing_extensions import assert_type
+
+import oncely
+
+
+@dataclasses.dataclass
+class Receipt:
+    order_id: str
+
+
+store = oncely.open_store("memory://")
+
+
+@oncely.idempotent(store=store, key="order_id")
+def charge(order_id: str, amount_cents: int) -> Receipt:
+    return Receipt(order_id)
+
+
+@oncely.idempotent(store=store, key="order_id", final_errors=(KeyError,))
+async def acharge(order_id: str, amount_cents: int) -> Receipt:
+    return Receipt(order_id)
+
+
+async def uses() -> None:
+    assert_type(charge("o-1", 500), Receipt)
+    assert_type(await acharge("o-1", 500), Receipt)
+    assert_type(charge.with_key("k")("o-1", 5), Receipt)
+    assert_type(charge.policy, oncely.Policy)
+    charge(order_id="o-1", amount_cents="500")  # type: ignore[arg-type]
+    charge("o-1")  # type: ignore[call-arg]
+    oncely.idempotent(store=store, key="k", on_conflict="sometimes")  # type: ignore[arg-type]
+
+    answer = store.claim("k", "fp", lease=oncely.Policy().lease, ttl=oncely.Policy().ttl)
+    if isinstance(answer, oncely.Acquired):
+        assert_type(answer.token, int)
+    with oncely.Guard(store, "k") as guard:
+        assert_type(guard.token, int)
