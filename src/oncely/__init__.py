@@ -33,6 +33,7 @@ from oncely._core.records import (
     Replay,
     Status,
 )
+from oncely._execution import CurrentLease, current_lease
 from oncely.decorator import IdempotentFunction, idempotent
 from oncely.errors import (
     ConfigurationError,
@@ -62,6 +63,8 @@ __all__ = [
     "ConfigurationError",
     "ConflictError",
     "CorruptRecordError",
+    "current_lease",
+    "CurrentLease",
     "FingerprintError",
     "FingerprintMismatchError",
     "Guard",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import heapq
 import logging
 import os
@@ -55,7 +56,9 @@ class StoreCall:
 
 @dataclass(frozen=True, slots=True)
 class Invoke:
-    """Run the protected function and send back what it returns."""
+    """Run the protected function under *lease* and send back what it returns."""
+
+    lease: Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,49 @@ class Lease:
     attempt: int = 1
     lost: bool = False
     heartbeat: Any = None
+
+    def view(self) -> CurrentLease:
+        """The public, read-only view of this lease."""
+        return CurrentLease(self.key, self.token, self.attempt, self.recovered)
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentLease:
+    """The lease held by the protected function that is running now.
+
+    Attributes:
+        key: The scoped key.
+        token: The fencing token: pass it to downstream writes so they can reject stale workers.
+        attempt: How many times this operation has been started, this run included.
+        recovered: True when the lease was taken over from a worker whose lease expired.
+
+    .. versionadded:: 0.1.0
+    """
+
+    key: str
+    token: int
+    attempt: int
+    recovered: bool
+
+
+_CURRENT: contextvars.ContextVar[CurrentLease | None] = contextvars.ContextVar(
+    "oncely_current_lease", default=None
+)
+
+
+def current_lease() -> CurrentLease | None:
+    """Return the lease of the `idempotent` function running in this context, or ``None``.
+
+    .. code-block:: python
+
+        @oncely.idempotent(store=store, key="payment_id")
+        def charge(payment_id: str) -> None:
+            lease = oncely.current_lease()
+            bank.charge(payment_id, fencing_token=lease.token)
+
+    .. versionadded:: 0.1.0
+    """
+    return _CURRENT.get()
 
 
 # -- flows ------------------------------------------------------------------------------------
@@ -201,7 +247,7 @@ def protected_call(
     if isinstance(outcome, Replay):
         return replay(outcome, codec, annotation, policy)
     try:
-        value = yield Invoke()
+        value = yield Invoke(outcome)
     except BaseException as exc:
         yield from settle_error(outcome, exc, policy)
         raise
@@ -256,7 +302,11 @@ def run(flow: Flow[T], store: SyncStore, invoke: Callable[[], Any] | None = None
             time.sleep(op.seconds)
             return None
         if isinstance(op, Invoke) and invoke is not None:
-            return invoke()
+            reset = _CURRENT.set(op.lease.view())
+            try:
+                return invoke()
+            finally:
+                _CURRENT.reset(reset)
         if isinstance(op, StartHeartbeat):
             op.state.heartbeat = _SCHEDULER.start(store, op.state)
             return None
@@ -280,7 +330,11 @@ async def arun(
             await asyncio.sleep(op.seconds)
             return None
         if isinstance(op, Invoke) and invoke is not None:
-            return await invoke()
+            reset = _CURRENT.set(op.lease.view())
+            try:
+                return await invoke()
+            finally:
+                _CURRENT.reset(reset)
         if isinstance(op, StartHeartbeat):
             op.state.heartbeat = asyncio.create_task(_async_heartbeat(store, op.state))
             return None

@@ -533,3 +533,35 @@ class TestConfiguration:
         """An unknown URL scheme names the known ones."""
         with pytest.raises(ConfigurationError, match="sqlite"):
             oncely.open_store("dynamo://x")
+
+
+class TestCurrentLease:
+    def test_sync_function_sees_its_lease(self, store: Store) -> None:
+        """Inside the function, current_lease() gives the fencing token; outside, None."""
+        seen: list[oncely.CurrentLease | None] = []
+
+        @oncely.idempotent(store=store, key="k")
+        def op(k: str) -> None:
+            seen.append(oncely.current_lease())
+
+        op("a")
+        assert oncely.current_lease() is None
+        lease = seen[0]
+        assert lease is not None
+        assert (lease.token, lease.attempt, lease.recovered) == (1, 1, False)
+        assert lease.key.endswith("|a")
+
+    def test_async_function_sees_its_lease(self, store: Store) -> None:
+        """The lease is visible to a coroutine function, and only to its own task."""
+
+        @oncely.idempotent(store=store, key="k")
+        async def op(k: str) -> int:
+            await asyncio.sleep(0)
+            lease = oncely.current_lease()
+            assert lease is not None
+            return lease.token
+
+        async def main() -> list[int]:
+            return await asyncio.gather(op("a"), op("b"))
+
+        assert asyncio.run(main()) == [1, 1]

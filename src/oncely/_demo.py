@@ -1,0 +1,868 @@
+"""The oncely demo: a retry storm against a payments function, and a ledger that proves it.
+
+``python -m oncely.demo`` fires every one of N payments many times, concurrently, from several
+worker processes each running several threads: the at-least-once world of client retries and
+broker redeliveries. The payments function is guarded by ``@oncely.idempotent`` on a SQLite
+store (WAL, shared by every process) and "charges" by appending a row, with its fencing token,
+to a ledger in a separate SQLite file: the bank, the ground truth.
+
+Some executions crash on purpose: right after claiming the payment, before charging it, the
+worker process calls ``os._exit()``. Its lease stays held and nothing is charged; the parent
+starts a replacement worker and redelivers the lost calls, and once the short lease expires the
+next claim recovers it and charges. Duplicates that find the payment running get
+`InProgressError` and retry (waiting at most its ``retry_after``); later ones replay the stored
+receipt. At the end the ledger is checked: every payment charged exactly once, by the lease that
+completed it (its fencing token is in the ledger row). The summary counts are exact: workers
+report over pipes that survive their crash, and recovered leases are read from the store's
+records. ``--unsafe`` runs the same storm without oncely, to show the check failing.
+
+The crashes are deterministic per ``--seed`` (a hash of the payment and its execution number
+decides), so every run crashes the same calls whatever the interleaving. An injected crash waits
+for the other calls in flight in its process to return first: it interrupts only itself, between
+claim and charge. (A crash between charging and completing is the gap that only a transactional
+inbox closes, by committing the charge and the record together.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, NoReturn
+
+import oncely
+from oncely._core.keys import scope_key
+from oncely.errors import InProgressError, LeaseLostError
+
+__all__ = ["main"]
+
+SCOPE = "payments.charge"
+"""The decorator's scope: stored keys are ``payments.charge|pay-0042``."""
+
+LEASE_SECONDS = 1.0
+"""A short lease, so that crashed calls are recovered within the demo's few seconds."""
+
+CRASH_EXIT_CODE = 86
+"""The exit status of a worker that crashed on purpose (anything else aborts the demo)."""
+
+MAX_CRASHES_PER_CALL = 3
+"""A payment (or, with ``--unsafe``, a call) crashes at most this many times in a row."""
+
+FIRST_BACKOFF = 0.02
+"""The client's first wait after `InProgressError`; it doubles, capped by ``retry_after``."""
+
+RUN_TIMEOUT = 300.0
+"""Give up (and say so) if the storm has not drained after this many seconds."""
+
+EXIT_OK, EXIT_LEDGER_FAILED, EXIT_ABORTED = 0, 1, 3
+
+
+# -- plan: what happens, decided up front -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client call: *attempt* of *payment*, delivered for the *delivery*-th time."""
+
+    id: int
+    payment: int
+    attempt: int
+    delivery: int = 1
+
+
+def payment_id(payment: int) -> str:
+    """The idempotency key of payment number *payment*."""
+    return f"pay-{payment:04d}"
+
+
+def amount_cents(payment: int) -> int:
+    """A deterministic amount for payment number *payment*."""
+    return 1_000 + (payment * 7_919) % 9_000
+
+
+def _fraction(seed: int, label: str) -> float:
+    digest = hashlib.blake2b(f"{seed}:{label}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def crashes(seed: int, rate: float, label: str, execution: int) -> bool:
+    """Whether execution number *execution* of the call named *label* crashes."""
+    return execution <= MAX_CRASHES_PER_CALL and _fraction(seed, f"{label}#{execution}") < rate
+
+
+def planned_crashes(seed: int, rate: float, labels: list[str]) -> int:
+    """How many crashes the plan holds: each label crashes until its first clean execution."""
+    total = 0
+    for label in labels:
+        execution = 1
+        while crashes(seed, rate, label, execution):
+            total += 1
+            execution += 1
+    return total
+
+
+def schedule(payments: int, attempts: int, seed: int) -> list[Job]:
+    """Every attempt of every payment, in a seeded order that keeps a payment's retries close.
+
+    A retry storm: each payment's attempts are spread over a window of a few payments, so
+    duplicates overlap the first call (conflicts) or follow it (replays).
+    """
+    rng = random.Random(seed)
+    window = 3.0
+    arrivals = sorted(
+        (payment + rng.random() * window, payment, attempt)
+        for payment in range(payments)
+        for attempt in range(attempts)
+    )
+    return [Job(index, payment, attempt) for index, (_, payment, attempt) in enumerate(arrivals)]
+
+
+# -- messages from workers to the parent ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a worker reports; sent synchronously over a pipe, so it survives ``os._exit()``.
+
+    *kind* is one of ``charged``, ``replayed``, ``conflict``, ``crash``, ``lease_lost``,
+    ``error`` (about job *job*) or ``log`` (a line of the ``oncely`` logger, in *text*).
+    """
+
+    kind: str
+    worker: int
+    pid: int
+    job: int = -1
+    payment: int = -1
+    token: int = 0
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs (pickled to it by the spawn start method)."""
+
+    worker: int
+    threads: int
+    store_url: str
+    namespace: str
+    bank_path: str
+    run: str
+    seed: int
+    crash_rate: float
+    safe: bool
+
+
+# -- the bank -----------------------------------------------------------------------------------
+
+_LEDGER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY,
+    run TEXT NOT NULL,
+    payment_id TEXT NOT NULL,
+    amount_cents INTEGER NOT NULL,
+    fencing_token INTEGER NOT NULL,
+    pid INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_run_payment ON ledger (run, payment_id)
+"""
+
+
+def open_bank(path: str) -> sqlite3.Connection:
+    """Open the bank's ledger database (autocommit; WAL so that workers write concurrently)."""
+    connection = sqlite3.connect(path, timeout=60.0, isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    return connection
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """What a charge returns; oncely stores it and replays it to duplicates."""
+
+    payment_id: str
+    amount_cents: int
+    ledger_row: int
+    fencing_token: int
+
+
+# -- worker process -----------------------------------------------------------------------------
+
+
+class CrashGate:
+    """Lets an injected crash interrupt only its own call.
+
+    Every protected call runs inside `call`. `crash` stops new calls from starting, waits for the
+    calls in flight to return (and report), then hard-exits the process.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._busy = 0
+        self._closing = False
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Run one call; blocks for good once the process is about to crash."""
+        with self._condition:
+            while self._closing:
+                self._condition.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._busy -= 1
+                self._condition.notify_all()
+
+    def crash(self) -> NoReturn:
+        """Hard-exit once every other call has returned: no cleanup, the lease stays held."""
+        with self._condition:
+            self._busy -= 1
+            self._condition.notify_all()
+            if self._closing:  # another thread is already taking the process down
+                while True:
+                    self._condition.wait()
+            self._closing = True
+            while self._busy > 0:
+                self._condition.wait()
+        os._exit(CRASH_EXIT_CODE)
+
+
+class Worker:
+    """One worker process: a store, a crash gate, a pipe to the parent, several client threads."""
+
+    def __init__(
+        self, jobs: Connection[Any, Any], reports: Connection[Any, Any], config: WorkerConfig
+    ) -> None:
+        self.jobs = jobs
+        self.reports = reports
+        self.config = config
+        self.pid = os.getpid()
+        self.gate = CrashGate()
+        self._send_lock = threading.Lock()
+        self.store: oncely.Store | None = None
+        if config.safe:
+            self.store = oncely.open_store(config.store_url, namespace=config.namespace)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """Report to the parent; returns once the message is in the pipe."""
+        message = Message(kind, self.config.worker, self.pid, **fields)
+        with self._send_lock:
+            self.reports.send(message)
+
+    def serve(self) -> None:
+        """Hand jobs from the parent to the client threads until told to stop."""
+        jobs: deque[Job | None] = deque()
+        ready = threading.Condition()
+
+        def take() -> Job | None:
+            with ready:
+                while not jobs:
+                    ready.wait()
+                return jobs.popleft()
+
+        clients = [Client(self, take) for _ in range(self.config.threads)]
+        threads = [
+            threading.Thread(target=client.run, name=f"client-{n}", daemon=True)
+            for n, client in enumerate(clients)
+        ]
+        for thread in threads:
+            thread.start()
+        while True:
+            try:
+                job: Job | None = self.jobs.recv()
+            except EOFError:  # the parent went away
+                job = None
+            with ready:
+                if job is None:
+                    jobs.extend([None] * len(threads))
+                else:
+                    jobs.append(job)
+                ready.notify_all()
+            if job is None:
+                break
+        for thread in threads:
+            thread.join()
+        if self.store is not None:
+            self.store.close()
+
+
+class PipeLogHandler(logging.Handler):
+    """Forwards the ``oncely`` logger's lines to the parent, which prints them."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(logging.WARNING)
+        self.worker = worker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Send one log line."""
+        try:
+            self.worker.send("log", text=f"{record.levelname} {record.name}: {record.getMessage()}")
+        except Exception:
+            self.handleError(record)
+
+
+class Client:
+    """One client thread: calls ``charge`` for each job, retrying while it is in progress."""
+
+    def __init__(self, worker: Worker, take: Callable[[], Job | None]) -> None:
+        self.worker = worker
+        self.take = take
+        self.bank: sqlite3.Connection | None = None  # opened by the client's own thread
+        self.job: Job | None = None
+        self.executed = False  # whether the current call ran the body (or was replayed)
+        self.charge: Callable[[str, int], Receipt] = self._charge
+        if worker.store is not None:
+            # The whole integration: one decorator. A duplicate of a running charge raises
+            # InProgressError; a finished one replays its Receipt.
+            self.charge = oncely.idempotent(
+                store=worker.store,
+                key="payment_id",
+                scope=SCOPE,
+                lease=LEASE_SECONDS,
+                ttl=3600,
+                on_conflict="raise",
+            )(self._charge)
+
+    def run(self) -> None:
+        """Serve jobs until the worker stops."""
+        self.bank = open_bank(self.worker.config.bank_path)
+        try:
+            while (job := self.take()) is not None:
+                self.call(job)
+        finally:
+            self.bank.close()
+
+    def call(self, job: Job) -> None:
+        """One client call of the storm, with the client-side retry loop."""
+        rng = random.Random(f"{self.worker.config.seed}:{job.id}:{job.delivery}")
+        backoff = FIRST_BACKOFF
+        key = payment_id(job.payment)
+        while True:
+            with self.worker.gate.call():
+                self.job, self.executed = job, False
+                try:
+                    receipt = self.charge(key, amount_cents(job.payment))
+                except InProgressError as exc:
+                    self.worker.send("conflict", job=job.id, payment=job.payment)
+                    delay = min(exc.retry_after.total_seconds(), backoff)
+                except LeaseLostError as exc:
+                    self.worker.send("lease_lost", job=job.id, payment=job.payment, text=str(exc))
+                    return
+                except Exception as exc:
+                    text = f"{type(exc).__name__}: {exc}"
+                    self.worker.send("error", job=job.id, payment=job.payment, text=text)
+                    return
+                else:
+                    kind = "charged" if self.executed else "replayed"
+                    self.worker.send(
+                        kind, job=job.id, payment=job.payment, token=receipt.fencing_token
+                    )
+                    return
+            time.sleep(delay * rng.uniform(0.5, 1.0))  # client backoff, never synchronisation
+            backoff *= 2
+
+    def _charge(self, payment_id: str, amount_cents: int) -> Receipt:
+        """The payments function: charge *amount_cents* for *payment_id* at the bank."""
+        job = self.job
+        assert job is not None
+        config = self.worker.config
+        self.executed = True
+        if self.worker.store is not None:
+            # The lease we hold: its fencing token, and which execution of this payment this
+            # is (1, or more after crashes: crashes are planned per both).
+            lease = oncely.current_lease()
+            assert lease is not None, f"{payment_id} runs without a lease"
+            token, execution, label = lease.token, lease.attempt, payment_id
+        else:
+            token, execution, label = 0, job.delivery, f"{payment_id}/{job.attempt}"
+        if crashes(config.seed, config.crash_rate, label, execution):
+            self.worker.send("crash", job=job.id, payment=job.payment, token=token)
+            self.worker.gate.crash()
+        assert self.bank is not None
+        cursor = self.bank.execute(
+            "INSERT INTO ledger (run, payment_id, amount_cents, fencing_token, pid) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (config.run, payment_id, amount_cents, token, self.worker.pid),
+        )
+        return Receipt(payment_id, amount_cents, cursor.lastrowid or 0, token)
+
+
+def worker_main(
+    jobs: Connection[Any, Any], reports: Connection[Any, Any], config: WorkerConfig
+) -> None:
+    """Entry point of a worker process: jobs come in on one pipe, reports go out on another."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    worker = Worker(jobs, reports, config)
+    logger = logging.getLogger("oncely")
+    logger.addHandler(PipeLogHandler(worker))
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    try:
+        worker.serve()
+    finally:
+        jobs.close()
+        reports.close()
+
+
+# -- parent: dispatch, restart, count -----------------------------------------------------------
+
+
+class DemoAborted(Exception):
+    """The storm could not finish (a worker failed for a reason other than an injected crash)."""
+
+
+@dataclass
+class Slot:
+    """A running worker process as the parent sees it."""
+
+    config: WorkerConfig
+    process: multiprocessing.process.BaseProcess
+    jobs: Connection[Any, Any]
+    reports: Connection[Any, Any]
+    inflight: dict[int, Job] = field(default_factory=dict)
+
+
+@dataclass
+class Tally:
+    """What the workers reported."""
+
+    charged: int = 0
+    replayed: int = 0
+    conflicts: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    redelivered: int = 0
+    lease_lost: int = 0
+    errors: int = 0
+    recovered_logged: int = 0
+
+
+class Storm:
+    """Runs the storm: keeps every worker busy, restarts crashed ones, redelivers lost calls."""
+
+    def __init__(self, args: argparse.Namespace, store_url: str, bank_path: str, run: str) -> None:
+        self.args = args
+        self.store_url = store_url
+        self.bank_path = bank_path
+        self.run = run
+        self.context = multiprocessing.get_context("spawn")
+        self.pending: deque[Job] = deque(schedule(args.payments, args.attempts, args.seed))
+        self.slots: list[Slot] = []
+        self.tally = Tally()
+        self._next_worker = 0
+        self.echo: Callable[[str], None] = (
+            (lambda line: None) if args.quiet or args.json else _print
+        )
+
+    def start_worker(self) -> None:
+        """Start one worker process."""
+        self._next_worker += 1
+        config = WorkerConfig(
+            worker=self._next_worker,
+            threads=self.args.threads,
+            store_url=self.store_url,
+            namespace=self.run,
+            bank_path=self.bank_path,
+            run=self.run,
+            seed=self.args.seed,
+            crash_rate=self.args.crash_rate,
+            safe=not self.args.unsafe,
+        )
+        # Two one-way OS pipes: a dead worker's reports stay readable, then read as EOF.
+        job_reader, job_writer = self.context.Pipe(duplex=False)
+        report_reader, report_writer = self.context.Pipe(duplex=False)
+        process = self.context.Process(
+            target=worker_main,
+            args=(job_reader, report_writer, config),
+            name=f"oncely-demo-worker-{config.worker}",
+        )
+        process.start()
+        job_reader.close()
+        report_writer.close()  # so that the parent sees EOF when the worker dies
+        self.slots.append(Slot(config, process, job_writer, report_reader))
+
+    def run_to_end(self) -> Tally:
+        """Dispatch every job and return the tally; raises `DemoAborted` on trouble."""
+        deadline = time.monotonic() + RUN_TIMEOUT
+        try:
+            for _ in range(self.args.processes):
+                self.start_worker()
+            while self.pending or any(slot.inflight for slot in self.slots):
+                self._dispatch()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DemoAborted(f"the storm did not drain within {RUN_TIMEOUT:.0f}s")
+                by_conn = {id(slot.reports): slot for slot in self.slots}
+                for conn in wait([slot.reports for slot in self.slots], timeout=remaining):
+                    self._receive(by_conn[id(conn)])
+            for slot in self.slots:
+                slot.jobs.send(None)
+            for slot in self.slots:
+                slot.process.join(timeout=30)
+                if slot.process.exitcode != 0:
+                    raise DemoAborted(
+                        f"worker {slot.config.worker} exited with {slot.process.exitcode}"
+                    )
+        finally:
+            for slot in self.slots:
+                if slot.process.is_alive():
+                    slot.process.terminate()
+                    slot.process.join()
+                slot.jobs.close()
+                slot.reports.close()
+        return self.tally
+
+    def _dispatch(self) -> None:
+        for slot in self.slots:
+            while self.pending and len(slot.inflight) < self.args.threads:
+                job = self.pending.popleft()
+                slot.inflight[job.id] = job
+                try:
+                    slot.jobs.send(job)
+                except OSError:  # the worker died; its EOF redelivers the job
+                    break
+
+    def _receive(self, slot: Slot) -> None:
+        try:
+            while True:
+                self._handle(slot, slot.reports.recv())
+                if not slot.reports.poll():
+                    return
+        except EOFError:
+            self._died(slot)
+
+    def _handle(self, slot: Slot, message: Message) -> None:
+        tally = self.tally
+        name = payment_id(message.payment)
+        if message.kind == "log":
+            if "lease recovered" in message.text:
+                tally.recovered_logged += 1
+            self.echo(f"  worker {message.worker:<3} {message.text}")
+        elif message.kind == "conflict":
+            tally.conflicts += 1
+        elif message.kind == "crash":
+            tally.crashes += 1
+            held = "" if self.args.unsafe else f" holding its lease (token {message.token})"
+            self.echo(
+                f"  worker {message.worker:<3} CRASH os._exit() in charge({name!r}){held}, "
+                "before charging"
+            )
+        elif message.kind in ("charged", "replayed"):
+            del slot.inflight[message.job]
+            if message.kind == "charged":
+                tally.charged += 1
+            else:
+                tally.replayed += 1
+        elif message.kind == "lease_lost":
+            del slot.inflight[message.job]
+            tally.lease_lost += 1
+            self.echo(f"  worker {message.worker:<3} LEASE LOST {message.text}")
+        elif message.kind == "error":
+            del slot.inflight[message.job]
+            tally.errors += 1
+            self.echo(f"  worker {message.worker:<3} ERROR {name}: {message.text}")
+        else:  # pragma: no cover - a worker broke the protocol
+            raise DemoAborted(f"unknown message {message!r}")
+
+    def _died(self, slot: Slot) -> None:
+        slot.process.join()
+        slot.jobs.close()
+        slot.reports.close()
+        self.slots.remove(slot)
+        if slot.process.exitcode != CRASH_EXIT_CODE:
+            raise DemoAborted(
+                f"worker {slot.config.worker} died with exit code {slot.process.exitcode}"
+            )
+        lost = sorted(slot.inflight.values(), key=lambda job: job.id)
+        self.tally.redelivered += len(lost)
+        self.tally.restarts += 1
+        self.pending.extendleft(
+            Job(job.id, job.payment, job.attempt, job.delivery + 1) for job in reversed(lost)
+        )
+        self.start_worker()
+
+
+# -- the check and the summary ------------------------------------------------------------------
+
+
+@dataclass
+class LedgerCheck:
+    """The bank's view: how many charges each payment got, and whether that is right."""
+
+    rows: int
+    missing: list[str]
+    duplicated: dict[str, int]
+    stale_tokens: list[str]
+    recovered: int | None
+
+    @property
+    def ok(self) -> bool:
+        """Every payment charged exactly once, by the lease that completed it."""
+        return not (self.missing or self.duplicated or self.stale_tokens)
+
+    def describe(self, payments: int) -> str:
+        """One line: OK, or FAILED with what is wrong."""
+        if self.ok:
+            return (
+                f"ledger check: OK ({payments} payments, {self.rows} charges: each payment "
+                "charged exactly once)"
+            )
+        problems = []
+        if self.duplicated:
+            extra = sum(count - 1 for count in self.duplicated.values())
+            problems.append(f"{extra} duplicate charges on {len(self.duplicated)} payments")
+        if self.missing:
+            problems.append(f"{len(self.missing)} payments never charged")
+        if self.stale_tokens:
+            problems.append(f"{len(self.stale_tokens)} charges under a stale fencing token")
+        return f"ledger check: FAILED ({', '.join(problems)})"
+
+
+def check_ledger(
+    bank_path: str, run: str, payments: int, store: oncely.Store | None
+) -> LedgerCheck:
+    """Compare the ledger with the payments (and, with oncely, with the store's records)."""
+    bank = sqlite3.connect(bank_path)
+    try:
+        rows = bank.execute(
+            "SELECT payment_id, COUNT(*), MAX(fencing_token) FROM ledger WHERE run = ? "
+            "GROUP BY payment_id",
+            (run,),
+        ).fetchall()
+    finally:
+        bank.close()
+    charged = {name: (count, token) for name, count, token in rows}
+    names = [payment_id(payment) for payment in range(payments)]
+    check = LedgerCheck(
+        rows=sum(count for count, _ in charged.values()),
+        missing=[name for name in names if name not in charged],
+        duplicated={name: count for name, (count, _) in charged.items() if count > 1},
+        stale_tokens=[],
+        recovered=None,
+    )
+    if store is not None:
+        check.recovered = 0
+        for name in names:
+            record = store.get(scope_key(SCOPE, name))
+            if record is None:
+                continue
+            # No call raises in the demo, so every execution after the first took over an
+            # expired lease: attempt - 1 recoveries.
+            check.recovered += record.attempt - 1
+            if name in charged and charged[name][1] != record.token:
+                check.stale_tokens.append(name)
+    return check
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def render_table(rows: list[tuple[str, str, str]]) -> str:
+    """A compact, aligned table: label, value, note."""
+    label_width = max(len(label) for label, _, _ in rows)
+    value_width = max(len(value) for _, value, _ in rows)
+    return "\n".join(
+        f"  {label:<{label_width}}  {value:>{value_width}}  {note}".rstrip()
+        for label, value, note in rows
+    )
+
+
+def summarise(
+    args: argparse.Namespace, tally: Tally, check: LedgerCheck, elapsed: float
+) -> dict[str, Any]:
+    """The machine-readable summary."""
+    attempts = args.payments * args.attempts
+    labels = (
+        [payment_id(p) for p in range(args.payments)]
+        if not args.unsafe
+        else [f"{payment_id(p)}/{a}" for p in range(args.payments) for a in range(args.attempts)]
+    )
+    return {
+        "mode": "unsafe" if args.unsafe else "oncely",
+        "payments": args.payments,
+        "attempts": attempts,
+        "processes": args.processes,
+        "threads": args.threads,
+        "crash_rate": args.crash_rate,
+        "seed": args.seed,
+        "lease_s": LEASE_SECONDS,
+        "charges": check.rows,
+        "executions_returned": tally.charged,
+        "replays": tally.replayed,
+        "conflicts": tally.conflicts,
+        "crashes": tally.crashes,
+        "crashes_planned": planned_crashes(args.seed, args.crash_rate, labels),
+        "worker_restarts": tally.restarts,
+        "redelivered": tally.redelivered,
+        "recovered": check.recovered,
+        "recovered_logged": tally.recovered_logged,
+        "lease_lost": tally.lease_lost,
+        "errors": tally.errors,
+        "missing": len(check.missing),
+        "duplicates": sum(count - 1 for count in check.duplicated.values()),
+        "stale_tokens": len(check.stale_tokens),
+        "ledger_ok": check.ok,
+        "ledger_check": check.describe(args.payments),
+        "elapsed_s": round(elapsed, 3),
+    }
+
+
+def render_summary(summary: dict[str, Any]) -> str:
+    """The table a person reads."""
+    recovered = summary["recovered"]
+    rows = [
+        (
+            "attempts",
+            str(summary["attempts"]),
+            f"client calls: {summary['payments']} payments x "
+            f"{summary['attempts'] // summary['payments']}, fired concurrently",
+        ),
+        ("unique payments", str(summary["payments"]), ""),
+        ("charges executed", str(summary["charges"]), "rows in the bank's ledger"),
+        ("replays", str(summary["replays"]), "stored receipt returned, nothing charged"),
+        ("conflicts", str(summary["conflicts"]), "InProgressError; retried within retry_after"),
+        (
+            "crashes",
+            str(summary["crashes"]),
+            f"os._exit() between claim and charge ({summary['worker_restarts']} worker restarts)",
+        ),
+        (
+            "recovered leases",
+            "-" if recovered is None else str(recovered),
+            "expired leases taken over (store records: attempt > 1)",
+        ),
+    ]
+    if summary["lease_lost"]:
+        rows.append(("leases lost", str(summary["lease_lost"]), "LeaseLostError at complete"))
+    if summary["errors"]:
+        rows.append(("errors", str(summary["errors"]), "unexpected exceptions"))
+    rows.append(("elapsed", f"{summary['elapsed_s']:.1f}s", ""))
+    return render_table(rows)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options."""
+    parser = argparse.ArgumentParser(
+        prog="python -m oncely.demo",
+        description=(
+            "A retry storm against a payments function guarded by oncely on SQLite, with "
+            "crashing workers; checks that the bank's ledger charged every payment exactly once."
+        ),
+    )
+    parser.add_argument("--payments", type=_positive, default=200, help="default: 200")
+    parser.add_argument(
+        "--attempts", type=_positive, default=8, help="calls per payment (default: 8)"
+    )
+    parser.add_argument(
+        "--processes", type=_positive, default=4, help="worker processes (default: 4)"
+    )
+    parser.add_argument(
+        "--threads", type=_positive, default=4, help="threads per process (default: 4)"
+    )
+    parser.add_argument(
+        "--crash-rate",
+        type=_rate,
+        default=0.05,
+        help="share of executions that hard-crash after claiming (default: 0.05)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="decides the order and crashes")
+    parser.add_argument(
+        "--db",
+        type=Path,
+        help="the store's SQLite file; the ledger goes next to it (default: a temporary dir)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print the summary only")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary only")
+    parser.add_argument("--unsafe", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; return 0 when the ledger check passes, 1 when it fails, 3 if aborted."""
+    args = build_parser().parse_args(argv)
+    if args.db is not None:
+        db_path = args.db.resolve()
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        return _run(args, db_path, temporary=False)
+    with tempfile.TemporaryDirectory(prefix="oncely-demo-") as directory:
+        return _run(args, Path(directory) / "oncely.db", temporary=True)
+
+
+def _header(args: argparse.Namespace, where: str) -> str:
+    guard = "WITHOUT oncely (--unsafe)" if args.unsafe else "guarded by @oncely.idempotent"
+    return (
+        f"oncely demo: a retry storm on charge(payment_id, amount_cents), {guard}\n"
+        f"  {args.payments} payments x {args.attempts} attempts | {args.processes} processes x "
+        f"{args.threads} threads | lease {LEASE_SECONDS:g}s | {args.crash_rate * 100:g}% of "
+        f"executions crash (seed {args.seed})\n"
+        f"  oncely store and bank ledger: SQLite files in {where}\n"
+    )
+
+
+def _run(args: argparse.Namespace, db_path: Path, *, temporary: bool) -> int:
+    run = f"demo-{uuid.uuid4().hex[:8]}"  # keeps this run's keys and ledger rows apart
+    store_url = f"sqlite:///{db_path}"
+    bank_path = str(db_path.with_name(f"{db_path.stem}.bank{db_path.suffix or '.db'}"))
+    with contextlib.closing(open_bank(bank_path)) as bank:
+        bank.executescript(_LEDGER_SCHEMA)
+    with contextlib.ExitStack() as stack:
+        store = None
+        if not args.unsafe:  # opened here first, so the schema exists before workers start
+            store = oncely.open_store(store_url, namespace=run)
+            stack.callback(store.close)
+        if not (args.quiet or args.json):
+            _print(_header(args, "a temporary directory" if temporary else str(db_path.parent)))
+        started = time.monotonic()
+        try:
+            tally = Storm(args, store_url, bank_path, run).run_to_end()
+        except DemoAborted as exc:
+            print(f"demo aborted: {exc}", file=sys.stderr)
+            return EXIT_ABORTED
+        elapsed = time.monotonic() - started
+        check = check_ledger(bank_path, run, args.payments, store)
+    summary = summarise(args, tally, check, elapsed)
+    summary.update(run=run, store=str(db_path), bank=bank_path, temporary=temporary)
+    if args.json:
+        _print(json.dumps(summary, indent=2))
+    else:
+        if not args.quiet:
+            _print("")
+        _print(render_summary(summary))
+        _print("")
+        _print(summary["ledger_check"])
+    return EXIT_OK if check.ok else EXIT_LEDGER_FAILED
