@@ -236,3 +236,17 @@ def test_forked_child_opens_its_own_connections(tmp_path: Path) -> None:
 def _claim_child(store: SQLiteStore) -> None:
     answer = store.claim("child", "fp", lease=LEASE, ttl=TTL)
     os._exit(0 if isinstance(answer, Acquired) else 1)
+
+
+def test_memory_store_scan_and_purge() -> None:
+    """The memory store offers the same maintenance verbs as the SQL stores."""
+    from oncely.stores.memory import MemoryStore
+
+    clock = FrozenClock()
+    store = MemoryStore(clock=clock, namespace="ns")
+    for key in ("b", "a", "c"):
+        store.claim(key, "fp", lease=LEASE, ttl=TTL)
+    assert [record.key for record in store.scan(after="a")] == ["b", "c"]
+    clock.advance(TTL * 2)
+    assert store.purge() == 3
+    assert store.scan() == []

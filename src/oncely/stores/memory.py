@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 import threading
 from typing import Any, TypeVar
 
@@ -54,10 +55,23 @@ class MemoryStore(MachineStore):
         with self._lock:
             return self._records.get(key)
 
-    def purge(self, *, limit: int = 10_000) -> int:
-        """Delete up to *limit* expired records; return how many were deleted."""
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """Delete expired records (up to *limit*); return how many were deleted."""
         with self._lock:
-            return self._purge_locked(self.clock.now_ms(), limit=limit)
+            return self._purge_locked(self.clock.now_ms(), limit=limit or len(self._records))
+
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """Return up to *limit* live records whose key sorts after *after*, results left out."""
+        prefix = self._stored_key("")
+        now_ms = self.clock.now_ms()
+        with self._lock:
+            keys = sorted(
+                key
+                for key, record in self._records.items()
+                if key.startswith(prefix) and key > prefix + after and record.is_live(now_ms)
+            )[:limit]
+            records = [replace(self._records[key], result=None) for key in keys]
+        return [self._unscoped(record) for record in records]
 
     def _purge_locked(self, now_ms: int, *, limit: int) -> int:
         removed = 0

@@ -1,0 +1,128 @@
+"""The oncely command line, driven through click's CliRunner against a SQLite file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import oncely
+from oncely.cli._app import cli
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path}/oncely.db"
+    store = oncely.open_store(url)
+
+    @oncely.idempotent(store=store, key="k", scope="billing.charge")
+    def charge(k: str) -> dict[str, int]:
+        return {"cents": 500}
+
+    charge("p-1")
+    charge("p-2")
+    store.claim("stuck", "fp", lease=timedelta(milliseconds=1), ttl=timedelta(hours=1))
+    store.claim("held", "fp", lease=timedelta(hours=1), ttl=timedelta(hours=1))
+    answer = store.claim("old", "fp", lease=timedelta(hours=1), ttl=timedelta(hours=1))
+    assert isinstance(answer, oncely.Acquired)
+    store.complete("old", answer.token, b"x", ttl=timedelta(milliseconds=1))
+    store.close()
+    return url
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_inspect_shows_the_decoded_outcome(url: str) -> None:
+    """inspect KEY --scope S prints the record and its stored value."""
+    code, out = run("--store", url, "--json", "inspect", "p-1", "--scope", "billing.charge")
+    assert code == 0
+    record = json.loads(out)
+    assert (record["status"], record["token"], record["value"]) == ("completed", 1, {"cents": 500})
+    code, out = run("--store", url, "inspect", "p-1", "--scope", "billing.charge")
+    assert code == 0
+    assert "completed" in out
+
+
+def test_inspect_missing_key_exits_1(url: str) -> None:
+    """A key with no live record exits with status 1."""
+    code, out = run("--store", url, "inspect", "nope")
+    assert code == 1
+    assert "no live record" in out
+
+
+def test_leases_and_stuck_leases(url: str) -> None:
+    """leases lists in-progress records; --stuck only those whose lease has expired."""
+    code, out = run("--store", url, "--json", "leases")
+    assert code == 0
+    assert {row["key"] for row in json.loads(out)} == {"stuck", "held"}
+    code, out = run("--store", url, "--json", "leases", "--stuck")
+    assert [row["key"] for row in json.loads(out)] == ["stuck"]
+
+
+def test_stats_and_purge(url: str) -> None:
+    """stats counts live records by status; purge deletes the expired one."""
+    code, out = run("--store", url, "--json", "stats")
+    assert code == 0
+    assert json.loads(out) == {"completed": 2, "failed": 0, "in_progress": 2, "released": 0}
+    code, out = run("--store", url, "--json", "purge")
+    assert (code, json.loads(out)) == (0, {"deleted": 1})
+
+
+def test_migrate_then_use(tmp_path: Path) -> None:
+    """Other commands refuse a store without schema; migrate creates it."""
+    url = f"sqlite:///{tmp_path}/new.db"
+    code, out = run("--store", url, "stats")
+    assert code == 2
+    assert "migrate" in out
+    assert run("--store", url, "migrate")[0] == 0
+    assert run("--store", url, "migrate")[0] == 0
+    assert run("--store", url, "stats")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["stats"], 2),
+        (["--store", "dynamo://x", "stats"], 2),
+        (["--store", "sqlite:///"], 2),
+    ],
+)
+def test_setup_errors_exit_2(args: list[str], code: int) -> None:
+    """No store, an unknown scheme or a bad URL exit with status 2 and a message."""
+    exit_code, out = run(*args)
+    assert exit_code == code
+    assert out.strip()
+
+
+def test_unreachable_store_exits_3(tmp_path: Path) -> None:
+    """A store that cannot be opened is 'unavailable', exit status 3."""
+    code, out = run("--store", f"sqlite:///{tmp_path}/missing-dir/x/y.db", "migrate")
+    assert code == 3
+    assert "unavailable" in out
+
+
+def test_entry_point_without_click() -> None:
+    """Without the cli extra, the entry point says which extra to install."""
+    code = "import sys; sys.modules['click'] = None; from oncely.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "pip install 'oncely[cli]'" in result.stderr
+
+
+def test_module_entry_point_runs(url: str) -> None:
+    """python -m oncely.cli works like the console script."""
+    result = subprocess.run(
+        [sys.executable, "-m", "oncely.cli", "--store", url, "--json", "stats"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(result.stdout)["completed"] == 2
