@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import replace
 import threading
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from oncely._core.clock import Clock
