@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -81,6 +82,9 @@ class StoreCalls:
 
     def close(self) -> None:
         if self._loop is not None:
+            # End the loop as asyncio.run does, so stores that keep per-loop connections
+            # (closed when the loop shuts its async generators down) release them.
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
 
@@ -106,6 +110,8 @@ class StoreConformance:
             False it uses a server clock, and the suite waits for short leases to pass.
         lease: The lease used by tests that let it expire.
         racers: How many concurrent claimers the races use.
+        preload: Modules the process race's forkserver imports once, so that 64 children do
+            not each import the driver (effective when this class starts the forkserver).
 
     A store that cannot be shared between processes (the memory store) sets
     ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
@@ -114,6 +120,7 @@ class StoreConformance:
     controls_clock: ClassVar[bool] = True
     lease: ClassVar[timedelta] = timedelta(seconds=30)
     racers: ClassVar[int] = 64
+    preload: ClassVar[tuple[str, ...]] = ()
 
     def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
         """Return a fresh store using *clock* (when it controls one) and *namespace*."""
@@ -453,7 +460,7 @@ class StoreConformance:
     def test_claim_race_processes_exactly_one_acquires(self, namespace: str, key: str) -> None:
         """64 processes claim one key at once: exactly one is Acquired."""
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["oncely", "oncely._conformance"])
+        context.set_forkserver_preload(["oncely", "oncely._conformance", *self.preload])
         barrier = context.Barrier(self.racers)
         results = context.Queue()
         racers = [
@@ -520,8 +527,9 @@ def _model_machine(
         @rule(target=tokens, index=st.integers(0, 2), fp=st.sampled_from(["a", "b"]))
         def claim(self, index: int, fp: str) -> int:
             key = self._key(index)
+            found = self.model.get(key)
             new, expected = machine.claim(
-                key, self.model.get(key), fp, now_ms=now(), lease_ms=lease_ms, ttl_ms=ttl_ms
+                key, found, fp, now_ms=now(), lease_ms=lease_ms, ttl_ms=ttl_ms
             )
             actual: ClaimResult = api.claim(
                 key,
@@ -529,8 +537,20 @@ def _model_machine(
                 lease=timedelta(milliseconds=lease_ms),
                 ttl=timedelta(milliseconds=ttl_ms),
             )
-            self._apply(key, new)
             assert type(actual) is type(expected), (actual, expected)
+            if (
+                isinstance(expected, Acquired)
+                and isinstance(actual, Acquired)
+                and found is not None
+                and not found.is_live(now())
+                and actual.token == 1
+                and new is not None
+            ):
+                # Past its expiry a record may be gone from the store (Redis TTL, a purge) or
+                # still there: tokens restart at 1 or go on. Both are within the contract.
+                new = replace(new, token=1)
+                expected = replace(expected, token=1)
+            self._apply(key, new)
             if isinstance(expected, Replay):
                 assert isinstance(actual, Replay)
                 got = actual.record

@@ -11,13 +11,28 @@ from oncely.stores._registry import open_store
 
 if TYPE_CHECKING:
     from oncely.stores.memory import MemoryStore
+    from oncely.stores.postgres import PostgresStore
+    from oncely.stores.redis import RedisClusterStore, RedisStore
     from oncely.stores.sqlite import SQLiteStore
+    from oncely.stores.tiered import TieredStore
 
-__all__ = ["MemoryStore", "SQLiteStore", "open_store"]
+__all__ = [
+    "MemoryStore",
+    "open_store",
+    "PostgresStore",
+    "RedisClusterStore",
+    "RedisStore",
+    "SQLiteStore",
+    "TieredStore",
+]
 
 _LAZY = {
     "MemoryStore": "oncely.stores.memory",
+    "PostgresStore": "oncely.stores.postgres",
+    "RedisClusterStore": "oncely.stores.redis",
+    "RedisStore": "oncely.stores.redis",
     "SQLiteStore": "oncely.stores.sqlite",
+    "TieredStore": "oncely.stores.tiered",
 }
 
 

@@ -1,0 +1,174 @@
+"""Record keys and the scripts' replies, for the sync and the async client alike.
+
+One record is one Redis hash named ``<prefix>{<namespace>:<key>}``. The braces are a Redis
+Cluster hash tag: its content decides the slot. So that a key's own braces can never end the tag
+early (or leave it empty, which would hash the whole name), ``%``, ``{`` and ``}`` are
+percent-escaped in the key and the namespace, and ``:`` in the namespace too, which makes the
+name injective: two (namespace, key) pairs never share a hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Record,
+    Replay,
+    Status,
+)
+from oncely.errors import ConfigurationError, CorruptRecordError, StoreError
+
+__all__ = ["BACKEND", "Keyspace", "claim_answer", "record_or_none", "settle_answer"]
+
+BACKEND: Final = "redis"
+"""The backend name carried by the errors this store raises."""
+
+_ESCAPES: Final = {"%": "%25", "{": "%7B", "}": "%7D"}
+_NAMESPACE_ESCAPES: Final = {**_ESCAPES, ":": "%3A"}
+_GLOB_SPECIAL: Final = frozenset("*?[]\\")
+
+
+def _escape(text: str, table: dict[str, str]) -> str:
+    return "".join(table.get(char, char) for char in text)
+
+
+def _unescape(text: str) -> str:
+    for plain, escaped in _ESCAPES.items():
+        if plain != "%":
+            text = text.replace(escaped, plain)
+    return text.replace("%25", "%")
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + char if char in _GLOB_SPECIAL else char for char in text)
+
+
+@dataclass(frozen=True, slots=True)
+class Keyspace:
+    """Where one store's records live: a key prefix and a namespace.
+
+    Attributes:
+        prefix: Starts every record's name (``"oncely:"`` by default); it must not contain
+            braces, which would move the cluster hash tag.
+        namespace: Keeps this store's keys apart from other stores' on the same server.
+    """
+
+    prefix: str
+    namespace: str
+
+    def __post_init__(self) -> None:
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ConfigurationError(
+                f"the Redis key prefix must not contain braces: {self.prefix!r}"
+            )
+
+    @property
+    def _head(self) -> str:
+        return f"{self.prefix}{{{_escape(self.namespace, _NAMESPACE_ESCAPES)}:"
+
+    def name(self, key: str) -> bytes:
+        """Return the name of the hash holding *key*'s record."""
+        return f"{self._head}{_escape(key, _ESCAPES)}}}".encode()
+
+    def pattern(self) -> bytes:
+        """Return a SCAN ``MATCH`` pattern for every record of this namespace."""
+        return f"{_glob_escape(self._head)}*}}".encode()
+
+    def key_of(self, name: bytes) -> str | None:
+        """Return the key whose record is stored at *name*, or ``None`` for a foreign name."""
+        text = name.decode("utf-8", errors="replace")
+        if not (text.startswith(self._head) and text.endswith("}")):
+            return None
+        escaped = text[len(self._head) : -1]
+        return None if "{" in escaped or "}" in escaped else _unescape(escaped)
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+def _corrupt(key: str, reason: Any) -> CorruptRecordError:
+    text = reason.decode("utf-8", errors="replace") if isinstance(reason, bytes) else str(reason)
+    return CorruptRecordError(text, backend=BACKEND, key=key)
+
+
+def _unexpected(key: str, reply: Any) -> StoreError:
+    return StoreError(
+        f"unexpected reply from a Redis script for {key!r}: {reply!r:.200}", backend=BACKEND
+    )
+
+
+def _record(key: str, fields: list[Any]) -> Record:
+    """Build a record from the fields `record.lua` replies (already checked by the script)."""
+    try:
+        status, fingerprint, token, attempt, lease, expires, created, updated, result = fields
+        return Record(
+            key=key,
+            status=Status(status.decode()),
+            fingerprint=fingerprint.decode(),
+            token=int(token),
+            attempt=int(attempt),
+            lease_expires_at_ms=int(lease),
+            expires_at_ms=int(expires),
+            created_at_ms=int(created),
+            updated_at_ms=int(updated),
+            result=None if result is None else bytes(result),
+        )
+    except (TypeError, ValueError, AttributeError) as exc:  # incl. UnicodeDecodeError
+        raise _corrupt(key, exc) from exc
+
+
+def _tagged(key: str, reply: Any) -> tuple[bytes, list[Any]]:
+    if not isinstance(reply, list) or not reply or not isinstance(reply[0], bytes):
+        raise _unexpected(key, reply)
+    if reply[0] == b"corrupt":
+        raise _corrupt(key, reply[1] if len(reply) > 1 else "no reason given")
+    return reply[0], reply[1:]
+
+
+def claim_answer(key: str, reply: Any) -> ClaimResult:
+    """Decode `claim.lua`'s reply for the caller's *key*.
+
+    Raises:
+        CorruptRecordError: The record at the key could not be decoded.
+    """
+    tag, rest = _tagged(key, reply)
+    if tag == b"acquired" and len(rest) == 3:
+        token, attempt, recovered = rest
+        return Acquired(int(token), recovered=bool(recovered), attempt=int(attempt))
+    if tag == b"in_progress" and len(rest) == 1:
+        return InProgress(retry_after=timedelta(milliseconds=int(rest[0])))
+    if tag == b"replay" and len(rest) == 9:
+        return Replay(_record(key, rest))
+    if tag == b"mismatch" and len(rest) == 1:
+        try:
+            return Mismatch(stored_fingerprint=rest[0].decode())
+        except UnicodeDecodeError as exc:
+            raise _corrupt(key, exc) from exc
+    raise _unexpected(key, reply)
+
+
+def settle_answer(key: str, reply: Any) -> LeaseLost | None:
+    """Decode the reply of `complete.lua`, `fail.lua`, `release.lua` or `extend.lua`."""
+    if reply == 1:
+        return None
+    if reply == 0:
+        return LeaseLost()
+    _tagged(key, reply)  # raises for a corrupt record
+    raise _unexpected(key, reply)
+
+
+def record_or_none(key: str, reply: Any) -> Record | None:
+    """Decode `get.lua`'s reply: the live record, or ``None``."""
+    tag, rest = _tagged(key, reply)
+    if tag == b"absent":
+        return None
+    if tag == b"record" and len(rest) == 9:
+        return _record(key, rest)
+    raise _unexpected(key, reply)

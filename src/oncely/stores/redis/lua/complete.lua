@@ -1,0 +1,7 @@
+-- complete.lua: store the result of the operation holding the lease (machine.complete).
+-- KEYS[1]  the record hash
+-- ARGV[1]  fencing token
+-- ARGV[2]  result bytes
+-- ARGV[3]  ttl of the completed record, milliseconds
+-- returns  1 | 0 (lease lost) | {"corrupt", reason}
+return finish("completed")

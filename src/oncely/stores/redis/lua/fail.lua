@@ -1,0 +1,7 @@
+-- fail.lua: store a final error of the operation holding the lease (machine.fail).
+-- KEYS[1]  the record hash
+-- ARGV[1]  fencing token
+-- ARGV[2]  error bytes
+-- ARGV[3]  ttl of the failed record, milliseconds
+-- returns  1 | 0 (lease lost) | {"corrupt", reason}
+return finish("failed")

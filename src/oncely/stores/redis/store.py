@@ -1,0 +1,621 @@
+"""`redis://`, `rediss://` and `redis+cluster://`: the lowest-latency stores.
+
+Every transition is one Lua script (``lua/*.lua``) run by EVALSHA: one round trip, atomic on the
+server, and judged by the server's clock (``TIME``), so workers whose clocks disagree cannot
+steal each other's leases. The ``clock`` option other stores take is accepted and ignored.
+Records expire through Redis's own TTL (``PEXPIREAT`` on each record's hash).
+
+One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
+client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
+the same flows (`oncely.stores.redis._scripts`); the two ``_perform`` methods below are the only
+code that differs. Every redis-py exception is translated in `_RedisStoreBase._translate_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import threading
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from types import ModuleType
+from typing import Any, ClassVar, Final, TypeVar
+from urllib.parse import unquote
+
+from oncely._core.clock import Clock
+from oncely._core.flow import adrive, drive
+from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._deps import require
+from oncely.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.stores.redis import _scripts
+from oncely.stores.redis._codec import BACKEND, Keyspace
+
+__all__ = ["RedisClusterStore", "RedisStore"]
+
+_S = TypeVar("_S", bound="_RedisStoreBase")
+
+DEFAULT_PREFIX: Final = "oncely:"
+"""The prefix of every record's name unless another is given."""
+
+_TRANSIENT_REPLIES: Final = frozenset(
+    {"BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY"}
+)
+"""Error replies that mean "not now" rather than "never": failovers, loading, a busy script."""
+
+
+def _redis() -> ModuleType:
+    return require("redis", extra="redis")
+
+
+@dataclass(eq=False)
+class _LoopClient:
+    """The async client of one event loop, with its scripts."""
+
+    client: Any
+    scripts: Mapping[str, Any]
+    ready: asyncio.Task[None] | None = None  # the client's start: see _async_scripts
+    guard: AsyncGenerator[None, None] | None = None  # see _close_with_loop
+    closed: bool = False
+
+    async def close_client(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):  # a dead connection is closed all the same
+                await self.client.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client, and finish the guard so the loop has nothing left to close."""
+        await self.close_client()
+        if self.guard is not None:
+            await self.guard.aclose()
+
+
+async def _close_with_loop(entry: _LoopClient) -> AsyncGenerator[None, None]:
+    """An async generator the loop closes when it shuts down, taking the client with it.
+
+    ``asyncio.run`` (and any runner that calls ``loop.shutdown_asyncgens()``) closes every live
+    async generator before it closes the loop: that is the last moment the loop's connections
+    can be closed cleanly, whether or not the application ever closes the store.
+    """
+    try:
+        yield
+    finally:
+        await entry.close_client()
+
+
+class _RedisStoreBase:
+    """What the standalone and the cluster store share: everything but making clients."""
+
+    backend: ClassVar[str] = BACKEND
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        prefix: str,
+        clock: Clock | None,
+        socket_timeout: float | None,
+        socket_connect_timeout: float | None,
+        retries: int,
+        client_options: dict[str, Any],
+    ) -> None:
+        del clock  # leases and expiry are judged by the server's clock (TIME)
+        self._redis = _redis()
+        _check_options(client_options)
+        if retries < 0:
+            raise ConfigurationError(f"retries must be 0 or more, not {retries}")
+        self.namespace = namespace
+        self._space = Keyspace(prefix, namespace)
+        self._retries = retries
+        self._options: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_connect_timeout,
+            **client_options,
+            "decode_responses": False,
+        }
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: Mapping[str, Any] | None = None
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
+        self._closed = False
+
+    # -- clients: subclasses make them ---------------------------------------------------------
+
+    def _new_client(self) -> Any:
+        raise NotImplementedError
+
+    def _new_async_client(self) -> Any:
+        raise NotImplementedError
+
+    def _retry(self, retry_class: Any) -> Any:
+        # Re-send once after a connection error: that heals a pooled connection the server or a
+        # proxy dropped (restart, idle timeout, CLIENT KILL) while a down server still fails in
+        # milliseconds. Timeouts are not retried: the script may have run, and a blind re-send
+        # would answer InProgress to its own claim or LeaseLost to its own complete.
+        backoff = self._redis.backoff.ExponentialWithJitterBackoff(base=0.01, cap=0.25)
+        return retry_class(backoff, self._retries, supported_errors=(self._redis.ConnectionError,))
+
+    def _register(self, client: Any) -> dict[str, Any]:
+        return {name: client.register_script(text) for name, text in _scripts.sources().items()}
+
+    def _sync_scripts(self) -> Mapping[str, Any]:
+        scripts = self._scripts
+        if scripts is None:
+            with self._lock:
+                self._check_open()
+                if self._scripts is None:
+                    self._client = self._new_client()
+                    self._scripts = self._register(self._client)
+                scripts = self._scripts
+        return scripts
+
+    async def _async_scripts(self) -> Mapping[str, Any]:
+        loop = asyncio.get_running_loop()
+        entry = self._loops.get(loop)
+        if entry is None:
+            with self._lock:
+                self._check_open()
+                entry = self._loops.get(loop)
+                if entry is None:
+                    for other in [other for other in self._loops if other.is_closed()]:
+                        del self._loops[other]  # closed loops closed their clients already
+                    client = self._new_async_client()
+                    entry = self._loops[loop] = _LoopClient(client, self._register(client))
+                    entry.ready = loop.create_task(self._start(loop, entry))
+        assert entry.ready is not None
+        # Every caller waits for the start; shielded, so that one caller's cancellation
+        # does not cancel it for the others.
+        await asyncio.shield(entry.ready)
+        return entry.scripts
+
+    async def _start(self, loop: asyncio.AbstractEventLoop, entry: _LoopClient) -> None:
+        """Tie a new async client to its loop's shutdown, and prepare it before any use."""
+        entry.guard = _close_with_loop(entry)
+        await entry.guard.__anext__()  # from now on the loop tracks it
+        try:
+            await self._prepare_async(entry.client)
+        except BaseException:
+            with self._lock:
+                if self._loops.get(loop) is entry:
+                    del self._loops[loop]  # the next call starts afresh
+            await entry.aclose()
+            raise
+
+    async def _prepare_async(self, client: Any) -> None:
+        """Get a new async client ready before the loop's first command (nothing to do here)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed", backend=self.backend)
+
+    # -- the one boundary where redis-py exceptions become oncely's -----------------------------
+
+    @contextlib.contextmanager
+    def _translate_errors(self, key: str) -> Iterator[None]:
+        redis = self._redis
+        try:
+            yield
+        except redis.ResponseError as exc:
+            code = str(exc).split(" ", 1)[0]
+            if code == "WRONGTYPE":
+                raise CorruptRecordError(str(exc), backend=self.backend, key=key) from exc
+            if code in _TRANSIENT_REPLIES or isinstance(
+                exc, (redis.exceptions.ClusterError, redis.exceptions.TryAgainError)
+            ):
+                raise self._unavailable(key, exc) from exc
+            raise StoreError(
+                f"Redis rejected an operation on {key!r}: {exc}", backend=self.backend
+            ) from exc
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            raise StoreError(f"Redis refused this client: {exc}", backend=self.backend) from exc
+        except (
+            redis.ConnectionError,
+            redis.TimeoutError,
+            redis.exceptions.ClusterError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        ) as exc:
+            raise self._unavailable(key, exc) from exc
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis failed on {key!r}: {exc}", backend=self.backend) from exc
+
+    def _unavailable(self, key: str, exc: BaseException) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"Redis could not serve {key!r}: {type(exc).__name__}: {exc}", backend=self.backend
+        )
+
+    # -- performing a flow's script call, in each world ----------------------------------------
+
+    def _perform(self, call: _scripts.ScriptCall) -> Any:
+        with self._translate_errors(call.key):
+            self._check_open()
+            return self._sync_scripts()[call.script](keys=[call.record], args=call.args)
+
+    async def _aperform(self, call: _scripts.ScriptCall) -> Any:
+        with self._translate_errors(call.key):
+            self._check_open()
+            script = (await self._async_scripts())[call.script]
+            return await script(keys=[call.record], args=call.args)
+
+    # -- sync verbs ----------------------------------------------------------------------------
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`. One round trip, judged by the server's clock."""
+        return drive(_scripts.claim(self._space, key, fingerprint, lease, ttl), self._perform)
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`. One round trip."""
+        flow = _scripts.finish(self._space, "complete", key, token, result, ttl)
+        return drive(flow, self._perform)
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`. One round trip."""
+        return drive(_scripts.finish(self._space, "fail", key, token, error, ttl), self._perform)
+
+    def release(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.SyncStore.release`. One round trip."""
+        return drive(_scripts.release(self._space, key, token), self._perform)
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.extend`. One round trip."""
+        return drive(_scripts.extend(self._space, key, token, lease), self._perform)
+
+    def get(self, key: str) -> Record | None:
+        """See `oncely.SyncStore.get`: the record if it is live by the server's clock."""
+        return drive(_scripts.get(self._space, key), self._perform)
+
+    # -- async verbs ---------------------------------------------------------------------------
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`."""
+        flow = _scripts.claim(self._space, key, fingerprint, lease, ttl)
+        return await adrive(flow, self._aperform)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        flow = _scripts.finish(self._space, "complete", key, token, result, ttl)
+        return await adrive(flow, self._aperform)
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        flow = _scripts.finish(self._space, "fail", key, token, error, ttl)
+        return await adrive(flow, self._aperform)
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.AsyncStore.arelease`."""
+        return await adrive(_scripts.release(self._space, key, token), self._aperform)
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.AsyncStore.aextend`."""
+        return await adrive(_scripts.extend(self._space, key, token, lease), self._aperform)
+
+    async def aget(self, key: str) -> Record | None:
+        """See `oncely.AsyncStore.aget`."""
+        return await adrive(_scripts.get(self._space, key), self._aperform)
+
+    # -- maintenance ---------------------------------------------------------------------------
+
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """List live records in key order, without their results.
+
+        Redis keeps no order: each call SCANs every record name of the namespace (on every
+        primary of a cluster), then reads the *limit* first records, one round trip each. Meant
+        for the CLI and occasional inspection, not for hot paths.
+
+        Args:
+            after: Only keys that sort after this one (the last key of the previous page).
+            limit: At most this many records.
+
+        Returns:
+            The records, with ``result`` left out (``None``).
+
+        Raises:
+            StoreUnavailableError: The server could not be reached.
+        """
+        with self._translate_errors(""):
+            self._check_open()
+            self._sync_scripts()  # makes the sync client
+            names = self._client.scan_iter(match=self._space.pattern(), count=1000)
+            keys = (self._space.key_of(name) for name in names)
+            first = heapq.nsmallest(limit, {key for key in keys if key is not None and key > after})
+        records = (self.get(key) for key in first)
+        return [replace(record, result=None) for record in records if record is not None]
+
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """Do nothing: Redis deletes each record when it expires (its TTL).
+
+        Args:
+            batch: Ignored (accepted like the SQL stores' ``purge``).
+            limit: Ignored.
+
+        Returns:
+            0, the number of records this call deleted.
+        """
+        del batch, limit
+        return 0
+
+    def migrate(self) -> None:
+        """Do nothing: a Redis store has no schema (accepted like the SQL stores' ``migrate``)."""
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the sync client and every event loop's async client. Idempotent.
+
+        An event loop that is running elsewhere closes its client on its own thread; a loop
+        already closed without ``shutdown_asyncgens()`` (which ``asyncio.run`` calls) cannot
+        close its sockets any more, and leaves them to the garbage collector.
+        """
+        for loop, entry in self._shut():
+            if loop.is_closed():
+                continue
+            if loop.is_running():
+                asyncio.run_coroutine_threadsafe(entry.aclose(), loop)
+            else:
+                loop.run_until_complete(entry.aclose())
+
+    async def aclose(self) -> None:
+        """Close the current event loop's client, the sync client, and the other loops' ones."""
+        current = asyncio.get_running_loop()
+        for loop, entry in self._shut():
+            if loop is current:
+                await entry.aclose()
+            elif not loop.is_closed() and loop.is_running():
+                asyncio.run_coroutine_threadsafe(entry.aclose(), loop)
+
+    def _shut(self) -> list[tuple[asyncio.AbstractEventLoop, _LoopClient]]:
+        """Mark the store closed, close the sync client, and hand over the async ones."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._closed = True
+            client, self._client, self._scripts = self._client, None, None
+            loops, self._loops = list(self._loops.items()), {}
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        return loops
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self: _S) -> _S:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Refuse the client options (or URL parameters) that would break the store."""
+    if options.get("decode_responses") not in (None, False):
+        raise ConfigurationError("the Redis store needs decode_responses=False (results are bytes)")
+    if "retry" in options or "retry_on_timeout" in options:
+        raise ConfigurationError(
+            "the Redis store sets up retries itself: pass retries=<n> (0 to fail at once)"
+        )
+
+
+def _masked(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}{sep}{user}:***@{hosts}" if ":" in userinfo else url
+
+
+class RedisStore(_RedisStoreBase):
+    """Records in one Redis server (or a proxy in front of several), as one hash each.
+
+    Args:
+        url: ``redis://[[user]:password@]host[:port][/db]`` or ``rediss://…`` for TLS, with
+            redis-py's query parameters (``?socket_timeout=2``…).
+        namespace: Keeps this store's keys apart from other stores' on the same server.
+        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        clock: Accepted for symmetry with other stores and ignored: the server's ``TIME``
+            judges every lease and expiry.
+        socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
+        socket_connect_timeout: Seconds to wait for a connection.
+        retries: How often a command is re-sent after a connection error (0: never). Timeouts
+            are never retried: the script may have run.
+        **client_options: Passed to both redis-py clients (``max_connections``,
+            ``ssl_ca_certs``, ``client_name``…).
+
+    Raises:
+        ConfigurationError: The URL or an option is malformed.
+        MissingDependencyError: redis-py is not installed (``pip install 'oncely[redis]'``).
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        namespace: str = "",
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock | None = None,
+        socket_timeout: float | None = 5.0,
+        socket_connect_timeout: float | None = 2.0,
+        retries: int = 1,
+        **client_options: Any,
+    ) -> None:
+        super().__init__(
+            namespace=namespace,
+            prefix=prefix,
+            clock=clock,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            retries=retries,
+            client_options=client_options,
+        )
+        try:
+            _check_options(self._redis.connection.parse_url(url))
+        except ValueError as exc:  # incl. ConfigurationError
+            raise ConfigurationError(f"malformed Redis URL {_masked(url)!r}: {exc}") from exc
+        self.url = url
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStore:
+        """Open ``redis://…`` or ``rediss://…``; what `oncely.open_store` calls.
+
+        Args:
+            url: The server's URL.
+            **options: The keyword arguments of the class.
+
+        Returns:
+            The store; it connects on first use.
+        """
+        return cls(url, **options)
+
+    def _new_client(self) -> Any:
+        retry = self._retry(self._redis.retry.Retry)
+        return self._redis.Redis.from_url(self.url, retry=retry, **self._options)
+
+    def _new_async_client(self) -> Any:
+        asyncio_redis = require("redis.asyncio", extra="redis")
+        retry = self._retry(require("redis.asyncio.retry", extra="redis").Retry)
+        return asyncio_redis.Redis.from_url(self.url, retry=retry, **self._options)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({_masked(self.url)!r}, namespace={self.namespace!r})"
+
+
+class RedisClusterStore(_RedisStoreBase):
+    """Records in a Redis Cluster: each record is one hash, so it lives in one slot.
+
+    Args:
+        url: ``redis+cluster://[[user]:password@]host:port[,host:port…]`` naming one or more
+            startup nodes; the client discovers the others. Query parameters as for
+            `RedisStore`; TLS with ``ssl=True``.
+        namespace: Keeps this store's keys apart from other stores' on the same cluster.
+        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        clock: Accepted and ignored: the ``TIME`` of the node owning a record judges it.
+        socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
+        socket_connect_timeout: Seconds to wait for a connection.
+        retries: How often the cluster client retries a command after a connection error or a
+            cluster reconfiguration (``CLUSTERDOWN``, a failover) before giving up.
+        **client_options: Passed to both redis-py cluster clients.
+
+    Raises:
+        ConfigurationError: The URL or an option is malformed.
+        MissingDependencyError: redis-py is not installed (``pip install 'oncely[redis]'``).
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "",
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock | None = None,
+        socket_timeout: float | None = 5.0,
+        socket_connect_timeout: float | None = 2.0,
+        retries: int = 1,
+        **client_options: Any,
+    ) -> None:
+        super().__init__(
+            namespace=namespace,
+            prefix=prefix,
+            clock=clock,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            retries=retries,
+            client_options=client_options,
+        )
+        self.url = url
+        self.nodes, url_options = _parse_cluster_url(self._redis, url)
+        self._options = {**self._options, **url_options}  # the URL wins, as in redis-py
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisClusterStore:
+        """Open ``redis+cluster://host:port,host:port,…``; what `oncely.open_store` calls.
+
+        Args:
+            url: The startup nodes' URL.
+            **options: The keyword arguments of the class.
+
+        Returns:
+            The store; it connects to the cluster on first use.
+        """
+        return cls(url, **options)
+
+    def _new_client(self) -> Any:
+        cluster = self._redis.cluster
+        return cluster.RedisCluster(
+            startup_nodes=[cluster.ClusterNode(host, port) for host, port in self.nodes],
+            retry=self._retry(self._redis.retry.Retry),
+            **self._options,
+        )
+
+    async def _prepare_async(self, client: Any) -> None:
+        # Learn the slot map before the first command: redis-py's async cluster client sends
+        # commands that arrive while it initialises to a default node, and the MOVED replies
+        # make it refresh the topology under the feet of concurrent commands.
+        await client.initialize()
+
+    def _new_async_client(self) -> Any:
+        cluster = require("redis.asyncio.cluster", extra="redis")
+        return cluster.RedisCluster(
+            startup_nodes=[cluster.ClusterNode(host, port) for host, port in self.nodes],
+            retry=self._retry(require("redis.asyncio.retry", extra="redis").Retry),
+            **self._options,
+        )
+
+    def __repr__(self) -> str:
+        return f"RedisClusterStore({_masked(self.url)!r}, namespace={self.namespace!r})"
+
+
+def _parse_cluster_url(redis: ModuleType, url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """Split ``redis+cluster://[auth@]h:p,h:p[/0][?query]`` into startup nodes and options."""
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() != "redis+cluster" or not rest:
+        raise ConfigurationError(
+            f"a Redis Cluster URL is redis+cluster://host:port,…, not {_masked(url)!r}"
+        )
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes: list[tuple[str, int]] = []
+    for address in hosts.split(","):
+        host, colon, port = address.strip().rpartition(":")
+        if not colon:
+            host, port = address.strip(), "6379"
+        host = host.strip("[]")
+        if not host or not port.isdigit():
+            raise ConfigurationError(
+                f"bad node {address!r} in the Redis Cluster URL {_masked(url)!r}"
+            )
+        nodes.append((unquote(host), int(port)))
+    single = f"redis://{userinfo}{at}{hosts.split(',')[0]}{slash}{path}"
+    try:
+        options: dict[str, Any] = redis.connection.parse_url(
+            f"{single}?{query}" if query else single
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"malformed Redis Cluster URL {_masked(url)!r}: {exc}") from exc
+    _check_options(options)
+    if options.pop("db", 0) not in (0, "0"):
+        raise ConfigurationError("a Redis Cluster has only database 0")
+    options.pop("host", None)
+    options.pop("port", None)
+    return nodes, options

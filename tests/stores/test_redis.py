@@ -1,0 +1,1057 @@
+"""What only the Redis stores do: Lua scripts, hash slots, TTLs, round trips, and faults.
+
+Fault tests run against redis-servers of their own, started on spare loopback ports and stopped
+afterwards; the shared servers are never flushed, restarted or reconfigured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.connection
+import redis.connection
+import redis.crc
+
+import oncely
+from oncely import Acquired, InProgress, LeaseLost, Replay, Status
+from oncely._core.keys import scope_key
+from oncely.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    MissingDependencyError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.stores import open_store
+from oncely.stores.redis import RedisClusterStore, RedisStore
+from oncely.stores.redis._codec import Keyspace
+from oncely.testing import FrozenClock
+from tests.conftest import service_url
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(minutes=5)
+
+
+# -- servers of our own --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on, from 16390 up (spread by pid between test runs)."""
+    start = 16390 + os.getpid() % 400
+    for port in range(start, start + 400):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port for a test redis-server")
+
+
+class OwnRedis:
+    """A redis-server of this test's own: started, killed and restarted at will."""
+
+    def __init__(self, directory: Path, *options: str) -> None:
+        self.port = _free_port()
+        self.directory = directory
+        self.options = options
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        executable = shutil.which("redis-server")
+        assert executable, "redis-server is not installed: run scripts/services"
+        # fmt: off
+        command = [
+            executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
+            *self.options,
+        ]
+        # fmt: on
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            with (
+                contextlib.suppress(redis.ConnectionError, redis.exceptions.BusyLoadingError),
+                self.admin() as admin,
+            ):
+                if admin.ping():
+                    return
+            assert self.process.poll() is None, "redis-server exited at start"
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.01)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.process is not None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def restart(self, sig: int = signal.SIGKILL) -> None:
+        self.stop(sig)
+        self.start()
+
+    def admin(self) -> redis.Redis:
+        return redis.Redis(port=self.port, retry=None, socket_timeout=5)
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[OwnRedis]:
+    """A redis-server without persistence, as on most caches."""
+    server = OwnRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def durable_server(tmp_path: Path) -> Iterator[OwnRedis]:
+    """A redis-server that fsyncs its append-only file on every write."""
+    server = OwnRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return service_url("ONCELY_TEST_REDIS_URL")
+
+
+@pytest.fixture
+def cluster_url() -> str:
+    return service_url("ONCELY_TEST_REDIS_CLUSTER_URL")
+
+
+@pytest.fixture
+def shared_store(redis_url: str, namespace: str) -> Iterator[RedisStore]:
+    with RedisStore(redis_url, namespace=namespace) as store:
+        yield store
+
+
+@pytest.fixture
+def shared_admin(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _key() -> str:
+    return f"key-{uuid.uuid4().hex}"
+
+
+def _arun(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+# -- URLs, options and imports -------------------------------------------------------------------
+
+
+@pytest.mark.redis
+class TestOpening:
+    def test_open_store_builds_the_standalone_store(self, redis_url: str) -> None:
+        """redis:// opens a RedisStore, accepting and ignoring a clock."""
+        with open_store(redis_url, namespace="n", clock=FrozenClock()) as store:
+            assert isinstance(store, RedisStore)
+            assert store.get(_key()) is None
+
+    def test_cluster_url_names_every_startup_node(self) -> None:
+        """redis+cluster:// takes several host:port pairs, credentials and query options."""
+        store = RedisClusterStore.from_url(
+            "redis+cluster://user:s%40cret@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002?socket_timeout=3"
+        )
+        assert store.nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002)]
+        assert store._options["password"] == "s@cret"
+        assert store._options["socket_timeout"] == 3.0
+        assert "cret" not in repr(store)
+
+    @pytest.mark.parametrize(
+        "url",
+        ["redis+cluster://", "redis+cluster://host:port", "redis+cluster://h:1/2"],
+    )
+    def test_malformed_cluster_url_is_a_configuration_error(self, url: str) -> None:
+        """A cluster URL without nodes, with a bad port or a database other than 0 is refused."""
+        with pytest.raises(ConfigurationError):
+            RedisClusterStore.from_url(url)
+
+    @pytest.mark.parametrize(
+        "options",
+        [{"decode_responses": True}, {"retry": None}, {"retries": -1}, {"prefix": "a{b}:"}],
+    )
+    def test_options_that_would_break_the_store_are_refused(
+        self, redis_url: str, options: dict[str, Any]
+    ) -> None:
+        """decode_responses, a foreign retry policy, and braces in the prefix are refused."""
+        with pytest.raises(ConfigurationError):
+            RedisStore(redis_url, **options)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "redis://127.0.0.1:notaport/0",
+            "redis://127.0.0.1:6379/0?decode_responses=true",
+            "redis+cluster://127.0.0.1:7101?decode_responses=1",
+        ],
+    )
+    def test_malformed_url_is_a_configuration_error(self, url: str) -> None:
+        """A URL redis-py cannot parse, or one asking for decoded replies, fails when the store
+        is built, not on first use.
+        """
+        with pytest.raises(ConfigurationError):
+            open_store(url)
+
+    def test_missing_driver_names_the_extra(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without redis-py the store explains which extra to install."""
+        monkeypatch.setitem(sys.modules, "redis", None)
+        with pytest.raises(MissingDependencyError, match=r"oncely\[redis\]"):
+            RedisStore("redis://127.0.0.1:6379/0")
+
+    def test_importing_the_package_does_not_import_redis(self) -> None:
+        """`import oncely` and the Redis store package load no driver until a store is built."""
+        code = (
+            "import sys, oncely, oncely.stores, oncely.stores.redis\n"
+            "assert 'redis' not in sys.modules, 'redis was imported'\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+
+    def test_closed_store_refuses_calls(self, redis_url: str) -> None:
+        """A closed store raises StoreError instead of reconnecting."""
+        store = RedisStore(redis_url, namespace="closed")
+        store.close()
+        store.close()
+        with pytest.raises(StoreError, match="closed"):
+            store.claim(_key(), "fp", lease=LEASE, ttl=TTL)
+        with pytest.raises(StoreError, match="closed"):
+            _arun(store.aget(_key()))
+
+
+# -- record layout: one hash, one slot, a TTL ----------------------------------------------------
+
+
+@pytest.mark.redis
+class TestRecordLayout:
+    def test_record_is_one_hash_named_by_prefix_namespace_and_key(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, namespace: str
+    ) -> None:
+        """The record of key k in namespace n is the hash ``oncely:{n:k}`` with every field."""
+        key = _key()
+        token = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(token, Acquired)
+        shared_store.complete(key, token.token, b"\x00\xff", ttl=TTL)
+        name = f"oncely:{{{namespace}:{key}}}".encode()
+        assert shared_admin.type(name) == b"hash"
+        fields = shared_admin.hgetall(name)
+        assert set(fields) == {
+            b"status",
+            b"fp",
+            b"token",
+            b"attempt",
+            b"lease",
+            b"expires",
+            b"created",
+            b"updated",
+            b"result",
+        }
+        assert (fields[b"status"], fields[b"token"], fields[b"result"]) == (
+            b"completed",
+            b"1",
+            b"\x00\xff",
+        )
+
+    @pytest.mark.parametrize(
+        "key", ["a}b", "}", "{", "{}", "}{", "a{b}c", "%7B", "a%b", "x:y", "é{ü}"]
+    )
+    def test_braces_in_keys_keep_one_nonempty_hash_tag(self, key: str) -> None:
+        """Braces in a key are escaped: the tag spans the whole namespace and key, never less."""
+        space = Keyspace("oncely:", "ns:1")
+        name = space.name(key).decode()
+        tag = name[name.index("{") + 1 : name.index("}")]
+        assert name == f"oncely:{{{tag}}}"
+        assert tag
+        assert "{" not in tag
+        assert space.key_of(space.name(key)) == key
+
+    def test_escaping_keeps_names_distinct(self) -> None:
+        """Keys and namespaces that differ only in escaped characters never share a record."""
+        pairs = [("a", "b:c"), ("a:b", "c"), ("", "a}"), ("", "a%7D"), ("", "a%257D"), ("x", "{")]
+        names = {Keyspace("p:", namespace).name(key) for namespace, key in pairs}
+        assert len(names) == len(pairs)
+
+    def test_ttl_is_set_on_every_record(
+        self, shared_store: RedisStore, shared_admin: redis.Redis
+    ) -> None:
+        """In progress: PTTL covers the lease and the ttl; completed: the ttl; Redis's expiry
+        time is exactly the record's expires_at_ms.
+        """
+        key = _key()
+        name = Keyspace("oncely:", shared_store.namespace).name(key)
+        lease = timedelta(seconds=20)
+        taken = shared_store.claim(key, "fp", lease=lease, ttl=timedelta(seconds=60))
+        assert isinstance(taken, Acquired)
+        assert 50_000 < shared_admin.pttl(name) <= 60_000
+        record = shared_store.get(key)
+        assert record is not None
+        assert shared_admin.pexpiretime(name) == record.expires_at_ms
+        shared_store.extend(key, taken.token, lease=timedelta(seconds=90))
+        assert 80_000 < shared_admin.pttl(name) <= 90_000
+        shared_store.complete(key, taken.token, b"r", ttl=timedelta(seconds=10))
+        assert 0 < shared_admin.pttl(name) <= 10_000
+        record = shared_store.get(key)
+        assert record is not None
+        assert shared_admin.pexpiretime(name) == record.expires_at_ms
+
+    def test_in_progress_record_outlives_its_lease(
+        self, shared_store: RedisStore, shared_admin: redis.Redis
+    ) -> None:
+        """With a ttl shorter than the lease, the record still lives as long as the lease."""
+        key = _key()
+        name = Keyspace("oncely:", shared_store.namespace).name(key)
+        shared_store.claim(key, "fp", lease=timedelta(seconds=40), ttl=timedelta(seconds=1))
+        assert shared_admin.pttl(name) > 30_000
+
+    def test_release_keeps_the_expiry(
+        self, shared_store: RedisStore, shared_admin: redis.Redis
+    ) -> None:
+        """A released tombstone keeps the record's expiry, hence its token."""
+        key = _key()
+        name = Keyspace("oncely:", shared_store.namespace).name(key)
+        taken = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+        before = shared_admin.pexpiretime(name)
+        assert shared_store.release(key, taken.token) is None
+        assert shared_admin.pexpiretime(name) == before
+        assert shared_admin.hget(name, "status") == b"released"
+
+    def test_scan_lists_live_records_in_key_order(self, shared_store: RedisStore) -> None:
+        """scan pages through this namespace's records by key, without results."""
+        for key in ("b", "a", "c{x}", "d"):
+            taken = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(taken, Acquired)
+            shared_store.complete(key, taken.token, b"big", ttl=TTL)
+        first = shared_store.scan(limit=2)
+        assert [record.key for record in first] == ["a", "b"]
+        rest = shared_store.scan(after="b", limit=10)
+        assert [record.key for record in rest] == ["c{x}", "d"]
+        assert all(record.result is None for record in first + rest)
+        assert shared_store.purge(batch=10) == 0  # Redis expires records itself
+        shared_store.migrate()  # no schema: nothing to do
+
+
+@pytest.mark.redis_cluster
+class TestCluster:
+    @pytest.fixture
+    def cluster_store(self, cluster_url: str, namespace: str) -> Iterator[RedisClusterStore]:
+        with RedisClusterStore(cluster_url, namespace=namespace) as store:
+            yield store
+
+    def test_each_record_lives_in_its_tags_slot_on_its_node(
+        self, cluster_store: RedisClusterStore, cluster_url: str
+    ) -> None:
+        """CLUSTER KEYSLOT of each record is its tag's slot, and the record is on that node."""
+        keys = [_key() + suffix for suffix in ("", "}", "{", "{}", "a}b{c", "é")]
+        for key in keys:
+            taken = cluster_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(taken, Acquired)
+            assert cluster_store.complete(key, taken.token, b"r" * 1000, ttl=TTL) is None
+        cluster = redis.RedisCluster(
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster_store.nodes]
+        )
+        try:
+            slots = set()
+            for key in keys:
+                name = Keyspace("oncely:", cluster_store.namespace).name(key)
+                tag = name[name.index(b"{") + 1 : name.index(b"}")]
+                slot = cluster.cluster_keyslot(name)
+                assert slot == cluster.cluster_keyslot(tag)
+                slots.add(slot)
+                node = cluster.get_node_from_key(name)
+                direct = redis.Redis(host=node.host, port=node.port)
+                try:
+                    assert direct.hget(name, "status") == b"completed"
+                    assert direct.pttl(name) > 0
+                finally:
+                    direct.close()
+            assert len(slots) > 1  # records spread over the cluster
+        finally:
+            cluster.close()
+
+    def test_async_cluster_client_serves_the_same_records(
+        self, cluster_store: RedisClusterStore
+    ) -> None:
+        """Sync and async cluster clients of one store see one record."""
+        key = _key()
+        taken = cluster_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+
+        async def finish() -> Any:
+            assert await cluster_store.acomplete(key, taken.token, b"done", ttl=TTL) is None
+            return await cluster_store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+
+        replay = _arun(finish())
+        assert isinstance(replay, Replay)
+        assert replay.record.result == b"done"
+
+    def test_unreachable_cluster_is_unavailable(self) -> None:
+        """No reachable startup node: StoreUnavailableError at once, sync and async, and each
+        call tries again rather than remembering the failure.
+        """
+        port = _free_port()
+
+        async def twice(store: RedisClusterStore) -> list[type[BaseException]]:
+            raised = []
+            for _ in range(2):
+                with pytest.raises(StoreUnavailableError) as error:
+                    await store.aclaim(_key(), "fp", lease=LEASE, ttl=TTL)
+                raised.append(type(error.value))
+            return raised
+
+        with RedisClusterStore(f"redis+cluster://127.0.0.1:{port}") as store:
+            with pytest.raises(StoreUnavailableError):
+                store.claim(_key(), "fp", lease=LEASE, ttl=TTL)
+            assert _arun(twice(store)) == [StoreUnavailableError, StoreUnavailableError]
+
+    def test_cold_async_client_serves_concurrent_first_calls(self, cluster_url: str) -> None:
+        """64 tasks hit a fresh store at once, again and again: one Acquired, no errors (the
+        async cluster client learns the slot map before the first command is sent).
+        """
+        for _ in range(10):
+            key = _key()
+            with RedisClusterStore(cluster_url, namespace=f"cold{uuid.uuid4().hex[:8]}") as store:
+
+                async def race(store: RedisClusterStore = store, key: str = key) -> list[Any]:
+                    calls = (store.aclaim(key, "fp", lease=LEASE, ttl=TTL) for _ in range(64))
+                    return await asyncio.gather(*calls, return_exceptions=True)
+
+                answers = _arun(race())
+            assert [type(answer) for answer in answers].count(Acquired) == 1, answers
+            assert all(isinstance(answer, (Acquired, InProgress)) for answer in answers), answers
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+
+class Sent:
+    """Counts the commands redis-py writes to any server, sync and async, by name."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        sync_send = redis.connection.AbstractConnection.send_packed_command
+        async_send = redis.asyncio.connection.AbstractConnection.send_packed_command
+        sent = self
+
+        def send(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+            sent._record(command)
+            return sync_send(self, command, *args, **kwargs)
+
+        async def asend(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+            sent._record(command)
+            return await async_send(self, command, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+        monkeypatch.setattr(
+            redis.asyncio.connection.AbstractConnection, "send_packed_command", asend
+        )
+
+    def _record(self, command: Any) -> None:
+        head = command if isinstance(command, (bytes, str)) else b"".join(list(command)[:1])
+        head = head.encode() if isinstance(head, str) else head
+        match = re.match(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)", head)
+        self.names.append(match.group(1).decode().upper() if match else "?")
+
+    def take(self) -> list[str]:
+        names, self.names = self.names, []
+        return names
+
+
+def _keys_in_one_slot(namespace: str) -> tuple[str, str]:
+    """Two keys whose records share a cluster slot, hence a node and its pooled connection."""
+    space = Keyspace("oncely:", namespace)
+    first = _key()
+    slot = redis.crc.key_slot(space.name(first))
+    while True:
+        second = _key()
+        if redis.crc.key_slot(space.name(second)) == slot:
+            return first, second
+
+
+def _each_verb_once(store: Any, mode: str, counter: Sent) -> dict[str, list[str]]:
+    """Run every verb once (after a warm-up of each) and return the commands each one sent."""
+    sent: dict[str, list[str]] = {}
+    warm_up, measured = _keys_in_one_slot(store.namespace)
+
+    def verbs(key: str) -> list[tuple[str, Callable[[], Any]]]:
+        def call(verb: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+            if mode == "sync":
+                return lambda: getattr(store, verb)(*args, **kwargs)
+            return lambda: _loop.run_until_complete(getattr(store, "a" + verb)(*args, **kwargs))
+
+        return [
+            ("claim", call("claim", key, "fp", lease=LEASE, ttl=TTL)),
+            ("extend", call("extend", key, 1, lease=LEASE)),
+            ("release", call("release", key, 1)),
+            ("claim again", call("claim", key, "fp", lease=LEASE, ttl=TTL)),
+            ("complete", call("complete", key, 2, b"x" * 100_000, ttl=TTL)),
+            ("replay", call("claim", key, "fp", lease=LEASE, ttl=TTL)),
+            ("get", call("get", key)),
+            ("fail on a completed record", call("fail", key, 2, b"e", ttl=TTL)),
+        ]
+
+    _loop = asyncio.new_event_loop()
+    try:
+        for _, run in verbs(warm_up):  # connections open, scripts loaded
+            run()
+        counter.take()
+        for name, run in verbs(measured):
+            run()
+            sent[name] = counter.take()
+    finally:
+        _loop.run_until_complete(_loop.shutdown_asyncgens())
+        _loop.close()
+    return sent
+
+
+class TestRoundTrips:
+    @pytest.mark.redis
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_every_verb_is_one_evalsha(
+        self, monkeypatch: pytest.MonkeyPatch, redis_url: str, namespace: str, mode: str
+    ) -> None:
+        """claim, complete, replay, release, extend, get and fail each send exactly one EVALSHA."""
+        counter = Sent(monkeypatch)
+        with RedisStore(redis_url, namespace=namespace) as store:
+            sent = _each_verb_once(store, mode, counter)
+        assert sent == {name: ["EVALSHA"] for name in sent}, sent
+
+    @pytest.mark.redis_cluster
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_every_verb_is_one_evalsha_on_the_cluster(
+        self, monkeypatch: pytest.MonkeyPatch, cluster_url: str, namespace: str, mode: str
+    ) -> None:
+        """On a cluster too each verb is one EVALSHA, sent straight to the slot's node."""
+        counter = Sent(monkeypatch)
+        with RedisClusterStore(cluster_url, namespace=namespace) as store:
+            sent = _each_verb_once(store, mode, counter)
+        assert sent == {name: ["EVALSHA"] for name in sent}, sent
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_script_flush_costs_one_reload_then_one_round_trip(
+        self, monkeypatch: pytest.MonkeyPatch, own_server: OwnRedis, mode: str
+    ) -> None:
+        """After SCRIPT FLUSH the next call reloads its script (NOSCRIPT, SCRIPT LOAD, EVALSHA)
+        transparently and the calls after it are one EVALSHA again.
+        """
+        counter = Sent(monkeypatch)
+        store = RedisStore(own_server.url, namespace="flush")
+        loop = asyncio.new_event_loop()
+
+        def claim(key: str) -> Any:
+            if mode == "sync":
+                return store.claim(key, "fp", lease=LEASE, ttl=TTL)
+            return loop.run_until_complete(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+
+        try:
+            assert isinstance(claim("warm-up"), Acquired)
+            with own_server.admin() as admin:
+                admin.script_flush()
+            counter.take()
+            assert isinstance(claim("after-flush"), Acquired)
+            assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]
+            assert isinstance(claim("after-flush"), InProgress)
+            assert counter.take() == ["EVALSHA"]
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            store.close()
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+class TestScriptsSurviveTheServer:
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_calls_work_after_script_flush(self, own_server: OwnRedis, mode: str) -> None:
+        """SCRIPT FLUSH between claim and complete: complete and the replay still work."""
+        store = RedisStore(own_server.url, namespace="flush")
+
+        async def scenario() -> None:
+            taken = await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(taken, Acquired)
+            with own_server.admin() as admin:
+                admin.script_flush()
+            assert await store.acomplete("k", taken.token, b"ok", ttl=TTL) is None
+            with own_server.admin() as admin:
+                admin.script_flush()
+            replay = await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(replay, Replay)
+            assert replay.record.result == b"ok"
+
+        with store:
+            if mode == "async":
+                _arun(scenario())
+            else:
+                taken = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                with own_server.admin() as admin:
+                    admin.script_flush()
+                assert store.complete("k", taken.token, b"ok", ttl=TTL) is None
+                with own_server.admin() as admin:
+                    admin.script_flush()
+                replay = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(replay, Replay)
+                assert replay.record.result == b"ok"
+
+    def test_calls_work_after_a_restart(self, own_server: OwnRedis) -> None:
+        """A restarted server (scripts gone, pooled connections dead) serves the next call."""
+        with RedisStore(own_server.url, namespace="restart") as store:
+            assert isinstance(store.claim("a", "fp", lease=LEASE, ttl=TTL), Acquired)
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(store.aget("a"))
+                own_server.restart()
+                assert isinstance(store.claim("b", "fp", lease=LEASE, ttl=TTL), Acquired)
+                answer = loop.run_until_complete(store.aclaim("c", "fp", lease=LEASE, ttl=TTL))
+                assert isinstance(answer, Acquired)
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+
+class TestStoreGoesAway:
+    def test_unreachable_before_claim_fails_fast_and_runs_nothing(self) -> None:
+        """Nothing listens: StoreUnavailableError within a second; the function never ran."""
+        calls: list[str] = []
+        store = RedisStore(f"redis://127.0.0.1:{_free_port()}/0", namespace="down")
+
+        @oncely.idempotent(store=store, key="order")
+        def charge(order: str) -> str:
+            calls.append(order)
+            return order
+
+        @oncely.idempotent(store=store, key="order")
+        async def acharge(order: str) -> str:
+            calls.append(order)
+            return order
+
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            charge("o-1")
+        with pytest.raises(StoreUnavailableError):
+            _arun(acharge("o-1"))
+        assert time.monotonic() - started < 2.0  # redis-py's default retries take ~3.5 s each
+        assert calls == []
+        store.close()
+
+    @pytest.mark.parametrize("retries", [0, 1])
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_connection_killed_between_claim_and_complete(
+        self, monkeypatch: pytest.MonkeyPatch, own_server: OwnRedis, retries: int, mode: str
+    ) -> None:
+        """CLIENT KILL of the store's connections while the function runs: it ran once, the
+        result is stored and replayed.
+
+        The sync pool notices the dead connection when it is checked out and reconnects; the
+        async client finds out when it sends complete, and re-sends it (``retries=1``) or
+        raises StoreUnavailableError, which the decorator answers by retrying complete.
+        """
+        calls: list[str] = []
+        outcomes: list[str] = []
+        store = RedisStore(own_server.url, namespace="kill", retries=retries)
+        for verb in ("complete", "acomplete"):
+            original = getattr(store, verb)
+
+            def spy(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                try:
+                    answer = _original(*args, **kwargs)
+                except StoreUnavailableError:
+                    outcomes.append("unavailable")
+                    raise
+                outcomes.append("ok")
+                return answer
+
+            async def aspy(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                try:
+                    answer = await _original(*args, **kwargs)
+                except StoreUnavailableError:
+                    outcomes.append("unavailable")
+                    raise
+                outcomes.append("ok")
+                return answer
+
+            monkeypatch.setattr(store, verb, aspy if verb.startswith("a") else spy)
+
+        def kill_store_connections() -> None:
+            with own_server.admin() as admin:
+                assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+
+        @oncely.idempotent(store=store, key="order", heartbeat=False)
+        def charge(order: str) -> dict[str, str]:
+            calls.append(order)
+            kill_store_connections()
+            return {"charged": order}
+
+        @oncely.idempotent(store=store, key="order", heartbeat=False)
+        async def acharge(order: str) -> dict[str, str]:
+            calls.append(order)
+            kill_store_connections()
+            return {"charged": order}
+
+        with store:
+            if mode == "sync":
+                assert charge("o-1") == {"charged": "o-1"}
+                assert charge("o-1") == {"charged": "o-1"}
+            else:
+
+                async def twice() -> None:
+                    assert await acharge("o-1") == {"charged": "o-1"}
+                    assert await acharge("o-1") == {"charged": "o-1"}
+
+                _arun(twice())
+        assert calls == ["o-1"]
+        if mode == "async" and retries == 0:
+            assert outcomes == ["unavailable", "ok"]
+        else:
+            assert outcomes == ["ok"]
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_store_down_between_claim_and_complete_is_retried(
+        self, durable_server: OwnRedis, mode: str
+    ) -> None:
+        """The server is down when the function returns and back 0.3 s later: complete is
+        retried by the decorator until it lands; the function ran once.
+        """
+        calls: list[str] = []
+        store = RedisStore(durable_server.url, namespace="down-up", retries=0)
+        restarted = threading.Event()
+
+        def take_the_server_down_for_a_while() -> None:
+            durable_server.stop()
+
+            def back() -> None:
+                time.sleep(0.3)
+                durable_server.start()
+                restarted.set()
+
+            threading.Thread(target=back, daemon=True).start()
+
+        @oncely.idempotent(store=store, key="order", heartbeat=False)
+        def charge(order: str) -> str:
+            calls.append(order)
+            take_the_server_down_for_a_while()
+            return order
+
+        @oncely.idempotent(store=store, key="order", heartbeat=False)
+        async def acharge(order: str) -> str:
+            calls.append(order)
+            take_the_server_down_for_a_while()
+            return order
+
+        with store:
+            if mode == "sync":
+                assert charge("o-1") == "o-1"
+                assert restarted.is_set()
+                assert charge("o-1") == "o-1"
+            else:
+
+                async def twice() -> None:
+                    assert await acharge("o-1") == "o-1"
+                    assert restarted.is_set()
+                    assert await acharge("o-1") == "o-1"
+
+                _arun(twice())
+        assert calls == ["o-1"]
+
+    def test_store_down_after_complete_fails_closed(self, own_server: OwnRedis) -> None:
+        """After complete the server goes away: repeats raise StoreUnavailableError, never run."""
+        calls: list[str] = []
+        store = RedisStore(own_server.url, namespace="after", retries=0)
+
+        @oncely.idempotent(store=store, key="order", heartbeat=False)
+        def charge(order: str) -> str:
+            calls.append(order)
+            return order
+
+        with store:
+            assert charge("o-1") == "o-1"
+            own_server.stop()
+            with pytest.raises(StoreUnavailableError):
+                charge("o-1")
+        assert calls == ["o-1"]
+
+
+class TestRestartWithLeasesInFlight:
+    def test_without_persistence_a_restart_forgets_leases_and_tokens(
+        self, own_server: OwnRedis
+    ) -> None:
+        """Documented hazard: a server without persistence loses every record on restart, so
+        the key is claimable at once and its tokens start again at 1.
+        """
+        with RedisStore(own_server.url, namespace="volatile") as store:
+            first = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+            assert first == Acquired(1)
+            own_server.restart()
+            assert store.get("k") is None
+            assert store.claim("k", "fp", lease=LEASE, ttl=TTL) == Acquired(1)
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_with_append_only_file_leases_survive_a_crash(
+        self, durable_server: OwnRedis, mode: str
+    ) -> None:
+        """appendonly yes + appendfsync always: after kill -9 and restart the lease is still
+        held, its holder completes it, the expiry is unchanged, and repeats replay.
+        """
+        with RedisStore(durable_server.url, namespace="durable") as store:
+            taken = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(taken, Acquired)
+            before = store.get("k")
+            durable_server.restart(signal.SIGKILL)
+
+            async def after() -> tuple[Any, Any, Any, Any]:
+                return (
+                    await store.aclaim("k", "fp", lease=LEASE, ttl=TTL),
+                    await store.aget("k"),
+                    await store.acomplete("k", taken.token, b"done", ttl=TTL),
+                    await store.aclaim("k", "fp", lease=LEASE, ttl=TTL),
+                )
+
+            if mode == "sync":
+                answers = (
+                    store.claim("k", "fp", lease=LEASE, ttl=TTL),
+                    store.get("k"),
+                    store.complete("k", taken.token, b"done", ttl=TTL),
+                    store.claim("k", "fp", lease=LEASE, ttl=TTL),
+                )
+            else:
+                answers = _arun(after())
+            in_progress, record, completed, replay = answers
+            assert isinstance(in_progress, InProgress)
+            assert record == before
+            assert completed is None
+            assert isinstance(replay, Replay)
+            assert replay.record.result == b"done"
+
+
+@pytest.mark.redis
+class TestServerClock:
+    @pytest.mark.parametrize("skew", [timedelta(minutes=10), -timedelta(minutes=10)])
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_client_clock_skew_cannot_take_a_live_lease(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        shared_store: RedisStore,
+        shared_admin: redis.Redis,
+        skew: timedelta,
+        mode: str,
+    ) -> None:
+        """A worker whose clock is minutes off still finds the lease live, and every timestamp
+        in the record is the server's.
+        """
+        key = _key()
+        taken = shared_store.claim(key, "fp", lease=timedelta(seconds=20), ttl=TTL)
+        assert isinstance(taken, Acquired)
+        real_time, real_time_ns = time.time, time.time_ns
+        offset = skew.total_seconds()
+        monkeypatch.setattr(time, "time", lambda: real_time() + offset)
+        monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() + int(offset * 1e9))
+        if mode == "sync":
+            answer = shared_store.claim(key, "fp", lease=timedelta(seconds=20), ttl=TTL)
+            record = shared_store.get(key)
+        else:
+
+            async def skewed() -> tuple[Any, Any]:
+                answer = await shared_store.aclaim(key, "fp", lease=timedelta(seconds=20), ttl=TTL)
+                return answer, await shared_store.aget(key)
+
+            answer, record = _arun(skewed())
+        assert isinstance(answer, InProgress)
+        assert timedelta(seconds=15) < answer.retry_after <= timedelta(seconds=20)
+        seconds, microseconds = shared_admin.time()
+        server_ms = seconds * 1000 + microseconds // 1000
+        assert record is not None
+        assert abs(record.created_at_ms - server_ms) < 5_000
+        assert abs(record.lease_expires_at_ms - (server_ms + 20_000)) < 5_000
+
+
+_GOOD = {
+    "status": "completed",
+    "fp": "fp",
+    "token": "1",
+    "attempt": "1",
+    "lease": "1",
+    "expires": "99999999999999",
+    "created": "1",
+    "updated": "1",
+}
+"""A valid completed record's fields, to spoil one at a time."""
+
+CORRUPTIONS: dict[str, Callable[[redis.Redis, bytes], Any]] = {
+    "string": lambda r, n: r.set(n, "hello"),
+    "list": lambda r, n: r.rpush(n, "a"),
+    "garbage status": lambda r, n: r.hset(n, mapping={**_GOOD, "status": "??"}),
+    "no status": lambda r, n: r.hset(n, mapping={"fp": "fp", "token": "1"}),
+    "token not a number": lambda r, n: r.hset(n, mapping={**_GOOD, "token": "one"}),
+    "fingerprint not utf-8": lambda r, n: r.hset(n, mapping={**_GOOD, "fp": b"\xff\xfe"}),
+}
+"""Foreign or damaged values at a record's name."""
+
+
+@pytest.mark.redis
+class TestCorruptRecords:
+    @pytest.fixture
+    def plant(
+        self, shared_store: RedisStore, shared_admin: redis.Redis
+    ) -> Callable[[str, Callable[[redis.Redis, bytes], Any]], str]:
+        """Write something foreign at the name of a key's record; return the key."""
+
+        def plant(key: str, write: Callable[[redis.Redis, bytes], Any]) -> str:
+            name = Keyspace("oncely:", shared_store.namespace).name(key)
+            write(shared_admin, name)
+            shared_admin.pexpire(name, 60_000)
+            return key
+
+        return plant
+
+    @pytest.mark.parametrize(
+        ("case", "verb"),
+        [
+            (case, verb)
+            for case in sorted(CORRUPTIONS)
+            for verb in ("claim", "complete", "fail", "release", "extend", "get")
+            # The settle verbs never read the fingerprint, so its encoding cannot hurt them.
+            if case != "fingerprint not utf-8" or verb in ("claim", "get")
+        ],
+    )
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_every_verb_fails_closed_on_a_corrupt_record(
+        self,
+        plant: Callable[[str, Callable[[redis.Redis, bytes], Any]], str],
+        shared_store: RedisStore,
+        case: str,
+        verb: str,
+        mode: str,
+    ) -> None:
+        """A foreign value, a garbage status or an undecodable field: CorruptRecordError."""
+        key = plant(_key(), CORRUPTIONS[case])
+        args: dict[str, tuple[Any, dict[str, Any]]] = {
+            "claim": ((key, "fp"), {"lease": LEASE, "ttl": TTL}),
+            "complete": ((key, 1, b"r"), {"ttl": TTL}),
+            "fail": ((key, 1, b"e"), {"ttl": TTL}),
+            "release": ((key, 1), {}),
+            "extend": ((key, 1), {"lease": LEASE}),
+            "get": ((key,), {}),
+        }
+        positional, keywords = args[verb]
+        with pytest.raises(CorruptRecordError) as raised:
+            if mode == "sync":
+                getattr(shared_store, verb)(*positional, **keywords)
+            else:
+                _arun(getattr(shared_store, "a" + verb)(*positional, **keywords))
+        assert raised.value.key == key
+        # The scripts recognise foreign values themselves (no WRONGTYPE error from Redis).
+        assert not isinstance(raised.value.__cause__, redis.RedisError)
+
+    @pytest.mark.parametrize("case", ["string", "garbage status"])
+    def test_decorated_function_never_runs_over_a_corrupt_record(
+        self,
+        plant: Callable[[str, Callable[[redis.Redis, bytes], Any]], str],
+        shared_store: RedisStore,
+        case: str,
+    ) -> None:
+        """@idempotent over a corrupt record raises CorruptRecordError and does not execute."""
+        calls: list[str] = []
+
+        @oncely.idempotent(store=shared_store, key="order", scope="corrupt")
+        def charge(order: str) -> str:
+            calls.append(order)
+            return order
+
+        @oncely.idempotent(store=shared_store, key="order", scope="corrupt")
+        async def acharge(order: str) -> str:
+            calls.append(order)
+            return order
+
+        order = uuid.uuid4().hex
+        plant(scope_key("corrupt", order), CORRUPTIONS[case])
+        with pytest.raises(CorruptRecordError):
+            charge(order)
+        with pytest.raises(CorruptRecordError):
+            _arun(acharge(order))
+        assert calls == []
+
+    def test_store_rejecting_a_write_is_a_store_error(self, tmp_path: Path) -> None:
+        """maxmemory with noeviction refusing a result: StoreError (not unavailable, not
+        corrupt), and the record is left as it was.
+        """
+        server = OwnRedis(tmp_path, "--maxmemory-policy", "noeviction")
+        server.start()
+        try:
+            with RedisStore(server.url, namespace="oom") as store:
+                taken = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                blob = os.urandom(4 * 1024 * 1024)
+                with server.admin() as admin:
+                    admin.set("ballast", blob)
+                    admin.config_set("maxmemory", 1024 * 1024)  # over it from now on
+                with pytest.raises(StoreError) as raised:
+                    store.complete("k", taken.token, blob, ttl=TTL)
+                assert type(raised.value) is StoreError
+                record = store.get("k")
+                assert record is not None
+                assert (record.status, record.token) == (Status.IN_PROGRESS, taken.token)
+        finally:
+            server.stop()
+
+
+class TestEventLoops:
+    @pytest.mark.redis
+    def test_one_store_serves_successive_event_loops_without_leaks(
+        self, shared_store: RedisStore
+    ) -> None:
+        """asyncio.run twice on one store: each loop gets its own connections, which close with
+        the loop (no ResourceWarning: warnings are errors in this suite).
+        """
+        key = _key()
+        first = _arun(shared_store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+        assert isinstance(first, Acquired)
+        assert _arun(shared_store.acomplete(key, first.token, b"r", ttl=TTL)) is None
+        assert isinstance(_arun(shared_store.aclaim(key, "fp", lease=LEASE, ttl=TTL)), Replay)
+        gc.collect()
+
+    @pytest.mark.redis
+    def test_async_context_manager_closes_the_loops_client(self, redis_url: str) -> None:
+        """`async with` closes the store from inside its loop."""
+
+        async def use() -> LeaseLost | None:
+            async with RedisStore(redis_url, namespace="ctx") as store:
+                return await store.arelease(_key(), 1)
+
+        assert _arun(use()) == LeaseLost()
+        gc.collect()
