@@ -14,19 +14,46 @@ SECTIONS = [
     ("oncely.testing", ["FrozenClock", "StoreConformance"]),
     ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
     ("oncely.stores.tiered", ["TieredStore"]),
+    ("oncely.http", None),
+    ("oncely.http.asgi", ["IdempotencyMiddleware"]),
+    ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
 ]
 OPTIONAL = [
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
+    ("oncely.http.client", ["IdempotentTransport", "AsyncIdempotentTransport"]),
 ]
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 
 
+class _Shown:
+    """A default value shown the same way on every run (no addresses, no set order)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        value = self.value
+        if isinstance(value, (set, frozenset)):
+            items = ", ".join(sorted(repr(item) for item in value))
+            return f"{type(value).__name__}({{{items}}})"
+        if callable(value) and hasattr(value, "__qualname__"):
+            return str(value.__qualname__)
+        return repr(value)
+
+
 def _signature(obj: Any) -> str:
     try:
-        return str(inspect.signature(obj))
+        signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return ""
+    parameters = [
+        parameter
+        if parameter.default is inspect.Parameter.empty
+        else parameter.replace(default=_Shown(parameter.default))
+        for parameter in signature.parameters.values()
+    ]
+    return str(signature.replace(parameters=parameters))
 
 
 def _doc(obj: Any) -> str:

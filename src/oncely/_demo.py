@@ -806,6 +806,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="the store's SQLite file; the ledger goes next to it (default: a temporary dir)",
     )
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="serve the payments API with uvicorn and storm it with HTTP clients over sockets "
+        "(--threads is then the number of clients)",
+    )
+    parser.add_argument(
+        "--drop-rate",
+        type=_rate,
+        default=0.25,
+        help="--http: share of responses the proxy drops (default: 0.25)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     parser.add_argument("--json", action="store_true", help="print a JSON summary only")
     parser.add_argument("--unsafe", action="store_true", help=argparse.SUPPRESS)
@@ -815,6 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; return 0 when the ledger check passes, 1 when it fails, 3 if aborted."""
     args = build_parser().parse_args(argv)
+    if args.http:
+        from oncely.http._demo import run_http_demo
+
+        return run_http_demo(args)
     if args.db is not None:
         db_path = args.db.resolve()
         db_path.parent.mkdir(parents=True, exist_ok=True)

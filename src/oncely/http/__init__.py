@@ -1,0 +1,44 @@
+"""HTTP integrations: server middleware (ASGI, WSGI) and a retrying httpx client transport.
+
+The middleware implements DESIGN.md section 5: unsafe requests carrying an ``Idempotency-Key``
+take effect once, repeats get the stored response byte for byte (with
+``Idempotent-Replayed: true``), concurrent repeats get 409, a reused key with another request
+gets 422, and a store outage answers 503 instead of running unprotected.
+
+* `oncely.http.asgi.IdempotencyMiddleware`: FastAPI, Starlette, Litestar, any ASGI app.
+* `oncely.http.wsgi.IdempotencyMiddleware`: Flask, Django, any WSGI app.
+* `oncely.http.client.IdempotentTransport` and ``AsyncIdempotentTransport``: httpx transports
+  that give each logical request one key and retry it safely (needs ``oncely[httpx]``).
+
+This package holds what both middlewares share: `HttpPolicy`, per-route `RouteOptions`, the
+`idempotent_route` view decorator, and the default scope and fingerprint. Importing it (or
+``oncely.http.asgi`` / ``oncely.http.wsgi``) imports no web framework.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+from oncely.http._policy import (
+    DEFAULT_METHODS,
+    FingerprintFunc,
+    HttpPolicy,
+    RouteOptions,
+    ScopeFunc,
+)
+from oncely.http._routes import RouteMatch, RouteResolver, idempotent_route
+from oncely.http._semantics import HttpRequest, default_fingerprint, default_scope
+
+__all__ = [
+    "default_fingerprint",
+    "DEFAULT_METHODS",
+    "default_scope",
+    "FingerprintFunc",
+    "HttpPolicy",
+    "HttpRequest",
+    "idempotent_route",
+    "RouteMatch",
+    "RouteOptions",
+    "RouteResolver",
+    "ScopeFunc",
+]

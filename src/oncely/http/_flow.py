@@ -1,0 +1,139 @@
+"""The store side of one protected HTTP request, as sans-I/O flows shared by ASGI and WSGI.
+
+The flows reuse `oncely._execution` (claim with `acquire`, heartbeat, `settle`) and add only
+the HTTP mapping: errors become problem responses, a replay becomes the stored response, and
+the captured response decides between complete and release. `asgi.py` runs them with
+`_execution.arun`, `wsgi.py` with `_execution.run`.
+
+One request, in order::
+
+    begin    claim ─┬─ Acquired  → lease (heartbeat started)  → the app runs
+                    ├─ Replay    → stored response + marker
+                    ├─ InProgress→ 409 + Retry-After
+                    ├─ Mismatch  → 422
+                    └─ store down→ 503 + Retry-After (or pass through, if fail-open)
+    finish   the app sent its last body chunk (held back until this returns):
+             stored status and size → complete(snapshot); over the size limit →
+             complete(marker); other statuses → release
+    abort    the app raised, or returned without a complete response → release
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Final
+
+from oncely import _execution
+from oncely._core import codec as _codec
+from oncely._core.flow import Flow
+from oncely._core.records import Replay, Status
+from oncely.errors import (
+    CorruptRecordError,
+    FingerprintMismatchError,
+    InProgressError,
+    LeaseLostError,
+    StoreError,
+)
+from oncely.http import _semantics
+from oncely.http._policy import HttpPolicy
+from oncely.http._semantics import Plan, Response, ResponseCapture
+
+__all__ = ["PASS_THROUGH", "abort", "begin", "finish", "invoke"]
+
+logger = logging.getLogger("oncely.http")
+
+
+class _PassThrough(enum.Enum):
+    PASS_THROUGH = "PASS_THROUGH"
+
+
+PASS_THROUGH: Final = _PassThrough.PASS_THROUGH
+"""`begin`'s answer when the store failed on a fail-open route: serve the request unprotected."""
+
+
+def begin(
+    plan: Plan, policy: HttpPolicy, *, method: str, path: str, heartbeat: bool = True
+) -> Flow[_execution.Lease | Response | _PassThrough]:
+    """Claim the request's key; return the lease, the answer to send, or `PASS_THROUGH`.
+
+    With ``heartbeat=False`` the caller starts the lease's heartbeat itself.
+    """
+    core = policy.core if heartbeat else policy.core_without_heartbeat
+    try:
+        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, core)
+    except InProgressError as exc:
+        return _semantics.in_progress(exc.retry_after)
+    except FingerprintMismatchError:
+        return _semantics.mismatch(policy)
+    except CorruptRecordError as exc:  # never a reason to run again, fail-open or not
+        logger.error("corrupt record key=%s: %s", plan.key, exc)
+        return _semantics.corrupt()
+    except StoreError as exc:
+        if policy.fail_open:
+            logger.warning(
+                "store unavailable, serving %s %s UNPROTECTED (fail-open) key=%s: %s",
+                method,
+                path,
+                plan.key,
+                exc,
+            )
+            return PASS_THROUGH
+        logger.error("store unavailable, answering 503 for %s %s: %s", method, path, exc)
+        return _semantics.unavailable(policy)
+    if isinstance(outcome, Replay):
+        return replay(outcome, policy)
+    return outcome
+
+
+def replay(outcome: Replay, policy: HttpPolicy) -> Response:
+    """The answer to a repeat of a finished request (fail closed on anything unreadable)."""
+    record = outcome.record
+    try:
+        stored = _codec.decode_outcome(record.result)
+        if stored.kind == "unavailable":
+            return _semantics.not_replayable(stored.reason)
+        if stored.kind != "value" or record.status is not Status.COMPLETED:
+            raise ValueError(f"an HTTP record holds a {stored.kind} outcome")
+        return _semantics.replayed(stored.body, policy)
+    except ValueError as exc:
+        logger.error("corrupt record key=%s: %s", record.key, exc)
+        return _semantics.corrupt()
+
+
+def invoke(lease: _execution.Lease) -> Flow[Any]:
+    """Run the app under *lease* (so `oncely.current_lease()` works inside the handler)."""
+    return (yield _execution.Invoke(lease))
+
+
+def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy) -> Flow[None]:
+    """Settle the lease from the app's complete response: store it, mark it, or release it.
+
+    Store failures are logged, not raised: the handler has run, so its response is delivered.
+    """
+    if not capture.keep:
+        yield from _settle(lease, "release", None, policy)
+    elif capture.overflowed:
+        reason = f"the response body is over the {policy.max_response_bytes}-byte limit"
+        logger.warning("response of key=%s not stored: %s", lease.key, reason)
+        yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
+    else:
+        payload = _codec.encode_value(capture.snapshot(policy))
+        yield from _settle(lease, "complete", payload, policy)
+
+
+def abort(lease: _execution.Lease, exc: BaseException | None, policy: HttpPolicy) -> Flow[None]:
+    """Release the lease of a request whose handler raised or sent no complete response."""
+    if exc is None:
+        logger.warning("the app returned no complete response for key=%s", lease.key)
+    yield from _settle(lease, "release", None, policy)
+
+
+def _settle(
+    lease: _execution.Lease, verb: str, payload: bytes | None, policy: HttpPolicy
+) -> Flow[None]:
+    try:
+        yield from _execution.settle(lease, verb, payload, policy.core)
+    except (StoreError, LeaseLostError) as exc:
+        # The handler ran; the response still goes out. The key recovers after its lease.
+        logger.error("could not %s key=%s after the handler ran: %s", verb, lease.key, exc)

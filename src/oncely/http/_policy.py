@@ -1,0 +1,219 @@
+"""`HttpPolicy` and `RouteOptions`: how the HTTP middleware behaves, for the app and per route.
+
+Both are frozen and validated when built, so a bad setting fails at import time rather than on
+the first request. A route's effective policy is the app's policy with the route's options
+applied (`HttpPolicy.with_options`); the middleware derives it once per route and caches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Container
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+from oncely._core.policy import UNSET, Duration, Policy, _Unset, to_timedelta
+from oncely.errors import ConfigurationError
+from oncely.http._semantics import (
+    SAFE_METHODS,
+    HttpRequest,
+    default_fingerprint,
+    default_scope,
+    is_token,
+)
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "FingerprintFunc",
+    "HttpPolicy",
+    "RouteOptions",
+    "ScopeFunc",
+]
+
+ScopeFunc: TypeAlias = Callable[[HttpRequest], str]
+"""Returns the scope of a request's key: who is asking, for what (see `default_scope`)."""
+
+FingerprintFunc: TypeAlias = Callable[[HttpRequest], Any]
+"""Returns what defines a request's operation, as any canonical-JSON value; oncely digests it."""
+
+DEFAULT_METHODS: frozenset[str] = frozenset({"POST", "PATCH"})
+"""The methods covered unless configured: the unsafe methods that are not idempotent already."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpPolicy:
+    """How the HTTP middleware treats requests (DESIGN.md section 5). Immutable.
+
+    Attributes:
+        methods: The methods whose requests are protected (default POST and PATCH). Safe methods
+            (GET, HEAD, OPTIONS, TRACE) cannot be covered: they are idempotent by definition.
+        header: The request header holding the key (default ``Idempotency-Key``).
+        require_key: Answer 400 to a covered request without a key, instead of passing it
+            through unprotected.
+        enabled: ``False`` exempts a route entirely (useful as a route option).
+        ttl: How long a stored response is replayed (a timedelta or seconds; default 24 h).
+        lease: How long a request may run before a duplicate may take over; the heartbeat
+            extends it every third of it while the handler runs (default 30 s).
+        scope: The scope of a key: by default method + route + a digest of ``Authorization``,
+            so one client can never replay another client's response.
+        fingerprint: What defines the operation: by default method + path + sorted query +
+            body (JSON bodies canonicalised). A key reused with another fingerprint gets 422.
+        stored_statuses: Response statuses that are stored and replayed (default: below 500).
+            Any other status releases the lease, so a retry executes again.
+        replay_header: The header (name, value) added to replayed responses, or ``None``.
+        unreplayed_headers: Response headers that are neither stored nor replayed, besides the
+            hop-by-hop ones, which never are (default: ``set-cookie``).
+        max_response_bytes: The largest response body stored (default 1 MiB). A larger response
+            is passed through to the client unchanged and its record completed with a marker:
+            repeats get a 500 problem response (``response-not-stored``) and the handler is
+            never executed again for that key.
+        fail_open: When the store is unreachable, serve the request unprotected (each one is
+            logged) instead of answering 503. Off by default; meant for single routes.
+        unavailable_retry_after: The ``Retry-After`` of a 503 answered while the store is
+            unreachable.
+
+    .. versionadded:: 0.1.0
+    """
+
+    methods: Collection[str] = DEFAULT_METHODS
+    header: str = "Idempotency-Key"
+    require_key: bool = False
+    enabled: bool = True
+    ttl: Duration = timedelta(hours=24)
+    lease: Duration = timedelta(seconds=30)
+    scope: ScopeFunc = default_scope
+    fingerprint: FingerprintFunc = default_fingerprint
+    stored_statuses: Container[int] = range(100, 500)
+    replay_header: tuple[str, str] | None = ("Idempotent-Replayed", "true")
+    unreplayed_headers: Collection[str] = frozenset({"set-cookie"})
+    max_response_bytes: int = 1024 * 1024
+    fail_open: bool = False
+    unavailable_retry_after: Duration = timedelta(seconds=1)
+    core: Policy = field(init=False, repr=False, compare=False)
+    """The `oncely.Policy` the shared flows run with (derived from ttl and lease)."""
+    core_without_heartbeat: Policy = field(init=False, repr=False, compare=False)
+    """`core` for callers that start the heartbeat themselves (the ASGI middleware)."""
+    header_name: bytes = field(init=False, repr=False, compare=False)
+    """`header` lower-cased, as ASGI spells header names."""
+    environ_key: str = field(init=False, repr=False, compare=False)
+    """`header` as a WSGI environ key (``HTTP_IDEMPOTENCY_KEY``)."""
+
+    def __post_init__(self) -> None:
+        methods = frozenset(_strings(self.methods, "methods", upper=True))
+        safe = methods & SAFE_METHODS
+        if safe:
+            raise ConfigurationError(
+                f"safe methods are idempotent already and cannot be covered: {sorted(safe)}"
+            )
+        if not isinstance(self.header, str) or not is_token(self.header):
+            raise ConfigurationError(f"header must be an HTTP header name, not {self.header!r}")
+        for name in ("require_key", "enabled", "fail_open"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name} must be True or False")
+        ttl = to_timedelta(self.ttl, "ttl")
+        lease = to_timedelta(self.lease, "lease")
+        retry_after = to_timedelta(self.unavailable_retry_after, "unavailable_retry_after")
+        for name in ("scope", "fingerprint"):
+            if not callable(getattr(self, name)):
+                raise ConfigurationError(f"{name} must be a callable over an HttpRequest")
+        if not isinstance(self.stored_statuses, Container) or isinstance(self.stored_statuses, str):
+            raise ConfigurationError("stored_statuses must be a container of status codes")
+        if self.replay_header is not None and (
+            not isinstance(self.replay_header, tuple)
+            or len(self.replay_header) != 2
+            or not is_token(self.replay_header[0])
+            or not _is_header_value(self.replay_header[1])
+        ):
+            raise ConfigurationError(
+                f"replay_header must be a (name, value) pair or None, not {self.replay_header!r}"
+            )
+        unreplayed = frozenset(_strings(self.unreplayed_headers, "unreplayed_headers"))
+        size = self.max_response_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ConfigurationError(f"max_response_bytes must be an int >= 0, not {size!r}")
+        try:
+            core = Policy(ttl=ttl, lease=lease, on_conflict="raise", heartbeat=True)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"HttpPolicy: {exc}") from exc
+        setattr_ = object.__setattr__
+        setattr_(self, "methods", methods)
+        setattr_(self, "ttl", ttl)
+        setattr_(self, "lease", lease)
+        setattr_(self, "unavailable_retry_after", retry_after)
+        setattr_(self, "unreplayed_headers", frozenset(name.lower() for name in unreplayed))
+        setattr_(self, "core", core)
+        setattr_(self, "core_without_heartbeat", dataclasses.replace(core, heartbeat=False))
+        setattr_(self, "header_name", self.header.lower().encode("ascii"))
+        setattr_(self, "environ_key", "HTTP_" + self.header.upper().replace("-", "_"))
+
+    def covers(self, method: str) -> bool:
+        """Whether requests with *method* are protected under this policy."""
+        return self.enabled and method in self.methods
+
+    def stores(self, status: int) -> bool:
+        """Whether a response with *status* is stored and replayed."""
+        return status in self.stored_statuses
+
+    def with_options(self, options: RouteOptions) -> HttpPolicy:
+        """Return this policy with the fields *options* sets replaced (validated again).
+
+        Raises:
+            ConfigurationError: The combination is invalid (for example a ttl below the lease).
+        """
+        given = {
+            f.name: getattr(options, f.name)
+            for f in dataclasses.fields(options)
+            if getattr(options, f.name) is not UNSET
+        }
+        if not given:
+            return self
+        init = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return HttpPolicy(**{**init, **given})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteOptions:
+    """Settings of one route that differ from the app's `HttpPolicy`; unset fields inherit.
+
+    Give them to the middleware by path pattern (``routes={"POST /payments": RouteOptions(...)}``)
+    or on the view itself with `idempotent_route`. The fields mean what they mean in
+    `HttpPolicy`.
+
+    .. versionadded:: 0.1.0
+    """
+
+    methods: Collection[str] | _Unset = UNSET
+    require_key: bool | _Unset = UNSET
+    enabled: bool | _Unset = UNSET
+    ttl: Duration | _Unset = UNSET
+    lease: Duration | _Unset = UNSET
+    scope: ScopeFunc | _Unset = UNSET
+    fingerprint: FingerprintFunc | _Unset = UNSET
+    stored_statuses: Container[int] | _Unset = UNSET
+    replay_header: tuple[str, str] | _Unset | None = UNSET
+    unreplayed_headers: Collection[str] | _Unset = UNSET
+    max_response_bytes: int | _Unset = UNSET
+    fail_open: bool | _Unset = UNSET
+    unavailable_retry_after: Duration | _Unset = UNSET
+
+    def __post_init__(self) -> None:
+        HttpPolicy().with_options(self)  # validate now, not on the first request
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f.name) is not UNSET for f in dataclasses.fields(self))
+
+
+def _strings(values: Any, name: str, *, upper: bool = False) -> list[str]:
+    if isinstance(values, str) or not isinstance(values, Collection):
+        raise ConfigurationError(f"{name} must be a collection of strings, not {values!r}")
+    out = []
+    for value in values:
+        if not isinstance(value, str) or not is_token(value):
+            raise ConfigurationError(f"{name} must hold HTTP tokens, not {value!r}")
+        out.append(value.upper() if upper else value)
+    return out
+
+
+def _is_header_value(value: object) -> bool:
+    return isinstance(value, str) and all(" " <= char <= "~" for char in value)

@@ -1,0 +1,162 @@
+"""The client side's retry loop as one sans-I/O flow, run by the sync and the async transport.
+
+The flow decides; the transports act. It yields `SendOp` (send the request once more and send
+back the response, or throw the transport's exception in), `CloseOp` (discard a response that
+will be retried) and `SleepOp`; it returns the response to hand to the caller or raises the
+last exception. It imports no HTTP library: responses are read only through ``status_code``
+and ``headers.get("retry-after")``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import random
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Final
+
+from oncely._core.flow import Flow
+from oncely._core.policy import Duration, to_timedelta
+from oncely.errors import ConfigurationError
+
+__all__ = ["CloseOp", "RetryPolicy", "SendOp", "SleepOp", "parse_retry_after", "retry_flow"]
+
+logger = logging.getLogger("oncely.http.client")
+
+
+@dataclass(frozen=True, slots=True)
+class SendOp:
+    """Send the request (again); *attempt* counts from 1."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseOp:
+    """Close a response that is about to be retried."""
+
+    response: Any
+
+
+@dataclass(frozen=True, slots=True)
+class SleepOp:
+    """Wait *seconds* before the next attempt."""
+
+    seconds: float
+
+
+RETRY_STATUSES: Final = frozenset({409, 429, 503})
+"""Statuses that mean "not processed now, try again": in progress, rate limited, unavailable."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """When and how long the client transports retry a covered request.
+
+    Attributes:
+        max_attempts: Attempts in all, the first included.
+        max_elapsed: The time budget across attempts and pauses; a pause that would end past
+            it is not taken (the last response or error is returned or raised instead).
+        backoff: The first pause when the server gives no ``Retry-After``; it doubles after
+            every attempt, with full jitter, up to *max_backoff*.
+        max_backoff: The longest pause between attempts (a longer ``Retry-After`` is honoured
+            as long as it fits in *max_elapsed*).
+        statuses: Response statuses that are retried.
+    """
+
+    max_attempts: int = 5
+    max_elapsed: Duration = timedelta(seconds=30)
+    backoff: Duration = timedelta(milliseconds=100)
+    max_backoff: Duration = timedelta(seconds=5)
+    statuses: Collection[int] = RETRY_STATUSES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ConfigurationError("max_attempts must be an int")
+        if self.max_attempts < 1:
+            raise ConfigurationError("max_attempts must be at least 1")
+        for name in ("max_elapsed", "backoff", "max_backoff"):
+            object.__setattr__(self, name, to_timedelta(getattr(self, name), name))
+        object.__setattr__(self, "statuses", frozenset(self.statuses))
+
+    def pause(self, attempt: int, rng: random.Random) -> float:
+        """The jittered exponential pause after failed attempt number *attempt*."""
+        ceiling = min(_seconds(self.max_backoff), _seconds(self.backoff) * 2 ** (attempt - 1))
+        return rng.uniform(ceiling / 2, ceiling)
+
+
+def _seconds(value: Duration) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (delta-seconds or an HTTP date), or ``None``."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    now = now or datetime.now(timezone.utc)
+    return max(0.0, (when - now).total_seconds())
+
+
+def retry_flow(
+    policy: RetryPolicy,
+    *,
+    retryable: Callable[[BaseException], bool],
+    rng: random.Random,
+    describe: str = "",
+) -> Flow[Any]:
+    """Send until a response that is not retried, or the attempts or the time run out."""
+    budget = _seconds(policy.max_elapsed)
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            response = yield SendOp(attempt)
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            pause = policy.pause(attempt, rng)
+            if not _may_retry(policy, attempt, started, budget, pause):
+                raise
+            logger.info(
+                "retrying %s after %s (attempt %d, pause %.3fs)",
+                describe,
+                type(exc).__name__,
+                attempt,
+                pause,
+            )
+        else:
+            status = response.status_code
+            if status not in policy.statuses:
+                return response
+            hinted = parse_retry_after(response.headers.get("retry-after"))
+            pause = hinted if hinted is not None else policy.pause(attempt, rng)
+            if not _may_retry(policy, attempt, started, budget, pause):
+                return response
+            logger.info(
+                "retrying %s after status %d (attempt %d, pause %.3fs)",
+                describe,
+                status,
+                attempt,
+                pause,
+            )
+            yield CloseOp(response)
+        yield SleepOp(pause)
+
+
+def _may_retry(
+    policy: RetryPolicy, attempt: int, started: float, budget: float, pause: float
+) -> bool:
+    return attempt < policy.max_attempts and time.monotonic() - started + pause <= budget

@@ -1,0 +1,582 @@
+"""The HTTP rules of DESIGN.md section 5, as pure functions: no I/O, no framework imports.
+
+Everything the ASGI and WSGI middleware decide comes from here: which requests are covered,
+reading the ``Idempotency-Key`` header (quoted or bare), the key's scope and the request's
+fingerprint, the problem+json answers (400, 409, 422, 503, 500), which responses are stored,
+which headers are replayed, and the stored response snapshot: a versioned binary format, never
+pickle. The adapters only move bytes between the server, this module, the store and the app.
+
+======================================================  ==========================================
+situation                                               answer (function here)
+======================================================  ==========================================
+method not covered                                      pass through (`decide` returns ``None``)
+covered, no key, key optional                           pass through (`decide` returns ``None``)
+covered, no key, key required                           400 (`key_missing`)
+key empty, too long, not a valid header string          400 (`key_invalid`), nothing stored
+first request                                           executed; stored if `HttpPolicy.stores`
+repeat of a completed request                           stored response + marker (`replayed`)
+repeat while the first runs                             409 + Retry-After (`in_progress`)
+same key, other fingerprint                             422 (`mismatch`)
+store unreachable                                       503 + Retry-After (`unavailable`)
+handler answered 5xx or raised                          not stored; the lease is released
+response over the size limit                            passed through; repeats 500
+                                                        (`not_replayable`)
+======================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from decimal import Decimal
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import parse_qsl
+
+from oncely._core.fingerprint import canonical_json, digest
+from oncely._core.keys import scope_key
+from oncely.errors import FingerprintError, InvalidKeyError
+from oncely.keys import from_header
+
+if TYPE_CHECKING:
+    from oncely.http._policy import HttpPolicy
+
+__all__ = [
+    "HOP_BY_HOP",
+    "SAFE_METHODS",
+    "HttpRequest",
+    "Plan",
+    "Response",
+    "ResponseCapture",
+    "corrupt",
+    "decide",
+    "decode_snapshot",
+    "default_fingerprint",
+    "default_scope",
+    "encode_snapshot",
+    "in_progress",
+    "is_token",
+    "key_invalid",
+    "key_missing",
+    "mismatch",
+    "not_replayable",
+    "plan",
+    "problem",
+    "read_key",
+    "replayed",
+    "retry_after_value",
+    "storable_headers",
+    "unavailable",
+]
+
+Header = tuple[bytes, bytes]
+"""One header as it travels: (name, value) in bytes, names as the app wrote them."""
+
+SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+"""Methods that are idempotent by definition and never covered."""
+
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""Headers that describe one connection (RFC 9110 section 7.6.1): never stored or replayed."""
+
+_TCHAR: Final = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def is_token(value: str) -> bool:
+    """Whether *value* is an HTTP token (a valid header name or method)."""
+    return bool(value) and all(char in _TCHAR for char in value)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """A covered request as the scope and fingerprint callables see it.
+
+    Attributes:
+        method: The request method, upper-case.
+        path: The request path (percent-decoded, as the server gives it).
+        route: The route template when the framework's routing is known (``/payments/{id}``),
+            else the matched route pattern, else the path.
+        query_string: The raw query string, without ``?``.
+        headers: The request headers as (lower-case name, value) byte pairs.
+        body: The whole request body.
+
+    .. versionadded:: 0.1.0
+    """
+
+    method: str
+    path: str
+    route: str
+    query_string: bytes
+    headers: tuple[Header, ...]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        """Return the first value of header *name* (any case) as text, or ``None``."""
+        wanted = name.lower().encode("latin-1")
+        for key, value in self.headers:
+            if key == wanted:
+                return value.decode("latin-1")
+        return None
+
+    @property
+    def content_type(self) -> str:
+        """The media type of the body, lower-case and without parameters (``""`` if none)."""
+        value = self.header("content-type") or ""
+        return value.partition(";")[0].strip().lower()
+
+
+def default_scope(request: HttpRequest) -> str:
+    """The default scope of a key: method + route + a digest of ``Authorization`` if present.
+
+    One client can therefore never replay another client's response, and the same key sent to
+    two routes names two operations. Apps that authenticate by cookie should pass a scope
+    callable that returns the session's user instead.
+
+    .. versionadded:: 0.1.0
+    """
+    scope = f"{request.method} {request.route}"
+    authorization = request.header("authorization")
+    if authorization is not None:
+        principal = hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:32]
+        scope = f"{scope} @{principal}"
+    return scope
+
+
+def default_fingerprint(request: HttpRequest) -> list[Any]:
+    """The default fingerprint: method + path + sorted query + body.
+
+    JSON bodies (``application/json`` or ``+json``) are canonicalised, so key order, spacing
+    and number spelling do not change the fingerprint. A body that is labelled JSON but is not
+    (or is not UTF-8, nests too deep, or holds NaN) is fingerprinted as raw bytes: it never
+    raises.
+
+    .. versionadded:: 0.1.0
+    """
+    query: list[list[str]] = []
+    if request.query_string:
+        pairs = parse_qsl(request.query_string.decode("latin-1"), keep_blank_values=True)
+        query = [list(pair) for pair in sorted(pairs)]
+    return [request.method, request.path, query, _body_digest(request)]
+
+
+_JSON: Final = json.JSONDecoder(parse_float=Decimal)
+"""Decimals keep every digit of a number, so 0.10000000000000000001 is not 0.1."""
+
+
+def _body_digest(request: HttpRequest) -> str:
+    body = request.body
+    media = request.content_type
+    if body and (media == "application/json" or media.endswith("+json")):
+        try:
+            document = _JSON.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+            text = canonical_json(document)
+        except (ValueError, RecursionError, FingerprintError):
+            pass  # labelled JSON but it is not: the raw bytes define the request
+        else:
+            return "json:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+    return "raw:" + hashlib.sha256(body).hexdigest()
+
+
+def read_key(values: Sequence[bytes]) -> str | None:
+    """Return the key in the header *values* (quoted or bare), or ``None`` if absent.
+
+    Raises:
+        InvalidKeyError: The key is empty, over 255 characters, not printable ASCII, a
+            malformed quoted string, or the header was sent more than once.
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidKeyError("the idempotency key header was sent more than once")
+    return from_header(values[0])
+
+
+def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str | Response | None:
+    """Decide what to do with a request from its method and key header alone.
+
+    Returns:
+        ``None`` to pass the request through untouched, a `Response` to answer at once (400),
+        or the key, to protect the request with it.
+    """
+    if not policy.covers(method):
+        return None
+    try:
+        key = read_key(key_values)
+    except InvalidKeyError as exc:
+        return key_invalid(policy, str(exc))
+    if key is None:
+        return key_missing(policy) if policy.require_key else None
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a protected request is claimed with: the scoped key and the fingerprint."""
+
+    key: str
+    fingerprint: str
+
+
+def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
+    """Scope *key* and fingerprint *request* as *policy* says."""
+    scope = policy.scope(request)
+    if not isinstance(scope, str):
+        raise TypeError(f"the scope callable returned {type(scope).__name__}, not str")
+    if policy.fingerprint is default_fingerprint:
+        fingerprint = _default_digest(request)
+    else:
+        fingerprint = digest([policy.fingerprint(request)])
+    return Plan(scope_key(scope, key), fingerprint)
+
+
+def _default_digest(request: HttpRequest) -> str:
+    # The digest of `default_fingerprint`'s parts, in one C-speed JSON encoding of plain
+    # strings instead of a second canonical pass: it runs on every protected request.
+    parts = default_fingerprint(request)
+    text = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
+    return "h1:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A complete response: what is stored, replayed, or answered by the middleware itself.
+
+    Attributes:
+        status: The status code.
+        headers: (name, value) byte pairs, in order, duplicates kept.
+        body: The body.
+        reason: The reason phrase the app gave (WSGI), or ``b""`` for the standard one.
+    """
+
+    status: int
+    headers: tuple[Header, ...]
+    body: bytes
+    reason: bytes = b""
+
+    def status_line(self) -> str:
+        """The WSGI status line, ``"201 Created"``."""
+        reason = self.reason.decode("latin-1") if self.reason else _phrase(self.status)
+        return f"{self.status} {reason}"
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def retry_after_value(delay: timedelta) -> bytes:
+    """A ``Retry-After`` value: whole seconds, rounded up, at least 1."""
+    return str(max(1, math.ceil(delay.total_seconds()))).encode("ascii")
+
+
+def problem(
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    headers: Iterable[Header] = (),
+    **members: Any,
+) -> Response:
+    """Build an ``application/problem+json`` response (RFC 9457).
+
+    The type is ``about:blank`` with the status's phrase as title; *code* is a stable
+    extension member that names the situation (``idempotency-key-in-use``...).
+    """
+    document = {
+        "type": "about:blank",
+        "title": _phrase(status),
+        "status": status,
+        "detail": detail,
+        "code": code,
+        **members,
+    }
+    body = json.dumps(document, separators=(",", ":")).encode()
+    return Response(
+        status,
+        (
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode("ascii")),
+            *headers,
+        ),
+        body,
+    )
+
+
+def key_missing(policy: HttpPolicy) -> Response:
+    """400: the route requires a key and the request has none."""
+    return problem(
+        400,
+        "idempotency-key-missing",
+        f"This endpoint requires an {policy.header} header.",
+        header=policy.header,
+    )
+
+
+def key_invalid(policy: HttpPolicy, reason: str) -> Response:
+    """400: the key is malformed; nothing was stored."""
+    return problem(
+        400,
+        "idempotency-key-invalid",
+        f"The {policy.header} header is invalid: {reason}.",
+        header=policy.header,
+    )
+
+
+def in_progress(retry_after: timedelta) -> Response:
+    """409 with ``Retry-After``: a request with this key is still being processed."""
+    value = retry_after_value(retry_after)
+    return problem(
+        409,
+        "idempotency-key-in-use",
+        "A request with this idempotency key is still being processed; retry after "
+        f"{value.decode()} s.",
+        headers=[(b"retry-after", value)],
+    )
+
+
+def mismatch(policy: HttpPolicy) -> Response:
+    """422: the key was already used for a request with another method, path, query or body."""
+    return problem(
+        422,
+        "idempotency-key-reused",
+        f"This {policy.header} was already used for a different request; use a new key for a "
+        "new operation.",
+    )
+
+
+def unavailable(policy: HttpPolicy) -> Response:
+    """503 with ``Retry-After``: the store cannot be reached, so the request was not run."""
+    delay = policy.unavailable_retry_after
+    if not isinstance(delay, timedelta):
+        delay = timedelta(seconds=delay)
+    return problem(
+        503,
+        "idempotency-store-unavailable",
+        "The request was not processed because its idempotency record cannot be checked; "
+        "retry later with the same key.",
+        headers=[(b"retry-after", retry_after_value(delay))],
+    )
+
+
+def not_replayable(reason: str) -> Response:
+    """500: the operation ran, but its response was not stored; it is never run again."""
+    return problem(
+        500,
+        "response-not-stored",
+        f"The request with this idempotency key was processed, but its response cannot be "
+        f"replayed ({reason}). It will not be processed again.",
+    )
+
+
+def corrupt() -> Response:
+    """500: the stored record cannot be decoded; fail closed, never run again."""
+    return problem(
+        500,
+        "idempotency-record-corrupt",
+        "The stored outcome of this idempotency key cannot be read. The request was not "
+        "processed again.",
+    )
+
+
+def storable_headers(headers: Iterable[Header], policy: HttpPolicy) -> tuple[Header, ...]:
+    """The response headers that are stored and replayed.
+
+    Hop-by-hop headers, those the ``Connection`` header names, and `HttpPolicy.unreplayed_headers`
+    (``set-cookie`` by default) are left out.
+    """
+    headers = tuple(headers)
+    dropped: set[str] = set(HOP_BY_HOP)
+    dropped.update(policy.unreplayed_headers)
+    for name, value in headers:
+        if name.lower() == b"connection":
+            dropped.update(token.strip().lower() for token in value.decode("latin-1").split(","))
+    return tuple(
+        (name, value) for name, value in headers if name.decode("latin-1").lower() not in dropped
+    )
+
+
+def replayed(snapshot: bytes, policy: HttpPolicy) -> Response:
+    """The response for a repeat: the stored one, byte for byte, plus the replay marker.
+
+    Raises:
+        ValueError: *snapshot* is not a response snapshot (a foreign or damaged record).
+    """
+    response = decode_snapshot(snapshot)
+    if policy.replay_header is None:
+        return response
+    name, value = policy.replay_header
+    marker = (name.lower().encode("ascii"), value.encode("ascii"))
+    return Response(response.status, (*response.headers, marker), response.body, response.reason)
+
+
+# -- the stored response snapshot -----------------------------------------------------------------
+
+_MAGIC: Final = b"oncely-http"
+_VERSION: Final = 1
+_HEAD: Final = struct.Struct(">11sBHBH")  # magic, version, status, reason length, header count
+_NAME: Final = struct.Struct(">H")
+_VALUE: Final = struct.Struct(">I")
+_BODY: Final = struct.Struct(">Q")
+
+
+def encode_snapshot(response: Response) -> bytes:
+    """Serialise *response* into the stored snapshot format (version 1).
+
+    Layout, big-endian: ``b"oncely-http"``, version (u8), status (u16), reason length (u8),
+    header count (u16), the reason, then per header the name length (u16), name, value length
+    (u32) and value, then the body length (u64) and the body. Binary-safe: the body is stored
+    as is.
+
+    Raises:
+        ValueError: A field is out of range (status, a reason over 255 bytes...).
+    """
+    if not 100 <= response.status <= 999:
+        raise ValueError(f"status {response.status} is out of range")
+    reason = response.reason
+    if len(reason) > 255:
+        reason = b""
+    parts = [_HEAD.pack(_MAGIC, _VERSION, response.status, len(reason), len(response.headers))]
+    parts.append(reason)
+    for name, value in response.headers:
+        parts += [_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value]
+    parts += [_BODY.pack(len(response.body)), response.body]
+    return b"".join(parts)
+
+
+def decode_snapshot(data: bytes) -> Response:
+    """Rebuild a response from `encode_snapshot`'s bytes.
+
+    Raises:
+        ValueError: *data* is not a snapshot of a known version, or is truncated or padded.
+    """
+    view = memoryview(data)
+    if len(view) < _HEAD.size:
+        raise ValueError("the stored response is truncated")
+    magic, version, status, reason_length, count = _HEAD.unpack_from(view)
+    if magic != _MAGIC:
+        raise ValueError("the stored value is not an oncely HTTP response")
+    if version != _VERSION:
+        raise ValueError(f"the stored response has unknown format version {version}")
+    offset = _HEAD.size
+    reason, offset = _take(view, offset, reason_length)
+    headers = []
+    for _ in range(count):
+        name, offset = _take(view, offset + _NAME.size, _length(_NAME, view, offset))
+        value, offset = _take(view, offset + _VALUE.size, _length(_VALUE, view, offset))
+        headers.append((name, value))
+    body, offset = _take(view, offset + _BODY.size, _length(_BODY, view, offset))
+    if offset != len(view):
+        raise ValueError("the stored response has trailing bytes")
+    return Response(status, tuple(headers), body, reason)
+
+
+def _length(fmt: struct.Struct, view: memoryview, offset: int) -> int:
+    if offset + fmt.size > len(view):
+        raise ValueError("the stored response is truncated")
+    (length,) = fmt.unpack_from(view, offset)
+    return int(length)
+
+
+def _take(view: memoryview, offset: int, length: int) -> tuple[bytes, int]:
+    end = offset + length
+    if end > len(view):
+        raise ValueError("the stored response is truncated")
+    return view[offset:end].tobytes(), end
+
+
+# -- capturing the app's response ---------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class ResponseCapture:
+    """Accumulates the response an app sends, deciding what is stored as it goes.
+
+    The body is kept only while the status is one that is stored and the size is within
+    `HttpPolicy.max_response_bytes`; past the limit the kept bytes are dropped (`overflowed`).
+
+    Attributes:
+        limit: The largest body kept.
+        status: The status, once started.
+        reason: The reason phrase (WSGI), or ``b""``.
+        headers: The response headers as sent.
+        size: Body bytes seen so far.
+        overflowed: The body grew past *limit*.
+        complete: The app sent its final body chunk.
+    """
+
+    limit: int
+    keep: bool = True
+    status: int = 0
+    reason: bytes = b""
+    headers: tuple[Header, ...] = ()
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    overflowed: bool = False
+    complete: bool = False
+
+    @property
+    def started(self) -> bool:
+        """Whether the app has started its response."""
+        return self.status != 0
+
+    def start(
+        self, status: int, headers: Iterable[Header], policy: HttpPolicy, reason: bytes = b""
+    ) -> None:
+        """Record the response's status line and headers."""
+        self.status = status
+        self.reason = reason
+        self.headers = tuple(headers)
+        self.keep = policy.stores(status)
+        self.chunks.clear()
+        self.size = 0
+        self.overflowed = False
+
+    def add(self, chunk: bytes) -> None:
+        """Record a body chunk."""
+        if not chunk:
+            return
+        self.size += len(chunk)
+        if self.size > self.limit:
+            if not self.overflowed:
+                self.overflowed = True
+                self.chunks.clear()
+        elif self.keep:
+            self.chunks.append(bytes(chunk))
+
+    def snapshot(self, policy: HttpPolicy) -> bytes:
+        """The stored form of the captured response (headers filtered for storage)."""
+        return encode_snapshot(
+            Response(
+                self.status,
+                storable_headers(self.headers, policy),
+                b"".join(self.chunks),
+                self.reason,
+            )
+        )

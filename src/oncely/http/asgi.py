@@ -1,0 +1,256 @@
+"""ASGI middleware: answer repeats of unsafe requests from the store (DESIGN.md section 5).
+
+A pure ASGI middleware (never Starlette's ``BaseHTTPMiddleware``), so it works with FastAPI,
+Starlette, Litestar or a bare ASGI app, keeps streaming responses streaming, and imports no
+framework. Every rule comes from `oncely.http._semantics` and every store step from the shared
+flows in `oncely.http._flow`; this module only moves ASGI messages.
+
+.. code-block:: python
+
+    from oncely.http.asgi import IdempotencyMiddleware
+
+    app.add_middleware(IdempotencyMiddleware, store=oncely.open_store("sqlite:///oncely.db"))
+
+How a protected request travels:
+
+* its body is read in full (to fingerprint it) and the same ``http.request`` messages are
+  handed to the app afterwards, chunk for chunk;
+* the response streams through as the app sends it, except the final body chunk, which is held
+  until the record is completed (or released), so a client that has the whole response can
+  never see its own retry answered 409;
+* the ``http.response.pathsend`` and ``zerocopysend`` extensions are hidden from the app for
+  protected requests, so file responses arrive as bytes that can be stored.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from oncely import _execution
+from oncely._core.protocols import AsyncStore
+from oncely.errors import ConfigurationError
+from oncely.http import _flow, _semantics
+from oncely.http._policy import HttpPolicy, RouteOptions
+from oncely.http._routes import RouteResolver, RouteTable, resolve_asgi
+from oncely.http._semantics import HttpRequest, Response, ResponseCapture
+from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["IdempotencyMiddleware"]
+
+_HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+class IdempotencyMiddleware:
+    """Make unsafe requests with an ``Idempotency-Key`` take effect once (pure ASGI).
+
+    Args:
+        app: The ASGI application to protect.
+        store: Any `oncely.AsyncStore` (every built-in store is one).
+        policy: The app-wide `HttpPolicy` (default: POST and PATCH covered, key optional).
+        routes: `RouteOptions` by path pattern, ``"[METHOD ]/path/{param}"``; the first match
+            applies. Views decorated with `idempotent_route` override both.
+        resolver: Finds the route (template and view) a request reaches; by default Starlette,
+            FastAPI and Litestar routing are understood, and other apps use the path.
+
+    Raises:
+        ConfigurationError: The store cannot serve async callers, or an option is invalid.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: AsyncStore,
+        policy: HttpPolicy | None = None,
+        routes: Mapping[str, RouteOptions] | None = None,
+        resolver: RouteResolver | None = None,
+    ) -> None:
+        if not isinstance(store, AsyncStore):
+            raise ConfigurationError(
+                f"{type(store).__name__} has no async verbs: the ASGI middleware needs an "
+                "oncely.AsyncStore (any built-in store)"
+            )
+        self.app = app
+        self.store = store
+        self.routes = RouteTable(policy, routes, resolver)
+        self._resolve = resolver or resolve_asgi
+
+    @property
+    def policy(self) -> HttpPolicy:
+        """The app-wide policy."""
+        return self.routes.policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Handle one ASGI connection (non-HTTP scopes and safe methods pass straight through)."""
+        if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        method: str = scope["method"]
+        path: str = scope.get("path", "")
+        policy, route = self.routes.select(method, path, self._resolve(scope))
+        if not policy.covers(method):
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers") or ()
+        name = policy.header_name
+        decision = _semantics.decide(
+            method, [value for key, value in headers if key.lower() == name], policy
+        )
+        if decision is None:
+            await self.app(scope, receive, send)
+            return
+        if isinstance(decision, Response):
+            await _send_response(send, decision)
+            return
+        buffered = await _read_body(receive)
+        if buffered is None:  # the client left before its request was complete: run nothing
+            return
+        messages, body = buffered
+        request = HttpRequest(
+            method, path, route, scope.get("query_string", b""), tuple(headers), body
+        )
+        plan = _semantics.plan(request, decision, policy)
+        receive = _BufferedReceive(messages, receive)
+        outcome = await _execution.arun(
+            _flow.begin(plan, policy, method=method, path=path, heartbeat=False), self.store
+        )
+        if outcome is _flow.PASS_THROUGH:
+            await self.app(scope, receive, send)
+        elif isinstance(outcome, Response):
+            await _send_response(send, outcome)
+        else:
+            await self._run(outcome, policy, _app_scope(scope), receive, send)
+
+    async def _run(
+        self,
+        lease: _execution.Lease,
+        policy: HttpPolicy,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        capture = ResponseCapture(policy.max_response_bytes)
+        settled = False
+        heartbeat = _DeferredHeartbeat(self.store, lease)
+
+        async def capture_send(message: Message) -> None:
+            nonlocal settled
+            kind = message["type"]
+            if kind == "http.response.start" and not settled:
+                capture.start(int(message["status"]), message.get("headers") or (), policy)
+            elif kind == "http.response.body" and not settled:
+                capture.add(message.get("body", b""))
+                if not message.get("more_body", False):
+                    # Settle before the last chunk leaves: the client can only hold the
+                    # whole response once its record is complete.
+                    settled = capture.complete = True
+                    heartbeat.cancel()
+                    await _execution.arun(_flow.finish(lease, capture, policy), self.store)
+            await send(message)
+
+        try:
+            await _execution.arun(
+                _flow.invoke(lease), self.store, lambda: self.app(scope, receive, capture_send)
+            )
+        except BaseException as exc:
+            if not settled:
+                settled = True
+                heartbeat.cancel()
+                await _execution.arun(_flow.abort(lease, exc, policy), self.store)
+            raise
+        if not settled:
+            settled = True
+            heartbeat.cancel()
+            await _execution.arun(_flow.abort(lease, None, policy), self.store)
+
+
+class _DeferredHeartbeat:
+    """Starts the lease's heartbeat only if the request outlives half a beat interval.
+
+    Most requests finish in milliseconds, long before the first extend is due (a third of the
+    lease): a timer costs a fraction of a task that is created and cancelled on every request.
+    Once the timer fires, the heartbeat is `oncely._execution`'s own, held in ``lease.heartbeat``,
+    and the settle flow stops it as usual; before that, `cancel` drops the timer. The first
+    extend comes at half the lease, the later ones every third of it.
+    """
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, store: AsyncStore, lease: _execution.Lease) -> None:
+        loop = asyncio.get_running_loop()
+        delay = max(lease.lease.total_seconds() / 6, 0.001)
+        self._handle: asyncio.TimerHandle | None = loop.call_later(
+            delay, self._start, loop, store, lease
+        )
+
+    def _start(
+        self, loop: asyncio.AbstractEventLoop, store: AsyncStore, lease: _execution.Lease
+    ) -> None:
+        self._handle = None
+        lease.heartbeat = loop.create_task(_execution._async_heartbeat(store, lease))
+
+    def cancel(self) -> None:
+        """Drop the timer if the heartbeat has not started (settling stops it if it has)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class _BufferedReceive:
+    """Hands the app the request messages read for fingerprinting, then the real ``receive``."""
+
+    __slots__ = ("_messages", "_receive")
+
+    def __init__(self, messages: list[Message], receive: Receive) -> None:
+        self._messages = deque(messages)
+        self._receive = receive
+
+    async def __call__(self) -> Message:
+        if self._messages:
+            return self._messages.popleft()
+        return await self._receive()
+
+
+async def _read_body(receive: Receive) -> tuple[list[Message], bytes] | None:
+    """Read the whole request; ``None`` if the client disconnected first."""
+    messages: list[Message] = []
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "http.disconnect":
+            return None
+        messages.append(message)
+        if kind == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return messages, b"".join(chunks)
+
+
+def _app_scope(scope: Scope) -> Scope:
+    extensions: dict[str, Any] | None = scope.get("extensions")
+    if not extensions or not any(name in extensions for name in _HIDDEN_EXTENSIONS):
+        return scope
+    scope = dict(scope)
+    scope["extensions"] = {
+        name: value for name, value in extensions.items() if name not in _HIDDEN_EXTENSIONS
+    }
+    return scope
+
+
+async def _send_response(send: Send, response: Response) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": list(response.headers),
+        }
+    )
+    await send({"type": "http.response.body", "body": response.body})

@@ -1,0 +1,257 @@
+"""httpx transports that give each logical request one idempotency key and retry it safely.
+
+The server side (`oncely.http.asgi`, `oncely.http.wsgi`) makes a repeat harmless; this module
+makes the client repeat when it should. A covered request (POST and PATCH by default) gets an
+``Idempotency-Key`` (a UUID4, unless the caller set one) that stays the same across every
+attempt, and is sent again on connection errors, timeouts, 409 (still in progress), 429 and
+503, with exponential backoff and full jitter, honouring ``Retry-After``, within a bounded
+number of attempts and a time budget. Other methods pass through untouched.
+
+.. code-block:: python
+
+    import httpx
+    from oncely.http.client import IdempotentTransport
+
+    with httpx.Client(transport=IdempotentTransport(), base_url="https://api.example") as c:
+        c.post("/payments", json={"amount": 500})   # one key, however many attempts
+
+Both transports run one retry flow (`oncely.http._retry.retry_flow`); only sending and sleeping
+differ. Needs the ``httpx`` extra: ``pip install 'oncely[httpx]'``.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Collection
+from datetime import timedelta
+from typing import Any
+
+from oncely._core.flow import adrive, drive
+from oncely._core.policy import Duration
+from oncely.errors import ConfigurationError, MissingDependencyError
+from oncely.http._policy import DEFAULT_METHODS
+from oncely.http._retry import RETRY_STATUSES, CloseOp, RetryPolicy, SendOp, SleepOp, retry_flow
+from oncely.http._semantics import is_token
+
+try:
+    import anyio
+    import httpx
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise MissingDependencyError(
+        "'httpx' is required for oncely.http.client; install it with: pip install 'oncely[httpx]'"
+    ) from exc
+
+__all__ = ["AsyncIdempotentTransport", "IdempotentTransport", "RetryPolicy"]
+
+ATTEMPTS_EXTENSION = "oncely.attempts"
+"""The key of ``response.extensions`` that holds how many attempts the request took."""
+
+_RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _RETRYABLE)
+
+
+class _Idempotent:
+    """The settings and request preparation both transports share."""
+
+    def __init__(
+        self,
+        *,
+        methods: Collection[str],
+        header: str,
+        key_factory: Callable[[], str] | None,
+        max_attempts: int,
+        max_elapsed: Duration,
+        backoff: Duration,
+        max_backoff: Duration,
+        retry_statuses: Collection[int],
+        seed: int | None,
+    ) -> None:
+        if isinstance(methods, str) or not all(is_token(m) for m in methods):
+            raise ConfigurationError(f"methods must be a collection of HTTP methods: {methods!r}")
+        if not is_token(header):
+            raise ConfigurationError(f"header must be an HTTP header name, not {header!r}")
+        self.methods = frozenset(method.upper() for method in methods)
+        self.header = header
+        self.key_factory = key_factory or _uuid_key
+        self.retry = RetryPolicy(
+            max_attempts=max_attempts,
+            max_elapsed=max_elapsed,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            statuses=retry_statuses,
+        )
+        self._rng = random.Random(seed)
+
+    def _covers(self, request: httpx.Request) -> bool:
+        """Whether *request* is retried; if so, make sure it carries a key."""
+        if request.method not in self.methods:
+            return False
+        if self.header not in request.headers:
+            request.headers[self.header] = self.key_factory()
+        return True
+
+    def _flow(self, request: httpx.Request) -> Any:
+        return retry_flow(
+            self.retry,
+            retryable=_retryable,
+            rng=self._rng,
+            describe=f"{request.method} {request.url} key={request.headers[self.header]}",
+        )
+
+
+def _uuid_key() -> str:
+    return str(uuid.uuid4())
+
+
+class IdempotentTransport(_Idempotent, httpx.BaseTransport):
+    """A sync httpx transport that keys covered requests and retries them safely.
+
+    Args:
+        transport: The transport that sends each attempt (default: a new
+            ``httpx.HTTPTransport()``); closed with this one.
+        methods: The methods keyed and retried (default POST and PATCH).
+        header: The key's header (default ``Idempotency-Key``). A request that already has it
+            keeps its key.
+        key_factory: Makes a new key (default: a UUID4 string).
+        max_attempts: Attempts in all, the first included.
+        max_elapsed: The time budget across attempts and pauses (timedelta or seconds).
+        backoff: The first pause without ``Retry-After``; doubled per attempt, jittered.
+        max_backoff: The longest backoff pause.
+        retry_statuses: Response statuses that are retried (default 409, 429, 503).
+        seed: Seeds the jitter (for reproducible tests).
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        methods: Collection[str] = DEFAULT_METHODS,
+        header: str = "Idempotency-Key",
+        key_factory: Callable[[], str] | None = None,
+        max_attempts: int = 5,
+        max_elapsed: Duration = timedelta(seconds=30),
+        backoff: Duration = timedelta(milliseconds=100),
+        max_backoff: Duration = timedelta(seconds=5),
+        retry_statuses: Collection[int] = RETRY_STATUSES,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(
+            methods=methods,
+            header=header,
+            key_factory=key_factory,
+            max_attempts=max_attempts,
+            max_elapsed=max_elapsed,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            retry_statuses=retry_statuses,
+            seed=seed,
+        )
+        self.transport = transport if transport is not None else httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        """Send *request*, retrying it under its one key when it is covered."""
+        if not self._covers(request):
+            return self.transport.handle_request(request)
+        request.read()  # a streamed body must be replayable
+        attempts = 0
+
+        def perform(op: Any) -> Any:
+            nonlocal attempts
+            if isinstance(op, SendOp):
+                attempts = op.attempt
+                return self.transport.handle_request(request)
+            if isinstance(op, CloseOp):
+                op.response.close()
+            elif isinstance(op, SleepOp):
+                time.sleep(op.seconds)
+            return None
+
+        response: httpx.Response = drive(self._flow(request), perform)
+        response.extensions[ATTEMPTS_EXTENSION] = attempts
+        return response
+
+    def close(self) -> None:
+        """Close the wrapped transport."""
+        self.transport.close()
+
+
+class AsyncIdempotentTransport(_Idempotent, httpx.AsyncBaseTransport):
+    """The async twin of `IdempotentTransport` (same arguments), for ``httpx.AsyncClient``.
+
+    Args:
+        transport: The transport that sends each attempt (default: a new
+            ``httpx.AsyncHTTPTransport()``); closed with this one.
+        methods: The methods keyed and retried (default POST and PATCH).
+        header: The key's header (default ``Idempotency-Key``).
+        key_factory: Makes a new key (default: a UUID4 string).
+        max_attempts: Attempts in all, the first included.
+        max_elapsed: The time budget across attempts and pauses.
+        backoff: The first pause without ``Retry-After``; doubled per attempt, jittered.
+        max_backoff: The longest backoff pause.
+        retry_statuses: Response statuses that are retried (default 409, 429, 503).
+        seed: Seeds the jitter.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        methods: Collection[str] = DEFAULT_METHODS,
+        header: str = "Idempotency-Key",
+        key_factory: Callable[[], str] | None = None,
+        max_attempts: int = 5,
+        max_elapsed: Duration = timedelta(seconds=30),
+        backoff: Duration = timedelta(milliseconds=100),
+        max_backoff: Duration = timedelta(seconds=5),
+        retry_statuses: Collection[int] = RETRY_STATUSES,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(
+            methods=methods,
+            header=header,
+            key_factory=key_factory,
+            max_attempts=max_attempts,
+            max_elapsed=max_elapsed,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            retry_statuses=retry_statuses,
+            seed=seed,
+        )
+        self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send *request*, retrying it under its one key when it is covered."""
+        if not self._covers(request):
+            return await self.transport.handle_async_request(request)
+        await request.aread()
+        attempts = 0
+
+        async def perform(op: Any) -> Any:
+            nonlocal attempts
+            if isinstance(op, SendOp):
+                attempts = op.attempt
+                return await self.transport.handle_async_request(request)
+            if isinstance(op, CloseOp):
+                await op.response.aclose()
+            elif isinstance(op, SleepOp):
+                await anyio.sleep(op.seconds)
+            return None
+
+        response: httpx.Response = await adrive(self._flow(request), perform)
+        response.extensions[ATTEMPTS_EXTENSION] = attempts
+        return response
+
+    async def aclose(self) -> None:
+        """Close the wrapped transport."""
+        await self.transport.aclose()

@@ -1,0 +1,280 @@
+"""WSGI middleware: answer repeats of unsafe requests from the store (DESIGN.md section 5).
+
+Wraps any WSGI app (Flask, Django, Falcon, a bare function) and imports no framework. Every rule
+comes from `oncely.http._semantics` and every store step from the shared flows in
+`oncely.http._flow`, run with the same drivers as the decorator; this module only moves bytes.
+
+.. code-block:: python
+
+    from oncely.http.wsgi import IdempotencyMiddleware
+
+    app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, store=oncely.open_store("sqlite:///o.db"))
+
+How a protected request travels:
+
+* its body is read in full (to fingerprint it) and ``wsgi.input`` is replaced by a
+  `io.BytesIO` holding the same bytes, with ``CONTENT_LENGTH`` set (chunked requests included);
+* the response is buffered up to `HttpPolicy.max_response_bytes`, the record completed (or
+  released), and only then is the response handed to the server, so a client that has the
+  whole response can never see its own retry answered 409;
+* a response over the limit is streamed instead; its record is completed with a marker just
+  before the last chunk leaves.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import io
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from oncely import _execution
+from oncely._core.protocols import SyncStore
+from oncely.errors import ConfigurationError
+from oncely.http import _flow, _semantics
+from oncely.http._policy import HttpPolicy, RouteOptions
+from oncely.http._routes import RouteResolver, RouteTable, resolve_wsgi
+from oncely.http._semantics import Header, HttpRequest, Response, ResponseCapture
+from oncely.http._types import ExcInfo, StartResponse, WSGIApp, WSGIEnviron
+
+__all__ = ["IdempotencyMiddleware"]
+
+_READ_SIZE = 64 * 1024
+
+
+class IdempotencyMiddleware:
+    """Make unsafe requests with an ``Idempotency-Key`` take effect once (WSGI).
+
+    Args:
+        app: The WSGI application to protect (for Flask, ``app.wsgi_app``; for Django, the
+            ``get_wsgi_application()`` handler).
+        store: Any `oncely.SyncStore` (every built-in store is one).
+        policy: The app-wide `HttpPolicy` (default: POST and PATCH covered, key optional).
+        routes: `RouteOptions` by path pattern, ``"[METHOD ]/path/{param}"``; the first match
+            applies. Views decorated with `idempotent_route` override both.
+        resolver: Finds the route (template and view) a request reaches; by default Flask and
+            Django routing are understood, and other apps use the path.
+
+    Raises:
+        ConfigurationError: The store cannot serve sync callers, or an option is invalid.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        app: WSGIApp,
+        *,
+        store: SyncStore,
+        policy: HttpPolicy | None = None,
+        routes: Mapping[str, RouteOptions] | None = None,
+        resolver: RouteResolver | None = None,
+    ) -> None:
+        if not isinstance(store, SyncStore):
+            raise ConfigurationError(
+                f"{type(store).__name__} has no sync verbs: the WSGI middleware needs an "
+                "oncely.SyncStore (any built-in store)"
+            )
+        self.app = app
+        self.store = store
+        self.routes = RouteTable(policy, routes, resolver)
+        self._resolve: RouteResolver = resolver or (lambda environ: resolve_wsgi(app, environ))
+
+    @property
+    def policy(self) -> HttpPolicy:
+        """The app-wide policy."""
+        return self.routes.policy
+
+    def __call__(self, environ: WSGIEnviron, start_response: StartResponse) -> Iterable[bytes]:
+        """Handle one WSGI request (safe methods pass straight through)."""
+        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
+        if method in _semantics.SAFE_METHODS:
+            return self.app(environ, start_response)
+        path = _text(environ.get("SCRIPT_NAME", "")) + _text(environ.get("PATH_INFO", ""))
+        policy, route = self.routes.select(method, path, self._resolve(environ))
+        if not policy.covers(method):
+            return self.app(environ, start_response)
+        raw = environ.get(policy.environ_key)
+        decision = _semantics.decide(method, [] if raw is None else [_latin1(raw)], policy)
+        if decision is None:
+            return self.app(environ, start_response)
+        if isinstance(decision, Response):
+            return _respond(start_response, decision)
+        body = _read_body(environ)
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        request = HttpRequest(
+            method,
+            path,
+            route,
+            _latin1(environ.get("QUERY_STRING", "")),
+            _request_headers(environ),
+            body,
+        )
+        plan = _semantics.plan(request, decision, policy)
+        outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
+        if outcome is _flow.PASS_THROUGH:
+            return self.app(environ, start_response)
+        if isinstance(outcome, Response):
+            return _respond(start_response, outcome)
+        return self._run(outcome, policy, environ, start_response)
+
+    def _run(
+        self,
+        lease: _execution.Lease,
+        policy: HttpPolicy,
+        environ: WSGIEnviron,
+        start_response: StartResponse,
+    ) -> Iterable[bytes]:
+        capture = ResponseCapture(policy.max_response_bytes)
+        pending: deque[bytes] = deque()
+        streaming = False
+
+        def write(data: bytes) -> None:
+            pending.append(data)
+            capture.add(data)
+
+        def capture_start(
+            status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = None
+        ) -> Callable[[bytes], object]:
+            if exc_info is not None and streaming:
+                raise exc_info[1].with_traceback(exc_info[2])
+            code, _, reason = status.partition(" ")
+            pending.clear()  # a second call (with exc_info) replaces the first response
+            capture.start(int(code), _encode_headers(headers), policy, reason.encode("latin-1"))
+            return write
+
+        def call() -> tuple[Iterable[bytes], Iterator[bytes]] | None:
+            result = self.app(environ, capture_start)
+            try:
+                iterator = iter(result)
+                for chunk in iterator:
+                    write(chunk)
+                    if capture.overflowed:
+                        return result, iterator  # too large to store: stream the rest
+            except BaseException:
+                _close(result)
+                raise
+            _close(result)
+            return None
+
+        try:
+            rest = _execution.run(_flow.invoke(lease), self.store, call)
+            if not capture.started:
+                raise RuntimeError("the WSGI app returned without calling start_response")
+        except BaseException as exc:
+            _execution.run(_flow.abort(lease, exc, policy), self.store)
+            raise
+        if rest is None:
+            capture.complete = True
+            _execution.run(_flow.finish(lease, capture, policy), self.store)
+            start_response(_status_line(capture), _decode_headers(capture.headers))
+            return pending
+        streaming = True
+        start_response(_status_line(capture), _decode_headers(capture.headers))
+        return self._stream(lease, policy, capture, pending, *rest)
+
+    def _stream(
+        self,
+        lease: _execution.Lease,
+        policy: HttpPolicy,
+        capture: ResponseCapture,
+        pending: deque[bytes],
+        result: Iterable[bytes],
+        iterator: Iterator[bytes],
+    ) -> Iterator[bytes]:
+        """Stream a response over the size limit, settling before its last chunk leaves."""
+        settled = False
+        try:
+            while pending:
+                yield pending.popleft()
+            held: bytes | None = None
+            for chunk in iterator:
+                capture.add(chunk)
+                if held is not None:
+                    yield held
+                held = chunk
+            settled = capture.complete = True
+            _execution.run(_flow.finish(lease, capture, policy), self.store)
+            if held is not None:
+                yield held
+        except GeneratorExit:  # the server stopped early (client gone); the handler ran
+            if not settled:
+                settled = True
+                _execution.run(_flow.finish(lease, capture, policy), self.store)
+            raise
+        except BaseException as exc:
+            if not settled:
+                settled = True
+                _execution.run(_flow.abort(lease, exc, policy), self.store)
+            raise
+        finally:
+            _close(result)
+
+
+def _text(value: Any) -> str:
+    # PEP 3333 strings are bytes decoded as latin-1; paths are UTF-8 on the wire.
+    return str(value).encode("latin-1", "replace").decode("utf-8", "replace")
+
+
+def _latin1(value: Any) -> bytes:
+    return str(value).encode("latin-1", "replace")
+
+
+def _request_headers(environ: WSGIEnviron) -> tuple[Header, ...]:
+    headers = []
+    for name, value in environ.items():
+        if name.startswith("HTTP_"):
+            header = name[5:]
+        elif name in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            header = name
+        else:
+            continue
+        headers.append((header.replace("_", "-").lower().encode("latin-1"), _latin1(value)))
+    return tuple(headers)
+
+
+def _read_body(environ: WSGIEnviron) -> bytes:
+    stream = environ.get("wsgi.input")
+    if stream is None:
+        return b""
+    try:
+        length: int | None = int(environ.get("CONTENT_LENGTH") or "")
+    except ValueError:
+        length = None
+    if length is None:
+        # Without a length, only a server that marks the input as terminated may be read to EOF.
+        return bytes(stream.read()) if environ.get("wsgi.input_terminated") else b""
+    chunks = []
+    while length > 0:
+        chunk = stream.read(min(length, _READ_SIZE))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        length -= len(chunk)
+    return b"".join(chunks)
+
+
+def _encode_headers(headers: Iterable[tuple[str, str]]) -> list[Header]:
+    return [(_latin1(name), _latin1(value)) for name, value in headers]
+
+
+def _decode_headers(headers: Iterable[Header]) -> list[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]
+
+
+def _status_line(capture: ResponseCapture) -> str:
+    return Response(capture.status, (), b"", capture.reason).status_line()
+
+
+def _respond(start_response: StartResponse, response: Response) -> list[bytes]:
+    start_response(response.status_line(), _decode_headers(response.headers))
+    return [response.body]
+
+
+def _close(result: Iterable[bytes]) -> None:
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()

@@ -1,0 +1,463 @@
+"""The HTTP suite: DESIGN.md section 5, run against every adapter x every store.
+
+Each test drives one of the example payments APIs (bare ASGI, bare WSGI, FastAPI, Starlette,
+Flask, Django) in process, and counts the payment effect in the example's SQLite ledger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from oncely import _execution
+from oncely.http import HttpPolicy
+from tests._helpers import eventually
+from tests.http._harness import Api, Reply
+from tests.http.conftest import MAX_RESPONSE
+
+PAYMENT = {"amount": 500, "currency": "EUR"}
+
+BAD_KEYS = [
+    b"",
+    b"k" * 256,
+    "clé".encode("latin-1"),
+    "ключ".encode(),
+    b"a\x01b",
+    b'"unterminated',
+    b'"a"b"',
+    b'""',
+]
+"""Empty, too long, not ASCII (latin-1 and UTF-8), a control character, malformed quoting."""
+
+NOT_JSON = [b"{not json", b"\xff\xfe\x00garbage", b"[" * 100_000, b'{"amount": NaN}']
+"""Bodies labelled JSON that are not: malformed, not UTF-8, too deeply nested, NaN."""
+
+
+def problem(reply: Reply, status: int, code: str) -> dict[str, object]:
+    """Assert *reply* is a problem+json of *status* and *code*; return the document."""
+    assert reply.status == status, (reply.status, reply.body)
+    assert reply.header("content-type") == "application/problem+json"
+    document = reply.json()
+    assert document["status"] == status
+    assert document["code"] == code
+    assert document["detail"]
+    return document  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def _fast_settle_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settle retries of an unavailable store pause briefly (the real pauses add up to 1.75 s)."""
+    monkeypatch.setattr(_execution, "SETTLE_RETRY_DELAYS", (0.01, 0.02))
+
+
+class TestNotProtected:
+    """Rows 1-2: requests the middleware passes through untouched."""
+
+    def test_method_not_covered_passes_through(self, api: Api, key: str) -> None:
+        """PUT and DELETE are not covered by default: each request runs, nothing is replayed."""
+        for method in ("PUT", "DELETE"):
+            first = api.request(method, "/payments/1", key=key, content=b"{}")
+            second = api.request(method, "/payments/1", key=key, content=b"{}")
+            assert first.status == second.status
+            assert not first.replayed
+            assert not second.replayed
+        assert first.status in (404, 405)  # DELETE: no such route in the examples
+        assert api.ledger.count() == 2  # the PUT executed twice
+        assert api.store.calls["claim"] == 0
+
+    def test_get_passes_through(self, api: Api, key: str) -> None:
+        """Safe methods are never covered."""
+        created = api.post(key=key, json_body=PAYMENT).json()
+        reply = api.request("GET", f"/payments/{created['id']}", key=key)
+        assert reply.status == 200
+        assert not reply.replayed
+        assert reply.json()["amount"] == 500
+
+    def test_covered_method_without_key_passes_through(self, api: Api) -> None:
+        """Without a key on a route that does not require one, each request executes."""
+        first, second = api.post(json_body=PAYMENT), api.post(json_body=PAYMENT)
+
+        assert first.status == second.status == 201
+        assert not second.replayed
+        assert api.ledger.count() == 2
+        assert api.store.calls["claim"] == 0
+
+
+class TestKeys:
+    """Rows 3-4, and the two spellings of a key."""
+
+    def test_missing_key_on_required_route_is_400_naming_the_header(self, api: Api) -> None:
+        """A route that requires a key answers 400 problem+json naming the header."""
+        document = problem(
+            api.post("/transfers", json_body=PAYMENT), 400, "idempotency-key-missing"
+        )
+
+        assert document["header"] == "Idempotency-Key"
+        assert "Idempotency-Key" in str(document["detail"])
+        assert api.ledger.count() == 0
+
+    def test_required_route_with_key_is_protected(self, api: Api, key: str) -> None:
+        """The same route with a key executes once and replays."""
+        first = api.post("/transfers", key=key, json_body=PAYMENT)
+        second = api.post("/transfers", key=key, json_body=PAYMENT)
+
+        assert first.status == second.status == 201
+        assert second.replayed
+        assert api.ledger.count() == 1
+
+    def test_invalid_keys_are_400_and_store_nothing(self, api: Api) -> None:
+        """An empty, too long or non-header-safe key is rejected before it touches the store."""
+        for bad_key in BAD_KEYS:
+            reply = api.post(key=bad_key, json_body=PAYMENT)
+            assert reply.status == 400, bad_key
+            problem(reply, 400, "idempotency-key-invalid")
+
+        assert api.ledger.count() == 0
+        assert api.store.calls["claim"] == 0
+
+    def test_longest_valid_key_is_accepted(self, api: Api) -> None:
+        """255 characters is the limit, inclusive."""
+        long_key = "k" * 250 + hashlib.sha256(api.ledger.path.encode()).hexdigest()[:5]
+        assert api.post(key=long_key, json_body=PAYMENT).status == 201
+        assert api.post(key=long_key, json_body=PAYMENT).replayed
+
+    def test_quoted_and_bare_keys_name_the_same_operation(self, api: Api, key: str) -> None:
+        """A structured-field string ("...") and the bare token are the same key."""
+        first = api.post(key=f'"{key}"', json_body=PAYMENT)
+        second = api.post(key=key, json_body=PAYMENT)
+
+        assert first.status == 201
+        assert second.replayed
+        assert api.ledger.count() == 1
+
+
+class TestFirstAndRepeat:
+    """Rows 5-6: the first request executes and is stored; repeats replay it byte for byte."""
+
+    def test_first_request_executes(self, api: Api, key: str) -> None:
+        reply = api.post(key=key, json_body=PAYMENT)
+
+        assert reply.status == 201
+        assert not reply.replayed
+        assert reply.json()["amount"] == 500
+        assert reply.header("location") == f"/payments/{reply.json()['id']}"
+        assert api.ledger.count() == 1
+
+    def test_repeat_replays_status_headers_and_body_byte_for_byte(self, api: Api, key: str) -> None:
+        """The replay is the stored status, headers (Location, ETag, Content-Type) and body,
+        plus ``Idempotent-Replayed: true``; Set-Cookie is not replayed."""
+        first = api.post(key=key, json_body=PAYMENT)
+        second = api.post(key=key, json_body=PAYMENT)
+        third = api.post(key=key, json_body=PAYMENT)
+
+        assert second.status == third.status == first.status == 201
+        assert second.body == third.body == first.body
+        assert second.replayed
+        assert third.replayed
+        assert first.header("set-cookie") is not None
+        assert second.header("set-cookie") is None
+        expected = [(k, v) for k, v in first.comparable_headers() if k != b"set-cookie"]
+        assert second.comparable_headers() == expected
+        for name in ("location", "etag", "content-type", "content-length"):
+            assert second.header(name) == first.header(name), name
+        assert api.ledger.count() == 1
+
+    def test_json_body_is_canonicalised(self, api: Api, key: str) -> None:
+        """Key order, spacing and number spelling do not make another operation."""
+        api.post(
+            key=key, content=b'{"amount": 500, "currency": "EUR"}', content_type="application/json"
+        )
+        again = api.post(
+            key=key,
+            content=b'{ "currency":"EUR",\n "amount":500.0 }',
+            content_type="application/json; charset=utf-8",
+        )
+
+        assert again.replayed
+        assert api.ledger.count() == 1
+
+    def test_4xx_answers_are_stored(self, api: Api, key: str) -> None:
+        """A 4xx is an answer: it is stored and replayed (only 5xx are not)."""
+        first = api.post(key=key, content=b"{not json", content_type="application/json")
+        second = api.post(key=key, content=b"{not json", content_type="application/json")
+
+        assert first.status == second.status == 400
+        assert second.replayed
+        assert second.body == first.body
+
+    def test_streamed_response_is_stored_byte_for_byte(self, api: Api, key: str) -> None:
+        """A response sent in several chunks is stored whole."""
+        first = api.post(key=key, json_body=PAYMENT, params={"chunks": 5, "pad": 3000})
+        second = api.post(key=key, json_body=PAYMENT, params={"chunks": 5, "pad": 3000})
+
+        assert first.status == 201
+        assert len(first.body) > 3000
+        assert second.replayed
+        assert second.body == first.body
+        assert api.ledger.count() == 1
+
+
+class TestConflicts:
+    """Rows 7-8: repeats while the first runs (also `test_handler_slower_than_the_lease`), and
+    a key reused for another request."""
+
+    def test_concurrent_duplicates_execute_once(self, api: Api, key: str) -> None:
+        """Eight identical requests at once: one execution, the others 409 or a replay."""
+        replies = api.concurrently(
+            [lambda: api.post(key=key, json_body=PAYMENT, params={"delay": 0.1})] * 8
+        )
+
+        executed = [r for r in replies if r.status == 201 and not r.replayed]
+        assert len(executed) == 1
+        for reply in replies:
+            assert reply.status == 409 or (reply.status == 201 and reply.body == executed[0].body)
+        assert api.ledger.count() == 1
+
+    def test_same_key_different_request_is_422(self, api: Api, key: str) -> None:
+        """A key reused for another body, query or media is a client bug: 422, nothing runs."""
+        api.post(key=key, json_body=PAYMENT)
+        changes: list[dict[str, Any]] = [
+            {"json_body": {"amount": 501, "currency": "EUR"}},
+            {"json_body": PAYMENT, "params": {"pad": 1}},
+            {"content": b"\x00binary", "content_type": "application/octet-stream"},
+        ]
+        for change in changes:
+            problem(api.post(key=key, **change), 422, "idempotency-key-reused")
+        assert api.ledger.count() == 1
+
+    def test_principals_are_isolated(self, api: Api, key: str) -> None:
+        """The same key from two clients names two operations; neither sees the other's."""
+        alice = [("authorization", "Bearer alice")]
+        bob = [("authorization", "Bearer bob")]
+        alice_first = api.post(key=key, json_body=PAYMENT, headers=alice)
+        bob_first = api.post(key=key, json_body={"amount": 9, "currency": "USD"}, headers=bob)
+        anonymous = api.post(key=key, json_body={"amount": 1, "currency": "GBP"})
+
+        assert alice_first.status == bob_first.status == anonymous.status == 201
+        assert not bob_first.replayed
+        assert not anonymous.replayed
+        assert api.ledger.count() == 3
+        alice_again = api.post(key=key, json_body=PAYMENT, headers=alice)
+        bob_again = api.post(key=key, json_body={"amount": 9, "currency": "USD"}, headers=bob)
+        assert alice_again.replayed
+        assert alice_again.body == alice_first.body
+        assert bob_again.replayed
+        assert bob_again.body == bob_first.body
+        assert api.ledger.count() == 3
+
+    def test_same_key_on_another_route_is_another_operation(self, api: Api, key: str) -> None:
+        """The default scope includes the route."""
+        assert api.post("/payments", key=key, json_body=PAYMENT).status == 201
+        assert not api.post("/transfers", key=key, json_body=PAYMENT).replayed
+        assert api.ledger.count() == 2
+
+
+class TestFailures:
+    """Rows 9-10: the handler failing, and the store failing before, during and after it."""
+
+    @pytest.mark.parametrize("fail", ["500", "raise"])
+    def test_handler_5xx_or_raise_is_not_stored_and_a_retry_executes(
+        self, api: Api, key: str, fail: str
+    ) -> None:
+        """The lease is released at once, so the retry executes (no 409)."""
+        first = api.post(key=key, json_body=PAYMENT, params={"fail": fail})
+        second = api.post(key=key, json_body=PAYMENT, params={"fail": fail})
+
+        assert first.status == second.status == 500
+        assert not second.replayed
+        assert api.ledger.count() == 2
+        assert api.store.calls["release"] == 2
+        assert api.store.calls["complete"] == 0
+
+    def test_store_unavailable_before_claim_is_503_and_nothing_runs(
+        self, api: Api, key: str
+    ) -> None:
+        """Fail closed: 503 with Retry-After, the handler is not entered."""
+        api.store.inject("claim")
+        reply = api.post(key=key, json_body=PAYMENT)
+
+        problem(reply, 503, "idempotency-store-unavailable")
+        assert reply.header("retry-after") == "1"
+        assert api.ledger.count() == 0
+        api.store.heal()
+        assert api.post(key=key, json_body=PAYMENT).status == 201
+        assert api.ledger.count() == 1
+
+    def test_fail_open_route_runs_unprotected_and_logs_it(
+        self, api: Api, key: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A route that opted into fail-open serves requests while the store is down, and logs
+        every one."""
+        api.store.inject("claim")
+        with caplog.at_level(logging.WARNING, logger="oncely.http"):
+            first = api.post("/webhooks", key=key, json_body=PAYMENT)
+            second = api.post("/webhooks", key=key, json_body=PAYMENT)
+
+        assert first.status == second.status == 201
+        assert api.ledger.count() == 2
+        unprotected = [r for r in caplog.records if "UNPROTECTED" in r.getMessage()]
+        assert len(unprotected) == 2
+        assert "/webhooks" in unprotected[0].getMessage()
+
+    def test_store_unavailable_during_handler(self, make_api: Callable[..., Api], key: str) -> None:
+        """Heartbeats failing while the handler runs do not stop it; the response is stored."""
+        api = make_api(HttpPolicy(lease=0.15))
+        api.store.inject("extend")
+        first = api.post(key=key, json_body=PAYMENT, params={"delay": 0.12})
+        api.store.heal()
+
+        assert first.status == 201
+        assert api.store.calls["extend"] >= 1
+        assert api.post(key=key, json_body=PAYMENT, params={"delay": 0.12}).replayed
+        assert api.ledger.count() == 1
+
+    def test_store_briefly_unavailable_after_handler_still_stores(self, api: Api, key: str) -> None:
+        """Completing is retried, so a blip after the handler loses nothing."""
+        api.store.inject("complete", times=1)
+        first = api.post(key=key, json_body=PAYMENT)
+
+        assert first.status == 201
+        assert api.store.calls["complete"] == 2
+        second = api.post(key=key, json_body=PAYMENT)
+        assert second.replayed
+        assert second.body == first.body
+        assert api.ledger.count() == 1
+
+    def test_store_down_after_handler_still_delivers_the_response(
+        self, make_api: Callable[..., Api], key: str
+    ) -> None:
+        """The handler ran, so its response goes out. Its record stays in progress: repeats
+        get 409 until the lease expires, then the request is recovered and runs again (the
+        documented limit of an outage at complete; fencing tokens guard downstream writes)."""
+        api = make_api(HttpPolicy(lease=0.2))
+        api.store.inject("complete")
+        first = api.post(key=key, json_body=PAYMENT)
+        api.store.heal()
+
+        assert first.status == 201
+        assert not first.replayed
+        problem(api.post(key=key, json_body=PAYMENT), 409, "idempotency-key-in-use")
+        assert api.ledger.count() == 1
+        eventually(lambda: api.post(key=key, json_body=PAYMENT).status == 201, timeout=5)
+        assert api.ledger.count() == 2
+
+    def test_store_unavailable_after_complete(self, api: Api, key: str) -> None:
+        """A repeat while the store is down gets 503 (never a re-execution); then a replay."""
+        first = api.post(key=key, json_body=PAYMENT)
+        api.store.inject("claim")
+        problem(api.post(key=key, json_body=PAYMENT), 503, "idempotency-store-unavailable")
+        api.store.heal()
+
+        replay = api.post(key=key, json_body=PAYMENT)
+        assert replay.replayed
+        assert replay.body == first.body
+        assert api.ledger.count() == 1
+
+    def test_corrupt_record_fails_closed(self, api: Api, key: str) -> None:
+        """A stored outcome that cannot be decoded answers 500 and never executes again."""
+        api.store.corrupt_results = True
+        assert api.post(key=key, json_body=PAYMENT).status == 201
+
+        problem(api.post(key=key, json_body=PAYMENT), 500, "idempotency-record-corrupt")
+        assert api.ledger.count() == 1
+
+    def test_handler_slower_than_the_lease(self, make_api: Callable[..., Api], key: str) -> None:
+        """A repeat while the first request executes gets 409 with Retry-After, without entering
+        the handler; the heartbeat keeps a short lease alive, so that holds even when the repeat
+        arrives after the lease would have expired."""
+        lease = 0.15
+        api = make_api(HttpPolicy(lease=lease))
+        slow = {"delay": lease * 2.6}
+
+        def first() -> Reply:
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        def late_duplicate() -> Reply:
+            time.sleep(lease * 1.8)
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        original, duplicate = api.concurrently([first, late_duplicate])
+
+        assert original.status == 201
+        problem(duplicate, 409, "idempotency-key-in-use")
+        assert duplicate.header("retry-after") == "1"
+        assert api.store.calls["extend"] >= 2
+        assert api.post(key=key, json_body=PAYMENT, params=slow).replayed
+        assert api.ledger.count() == 1
+
+
+class TestBodies:
+    """Bodies that are not JSON, labelled JSON but are not, binary, chunked and large."""
+
+    def test_binary_body_reaches_the_handler_intact_and_replays(self, api: Api, key: str) -> None:
+        body = bytes(range(256)) * 64
+        first = api.post(key=key, content=body, content_type="application/octet-stream")
+        second = api.post(key=key, content=body, content_type="application/octet-stream")
+
+        assert first.status == 201
+        assert first.json()["body_sha256"] == hashlib.sha256(body).hexdigest()
+        assert second.replayed
+        assert second.body == first.body
+        assert api.ledger.count() == 1
+
+    def test_body_labelled_json_that_is_not_json(self, api: Api, key: str) -> None:
+        """The raw bytes are fingerprinted: no crash, the app answers, repeats replay."""
+        for number, body in enumerate(NOT_JSON):
+            body_key = f"{key}-{number}"
+            first = api.post(key=body_key, content=body, content_type="application/json")
+            second = api.post(key=body_key, content=body, content_type="application/json")
+            other = api.post(key=body_key, content=body + b" ", content_type="application/json")
+
+            assert first.status in (201, 400), body[:20]
+            assert second.replayed
+            assert second.body == first.body
+            assert other.status == 422
+
+    def test_chunked_request_body_reaches_the_handler_intact(self, api: Api, key: str) -> None:
+        """A body streamed in several chunks is read to fingerprint it and handed on whole."""
+        chunks = [b'{"amount": ', b"700, ", b'"currency": "CHF"}']
+        first = api.post(key=key, chunks=chunks, content_type="application/json")
+        second = api.post(key=key, json_body={"amount": 700, "currency": "CHF"})
+
+        assert first.status == 201
+        assert first.json()["body_sha256"] == hashlib.sha256(b"".join(chunks)).hexdigest()
+        assert second.replayed
+        assert api.ledger.count() == 1
+
+    def test_large_request_body(self, api: Api, key: str) -> None:
+        """A 2 MiB body, in 32 chunks, arrives intact; a one-byte change is another request."""
+        body = hashlib.sha256(key.encode()).digest() * (2 * 1024 * 1024 // 32)
+        chunks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
+        first = api.post(key=key, chunks=chunks, content_type="application/octet-stream")
+        changed = body[:-1] + bytes([body[-1] ^ 1])
+
+        assert first.status == 201
+        assert first.json()["body_size"] == len(body)
+        assert first.json()["body_sha256"] == hashlib.sha256(body).hexdigest()
+        assert api.post(key=key, content=body, content_type="application/octet-stream").replayed
+        assert (
+            api.post(key=key, content=changed, content_type="application/octet-stream").status
+            == 422
+        )
+        assert api.ledger.count() == 1
+
+    @pytest.mark.parametrize("chunks", [1, 7])
+    def test_response_over_the_limit_passes_through_and_repeats_get_a_problem(
+        self, api: Api, key: str, chunks: int
+    ) -> None:
+        """Above the size limit the response is delivered intact but not stored; repeats get
+        500 ``response-not-stored`` and the handler never runs again."""
+        params = {"pad": MAX_RESPONSE + 10, "chunks": chunks}
+        first = api.post(key=key, json_body=PAYMENT, params=params)
+
+        assert first.status == 201
+        assert len(first.body) > MAX_RESPONSE
+        assert first.json()["pad"] == "x" * (MAX_RESPONSE + 10)
+        repeat = api.post(key=key, json_body=PAYMENT, params=params)
+        problem(repeat, 500, "response-not-stored")
+        assert api.ledger.count() == 1

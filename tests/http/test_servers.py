@@ -1,0 +1,260 @@
+"""The main flows over real sockets: uvicorn serving the FastAPI example and waitress serving the
+Flask example, each in its own process, against every store.
+
+The server and the test share only the store's server (or file) and the payments ledger file,
+as two hosts would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from oncely.http.client import ATTEMPTS_EXTENSION, IdempotentTransport
+from tests._helpers import eventually
+from tests.http.conftest import EXAMPLES, store_url
+
+SERVERS = {"uvicorn": "fastapi_app.py", "waitress": "flask_app.py"}
+BACKEND_MARKS = {"postgres": [pytest.mark.postgres], "redis": [pytest.mark.redis]}
+PARAMS = [
+    pytest.param((server, backend), id=f"{server}-{backend}", marks=BACKEND_MARKS.get(backend, []))
+    for server in SERVERS
+    for backend in ("memory", "sqlite", "postgres", "redis")
+]
+PAYMENT = {"amount": 500, "currency": "EUR"}
+
+
+@dataclass
+class Running:
+    """A server process serving an example, and what the test needs to talk to it."""
+
+    url: str
+    ledger_path: Path
+    process: subprocess.Popen[str]
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").split(":")
+        return host, int(port)
+
+    def charges(self) -> int:
+        import sqlite3
+
+        connection = sqlite3.connect(self.ledger_path, timeout=10)
+        try:
+            return int(connection.execute("SELECT count(*) FROM payments").fetchone()[0])
+        finally:
+            connection.close()
+
+    def client(self, **options: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10, **options)
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Running]:
+    """Start the example's server process on a free loopback port; stop it afterwards."""
+    kind, backend = request.param
+    directory = tmp_path_factory.mktemp(f"{kind}-{backend}")
+    ledger = directory / "payments.db"
+    command = [
+        sys.executable,
+        str(EXAMPLES / SERVERS[kind]),
+        "--port", "0",
+        "--store", store_url(request, backend, directory),
+        "--namespace", f"srv-{uuid.uuid4().hex[:10]}",
+        "--ledger", str(ledger),
+        "--lease", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=directory
+    )
+    try:
+        url = _wait_for_address(process)
+        yield Running(url, ledger, process)
+    finally:
+        process.send_signal(signal.SIGINT if kind == "uvicorn" else signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        assert process.stdout is not None
+        assert process.stderr is not None
+        process.stdout.close()
+        process.stderr.close()
+
+
+def _wait_for_address(process: subprocess.Popen[str]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.1)
+        if ready:
+            line = process.stdout.readline()
+            found = re.search(r"listening on (http://\S+)", line)
+            if found:
+                return found.group(1)
+        if process.poll() is not None:
+            assert process.stderr is not None
+            raise AssertionError(f"the server exited: {process.stderr.read()}")
+    raise AssertionError("the server did not start within 30 s")
+
+
+def comparable(response: httpx.Response) -> list[tuple[str, str]]:
+    """Headers as replayed: without the server's own (date, server) and the replay marker."""
+    skip = {"date", "server", "idempotent-replayed", "set-cookie"}
+    return [(k.lower(), v) for k, v in response.headers.multi_items() if k.lower() not in skip]
+
+
+def test_first_request_and_replay_byte_for_byte(server: Running) -> None:
+    """Over a socket: 201 once, then the same status, headers and body with the marker."""
+    key = str(uuid.uuid4())
+    before = server.charges()
+    with server.client() as client:
+        first = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": key})
+        second = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": f'"{key}"'})
+
+    assert first.status_code == second.status_code == 201
+    assert second.headers["idempotent-replayed"] == "true"
+    assert "set-cookie" in first.headers
+    assert "set-cookie" not in second.headers
+    assert second.content == first.content
+    assert comparable(second) == comparable(first)
+    assert server.charges() == before + 1
+
+
+def test_conflicts_over_a_socket(server: Running) -> None:
+    """Concurrent duplicates execute once; a reused key is 422; a missing required key 400."""
+    key = str(uuid.uuid4())
+    before = server.charges()
+    barrier = threading.Barrier(6)
+    replies: list[httpx.Response] = []
+
+    def post() -> None:
+        with server.client() as client:
+            barrier.wait()
+            replies.append(
+                client.post(
+                    "/payments",
+                    params={"delay": 0.3},
+                    json=PAYMENT,
+                    headers={"Idempotency-Key": key},
+                )
+            )
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    statuses = sorted(reply.status_code for reply in replies)
+    assert statuses.count(201) >= 1
+    assert set(statuses) <= {201, 409}
+    assert server.charges() == before + 1
+    with server.client() as client:
+        other = client.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": key})
+        missing = client.post("/transfers", json=PAYMENT)
+    assert other.status_code == 422
+    assert other.headers["content-type"] == "application/problem+json"
+    assert missing.status_code == 400
+    assert missing.json()["header"] == "Idempotency-Key"
+    assert server.charges() == before + 1
+
+
+def test_dropped_response_is_replayed(server: Running) -> None:
+    """The client hangs up before reading the response; the retry gets the stored response and
+    the payment is charged once."""
+    key = str(uuid.uuid4())
+    before = server.charges()
+    body = json.dumps(PAYMENT).encode()
+    raw = (
+        b"POST /payments?delay=0.3 HTTP/1.1\r\nHost: test\r\n"
+        + f"Idempotency-Key: {key}\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    with socket.create_connection(server.host_port) as sock:
+        sock.sendall(raw)
+        time.sleep(0.15)  # the handler is running; now the connection drops
+    eventually(lambda: server.charges() == before + 1)
+
+    with server.client() as client:
+
+        def retried() -> httpx.Response | None:
+            reply = client.post(
+                "/payments", params={"delay": 0.3}, json=PAYMENT, headers={"Idempotency-Key": key}
+            )
+            return reply if reply.status_code != 409 else None
+
+        reply = eventually(retried)
+    assert reply.status_code == 201
+    assert reply.headers["idempotent-replayed"] == "true"
+    assert server.charges() == before + 1
+
+
+def test_chunked_request_body_over_a_socket(server: Running) -> None:
+    """A chunked upload reaches the app intact and fingerprints like the same bytes sent whole."""
+    key = str(uuid.uuid4())
+    pieces = [b'{"amount": ', b"42, ", b'"currency": "NOK"}']
+
+    def stream() -> Iterator[bytes]:
+        yield from pieces
+
+    with server.client() as client:
+        first = client.post(
+            "/payments",
+            content=stream(),
+            headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+        )
+        second = client.post(
+            "/payments",
+            content=b"".join(pieces),
+            headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+        )
+
+    assert first.request.headers["transfer-encoding"] == "chunked"
+    assert first.status_code == 201
+    assert first.json()["body_sha256"] == hashlib.sha256(b"".join(pieces)).hexdigest()
+    assert second.headers["idempotent-replayed"] == "true"
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param(("uvicorn", "sqlite"), id="uvicorn-sqlite"),
+        pytest.param(("waitress", "sqlite"), id="waitress-sqlite"),
+    ],
+    indirect=True,
+)
+def test_client_transport_rides_out_a_timeout(server: Running) -> None:
+    """The httpx transport times out, retries under the same key, waits out the 409's
+    Retry-After and gets the stored response: one charge."""
+    before = server.charges()
+    transport = IdempotentTransport(httpx.HTTPTransport(), max_attempts=6, backoff=0.05, seed=2)
+    with httpx.Client(transport=transport, base_url=server.url, timeout=0.4) as client:
+        reply = client.post("/payments", params={"delay": 0.8}, json=PAYMENT)
+
+    assert reply.status_code == 201
+    assert reply.headers["idempotent-replayed"] == "true"
+    assert reply.extensions[ATTEMPTS_EXTENSION] >= 2
+    assert server.charges() == before + 1
