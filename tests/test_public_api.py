@@ -12,7 +12,11 @@ import oncely.errors
 import oncely.keys
 
 SUBMODULES = {
+    "cli",
+    "consumers",
     "decorator",
+    "demo",
+    "http",
     "errors",
     "guard",
     "keys",
