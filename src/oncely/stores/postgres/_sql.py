@@ -1,0 +1,391 @@
+"""PostgreSQL statements and the flows that use them, shared by the sync and the async verbs.
+
+Each verb is a sans-I/O flow (`oncely._core.flow`): it yields `Statement`s, receives their
+`Reply`, and decodes it. The store runs a flow with `drive` for sync callers and `adrive` for
+async ones, so statements, parameters and decoding exist once. Every transition is one
+statement, and so one round trip, judged by the server's clock.
+
+Statements name their tables through ``{schema}``, filled in once per store by `Queries`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from importlib import resources
+from typing import Any, Final
+
+from oncely._core.flow import Flow
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Record,
+    Replay,
+    Status,
+)
+from oncely.errors import CorruptRecordError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Queries",
+    "Reply",
+    "Statement",
+    "claim",
+    "extend",
+    "finish",
+    "get",
+    "migrate",
+    "purge",
+    "release",
+    "scan",
+]
+
+BACKEND: Final = "postgres"
+
+SCHEMA_VERSION: Final = 1
+"""The schema version this code reads and writes (see ``schema.sql``)."""
+
+_COLUMNS: Final = (
+    "status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at, updated_at"
+)
+
+CLAIM: Final = f"""
+SELECT outcome, judged_at, {_COLUMNS}, result
+  FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint)
+"""
+"""Parameters: key, fingerprint, lease_ms, ttl_ms. One row: the outcome, the server time it was
+judged at, and the record as it stands afterwards (its result only for a replay)."""
+
+COMPLETE: Final = """
+UPDATE {schema}.oncely_records
+   SET status = %(status)s, result = %(result)s, expires_at = statement_timestamp() + %(ttl)s,
+       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp()
+ WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
+   AND expires_at > statement_timestamp()
+"""
+"""Parameters: key, token, status ('completed' or 'failed'), result, ttl. One affected row
+means done; none means the lease was lost."""
+
+RELEASE: Final = """
+UPDATE {schema}.oncely_records
+   SET status = 'released', lease_expires_at = statement_timestamp(),
+       updated_at = statement_timestamp()
+ WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
+   AND expires_at > statement_timestamp()
+"""
+"""Parameters: key, token. The record stays as a tombstone keeping its token; zero affected rows
+means the lease was lost."""
+
+EXTEND: Final = """
+UPDATE {schema}.oncely_records
+   SET lease_expires_at = statement_timestamp() + %(lease)s,
+       expires_at = greatest(expires_at, statement_timestamp() + %(lease)s),
+       updated_at = statement_timestamp()
+ WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
+   AND expires_at > statement_timestamp()
+"""
+"""Parameters: key, token, lease. Zero affected rows means the lease was lost."""
+
+GET: Final = f"""
+SELECT {_COLUMNS}, result
+  FROM {{schema}}.oncely_records
+ WHERE key = %(key)s AND expires_at > statement_timestamp()
+"""
+"""Parameters: key. The live record's row, or nothing."""
+
+PURGE: Final = """
+DELETE FROM {schema}.oncely_records
+ WHERE key IN (SELECT key FROM {schema}.oncely_records
+                WHERE expires_at <= statement_timestamp()
+                ORDER BY expires_at LIMIT %(batch)s
+                  FOR UPDATE SKIP LOCKED)
+"""
+"""Parameters: batch. Deletes one batch of expired records through the ``expires_at`` index,
+skipping rows a claimer has locked; returns how many were deleted."""
+
+SCAN: Final = f"""
+SELECT key, {_COLUMNS}, NULL::bytea
+  FROM {{schema}}.oncely_records
+ WHERE key > %(after)s AND key < %(before)s AND expires_at > statement_timestamp()
+ ORDER BY key LIMIT %(limit)s
+"""
+"""Parameters: after, before (exclusive bounds on the stored key), limit. Live records in key
+order, without their results."""
+
+SCAN_ALL: Final = f"""
+SELECT key, {_COLUMNS}, NULL::bytea
+  FROM {{schema}}.oncely_records
+ WHERE key > %(after)s AND expires_at > statement_timestamp()
+ ORDER BY key LIMIT %(limit)s
+"""
+"""Parameters: after, limit. `SCAN` for a store without a namespace."""
+
+MIGRATE_PREFIX: Final = """
+SET LOCAL client_min_messages = warning;
+SELECT pg_advisory_xact_lock({lock});
+CREATE SCHEMA IF NOT EXISTS {schema};
+SET LOCAL search_path TO {schema};
+"""
+"""Runs before ``schema.sql`` in the same transaction: one migration per schema at a time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Queries:
+    """The statements of one store, with its schema's name quoted into them.
+
+    Attributes:
+        schema: The schema holding oncely's tables, as given (unquoted).
+    """
+
+    schema: str
+    claim: str = field(init=False)
+    complete: str = field(init=False)
+    release: str = field(init=False)
+    extend: str = field(init=False)
+    get: str = field(init=False)
+    purge: str = field(init=False)
+    scan: str = field(init=False)
+    scan_all: str = field(init=False)
+    migrate: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        quoted = quote_identifier(self.schema)
+        render = {"schema": quoted}
+        for name, template in (
+            ("claim", CLAIM),
+            ("complete", COMPLETE),
+            ("release", RELEASE),
+            ("extend", EXTEND),
+            ("get", GET),
+            ("purge", PURGE),
+            ("scan", SCAN),
+            ("scan_all", SCAN_ALL),
+        ):
+            object.__setattr__(self, name, template.format(**render))
+        prefix = MIGRATE_PREFIX.format(schema=quoted, lock=migration_lock(self.schema))
+        object.__setattr__(self, "migrate", prefix + _schema_script())
+
+
+def quote_identifier(name: str) -> str:
+    """Quote *name* as a PostgreSQL identifier."""
+    if not name or "\x00" in name:
+        raise ValueError(f"{name!r} is not a valid PostgreSQL identifier")
+    return '"' + name.replace('"', '""') + '"'
+
+
+def migration_lock(schema: str) -> int:
+    """The advisory lock key that serialises migrations of *schema* (a signed 64-bit integer)."""
+    digest = hashlib.sha256(b"oncely.migrate:" + schema.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_script() -> str:
+    return resources.files("oncely.stores.postgres").joinpath("schema.sql").read_text()
+
+
+# -- operations and replies ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """Execute one statement on a pooled connection in autocommit mode: one round trip.
+
+    Attributes:
+        sql: The statement (or, for a script, several separated by semicolons).
+        params: Its parameters, or ``None`` for a script (sent with the simple query protocol).
+        key: The key it concerns, for error messages.
+    """
+
+    sql: str
+    params: Mapping[str, Any] | None
+    key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a `Statement` answered.
+
+    Attributes:
+        rows: The rows it returned (empty for a statement returning none).
+        rowcount: How many rows it returned or affected.
+    """
+
+    rows: Sequence[tuple[Any, ...]]
+    rowcount: int
+
+
+# -- flows --------------------------------------------------------------------------------------
+
+
+def _ms(duration: timedelta) -> int:
+    return max(1, duration // timedelta(milliseconds=1))
+
+
+def _interval(duration: timedelta) -> timedelta:
+    return timedelta(milliseconds=_ms(duration))
+
+
+def claim(
+    queries: Queries, stored: str, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
+) -> Flow[ClaimResult]:
+    """Claim *stored* (the namespaced key); records come back named *key*."""
+    reply: Reply = yield Statement(
+        queries.claim,
+        {"key": stored, "fingerprint": fingerprint, "lease_ms": _ms(lease), "ttl_ms": _ms(ttl)},
+        key,
+    )
+    return decode_claim(key, reply)
+
+
+def finish(
+    queries: Queries,
+    stored: str,
+    key: str,
+    token: int,
+    status: Status,
+    result: bytes,
+    ttl: timedelta,
+) -> Flow[LeaseLost | None]:
+    """Store *result* as the final outcome (``status`` completed or failed) if *token* holds."""
+    params = {
+        "key": stored,
+        "token": token,
+        "status": status.value,
+        "result": bytes(result),
+        "ttl": _interval(ttl),
+    }
+    reply: Reply = yield Statement(queries.complete, params, key)
+    return _held(reply)
+
+
+def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLost | None]:
+    """Give up the lease *token* holds, keeping the record as a tombstone."""
+    reply: Reply = yield Statement(queries.release, {"key": stored, "token": token}, key)
+    return _held(reply)
+
+
+def extend(
+    queries: Queries, stored: str, key: str, token: int, lease: timedelta
+) -> Flow[LeaseLost | None]:
+    """Move the end of the lease *token* holds to *lease* from now."""
+    params = {"key": stored, "token": token, "lease": _interval(lease)}
+    reply: Reply = yield Statement(queries.extend, params, key)
+    return _held(reply)
+
+
+def _held(reply: Reply) -> LeaseLost | None:
+    # The statements change the row only while the token holds the lease.
+    return None if reply.rowcount == 1 else LeaseLost()
+
+
+def get(queries: Queries, stored: str, key: str) -> Flow[Record | None]:
+    """Read the live record of *stored*, named *key*."""
+    reply: Reply = yield Statement(queries.get, {"key": stored}, key)
+    return decode_record(key, reply.rows[0]) if reply.rows else None
+
+
+def purge(queries: Queries, batch: int, limit: int | None) -> Flow[int]:
+    """Delete expired records, *batch* per statement, until none is left or *limit* is reached."""
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    removed = 0
+    while limit is None or removed < limit:
+        size = batch if limit is None else min(batch, limit - removed)
+        reply: Reply = yield Statement(queries.purge, {"batch": size})
+        removed += reply.rowcount
+        if reply.rowcount < size:
+            break
+    return removed
+
+
+def scan(queries: Queries, prefix: str, after: str, limit: int) -> Flow[list[Record]]:
+    """Live records whose key (without *prefix*) sorts after *after*, results left out."""
+    params: dict[str, Any] = {"after": prefix + after, "limit": limit}
+    if prefix:
+        # Keys are "C"-collated: the namespace is the range [prefix, prefix's successor).
+        params["before"] = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        sql = queries.scan
+    else:
+        sql = queries.scan_all
+    reply: Reply = yield Statement(sql, params)
+    return [decode_record(row[0][len(prefix) :], row[1:]) for row in reply.rows]
+
+
+def migrate(queries: Queries) -> Flow[None]:
+    """Create or upgrade the schema: one script, one transaction, one round trip."""
+    yield Statement(queries.migrate, None)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ONE_MS: Final = timedelta(milliseconds=1)
+
+
+def _epoch_ms(moment: Any) -> int:
+    if not isinstance(moment, datetime) or moment.tzinfo is None:
+        raise TypeError(f"{moment!r} is not a timestamp with a time zone")
+    return (moment - _EPOCH) // _ONE_MS
+
+
+def decode_record(key: str, row: Sequence[Any]) -> Record:
+    """Build a `Record` from the columns ``status .. updated_at, result``.
+
+    Raises:
+        CorruptRecordError: The row is not a record this version of oncely can read.
+    """
+    try:
+        (status, fingerprint, token, attempt, lease_end, expires, created, updated, result) = row
+        for number in (token, attempt):
+            if type(number) is not int:
+                raise TypeError(f"{number!r} is not an integer")
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint {fingerprint!r} is not text")
+        if result is not None and not isinstance(result, bytes):
+            raise TypeError(f"result of type {type(result).__name__} is not bytea")
+        return Record(
+            key=key,
+            status=Status(status),
+            fingerprint=fingerprint,
+            token=token,
+            attempt=attempt,
+            lease_expires_at_ms=_epoch_ms(lease_end),
+            expires_at_ms=_epoch_ms(expires),
+            created_at_ms=_epoch_ms(created),
+            updated_at_ms=_epoch_ms(updated),
+            result=result,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CorruptRecordError(str(exc), backend=BACKEND, key=key) from exc
+
+
+def decode_claim(key: str, reply: Reply) -> ClaimResult:
+    """Turn the row ``oncely_claim`` returned into the caller's answer."""
+    if len(reply.rows) != 1:
+        raise CorruptRecordError(
+            f"oncely_claim returned {len(reply.rows)} rows", backend=BACKEND, key=key
+        )
+    outcome, judged_at, *columns = reply.rows[0]
+    if outcome == "corrupt":
+        raise CorruptRecordError(f"unknown status {columns[0]!r}", backend=BACKEND, key=key)
+    record = decode_record(key, columns)
+    if outcome == "acquired":
+        return Acquired(record.token, recovered=False, attempt=record.attempt)
+    if outcome == "recovered":
+        return Acquired(record.token, recovered=True, attempt=record.attempt)
+    if outcome == "replay":
+        return Replay(record)
+    if outcome == "mismatch":
+        return Mismatch(stored_fingerprint=record.fingerprint)
+    if outcome == "in_progress":
+        # Microseconds, not the record's milliseconds: a lease that ends within the next
+        # millisecond still has a positive retry_after.
+        return InProgress(retry_after=columns[4] - judged_at)
+    raise CorruptRecordError(f"unknown claim outcome {outcome!r}", backend=BACKEND, key=key)

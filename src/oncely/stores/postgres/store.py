@@ -1,0 +1,631 @@
+"""`postgresql://…`: records in PostgreSQL, for several hosts and the user's HA cluster.
+
+Every transition is one statement in autocommit mode, so one round trip, judged by the
+server's clock: workers whose clocks disagree by minutes still cannot take a live lease. Claims
+call the ``oncely_claim`` function that `PostgresStore.migrate` installs (see ``schema.sql`` for
+why a claim needs a function to be race-free); the other verbs are single ``UPDATE``s.
+
+Sync callers share a `psycopg_pool.ConnectionPool`; async callers share an
+`psycopg_pool.AsyncConnectionPool` per event loop, opened on first use in that loop. Both run
+the same flows from ``_sql.py``, so statements and decoding exist once. Statements are prepared
+on the server the first time each connection runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import AsyncGenerator, Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from oncely._core.clock import Clock
+from oncely._core.flow import adrive, drive
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status
+from oncely._deps import require
+from oncely.errors import (
+    ConfigurationError,
+    SchemaMissingError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.stores.postgres import _sql
+
+if TYPE_CHECKING:
+    import psycopg
+    import psycopg.conninfo
+    import psycopg_pool
+else:
+    psycopg = require("psycopg", extra="postgres")
+    psycopg_pool = require("psycopg_pool", extra="postgres")
+    require("psycopg.conninfo", extra="postgres")
+
+__all__ = ["PostgresStore"]
+
+logger = logging.getLogger("oncely")
+
+_S = TypeVar("_S", bound="PostgresStore")
+
+_URL_OPTIONS: dict[str, Callable[[str], object]] = {
+    "schema": str,
+    "min_size": int,
+    "max_size": int,
+    "connect_timeout": float,
+    "pool_timeout": float,
+    "statement_timeout": float,
+    "prepare": lambda text: text.lower() in ("1", "true", "yes", "on"),
+}
+"""Query parameters of a store URL that configure the store rather than libpq."""
+
+_INHERITED: list[object] = []
+"""Pools a forked child inherited: kept alive, never closed, since the parent owns their
+connections (closing them would end the parent's sessions)."""
+
+_OPEN_STORES: weakref.WeakSet[PostgresStore] = weakref.WeakSet()
+"""Every store of this process, so a forked child can make them forget their parent's pools."""
+
+_POOL_NUMBERS = itertools.count(1)
+"""Pool names are unique in the process: a loop's tasks are told apart by their pool's name."""
+
+_CLOSING: set[asyncio.Task[None]] = set()
+"""Pool closes scheduled on a running loop by a sync `close`; referenced until they finish."""
+
+
+class _LoopPool:
+    """The async pool of one event loop, the connections it made, and what closes it with the loop.
+
+    A loop ends in one of two ways, and the pool must close in both, in that loop. Runners such
+    as ``asyncio.run`` first cancel every task: psycopg_pool's maintenance tasks swallow the
+    cancellation while they run a job, so the loop would wait for them forever. The guard, a
+    task of the pool's own, is cancelled along with them and closes the pool, which stops them
+    for good. Loops shut down without cancelling (``loop.shutdown_asyncgens()``, then
+    ``close()``) finalise live async generators instead: the finaliser closes the pool then.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, pool: psycopg_pool.AsyncConnectionPool[Any]
+    ) -> None:
+        self.loop = loop
+        self.pool = pool
+        self.connections: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self.guard: asyncio.Task[None] | None = None
+        self.finaliser: AsyncGenerator[None, None] | None = None
+        self.forget: Callable[[_LoopPool], None] = lambda entry: None
+        self.closing = False
+
+    async def open(self, forget: Callable[[_LoopPool], None]) -> None:
+        """Open the pool (in its loop), tied to the loop's shutdown; *forget* drops the entry."""
+        if self.guard is None:
+            self.forget = forget
+            self.guard = self.loop.create_task(self._guard(), name=f"{self.pool.name}-guard")
+            self.finaliser = _close_with_loop(self)
+            await self.finaliser.__anext__()  # from now on the loop tracks it
+        await self.pool.open()
+
+    async def _guard(self) -> None:
+        try:
+            await self.loop.create_future()
+        except asyncio.CancelledError:
+            await self.shut_down()
+            raise
+
+    async def shut_down(self) -> None:
+        """The loop is ending: forget the pool and close it."""
+        if not self.closing:
+            self.forget(self)
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the pool from inside its loop (again: at once)."""
+        self.closing = True
+        if self.guard is not None and self.guard is not asyncio.current_task():
+            self.guard.cancel()
+        try:
+            await self.pool.close()
+        except asyncio.CancelledError:
+            # At shutdown the pool's workers were cancelled too, and its close gives up on
+            # them before it closes the sessions: end those here.
+            self.end_sessions()
+            raise
+        finaliser, self.finaliser = self.finaliser, None
+        if finaliser is not None:
+            await finaliser.aclose()
+
+    def end_sessions(self) -> None:
+        """Close the pool's connections at the libpq level, without the loop."""
+        for connection in list(self.connections):
+            with contextlib.suppress(Exception):
+                connection.pgconn.finish()
+
+    def abandon(self) -> None:
+        """End the pool's sessions without its loop (closed, or idle while another one runs).
+
+        If the loop is still open, the guard closes the pool itself when the loop shuts down.
+        """
+        self.closing = True
+        self.end_sessions()
+        if self.loop.is_closed():
+            # The pool's tasks can never run again. Finish their coroutines here, where the
+            # "Event loop is closed" each raises on its way out can be swallowed, rather than
+            # in the garbage collector, where it would surface as an unraisable exception.
+            for task in asyncio.all_tasks(self.loop):
+                if task.get_name().startswith(self.pool.name):
+                    with contextlib.suppress(RuntimeError):
+                        task.get_coro().close()
+                    # Nor report it as destroyed while pending: it is finished, as far as it can be.
+                    task._log_destroy_pending = False  # type: ignore[attr-defined]
+
+
+async def _close_with_loop(entry: _LoopPool) -> AsyncGenerator[None, None]:
+    """An async generator the loop finalises when it shuts down, closing *entry*'s pool."""
+    try:
+        yield
+    finally:
+        if entry.finaliser is not None:  # not closed through entry.close()
+            entry.finaliser = None
+            await entry.shut_down()
+
+
+class PostgresStore:
+    """Records in a PostgreSQL table, shared by any number of processes and hosts.
+
+    The schema is created by `migrate` (or ``oncely migrate``), never on first use: until then
+    every verb raises `SchemaMissingError`. Nothing connects before the first call.
+
+    Args:
+        conninfo: A libpq connection string or ``postgresql://`` URL.
+        namespace: A prefix that keeps this store's keys apart from others' in the same table.
+        schema: The PostgreSQL schema holding oncely's table and function.
+        clock: Accepted for symmetry with the other stores and unused: the server's clock
+            judges leases and expiry.
+        min_size: Connections each pool keeps open.
+        max_size: Connections each pool opens at most (sync callers share one pool; each event
+            loop has its own).
+        connect_timeout: Seconds to wait for a new connection (libpq's minimum is 2).
+        pool_timeout: Seconds a call waits for a free connection before
+            `StoreUnavailableError`; while the server is unreachable, every call fails after it.
+        statement_timeout: Seconds after which the server cancels a statement (``None``: the
+            server's setting).
+        application_name: Reported in ``pg_stat_activity`` unless the conninfo sets one.
+        prepare: Prepare statements on the server (set ``False`` behind a pooler without
+            prepared-statement support).
+
+    Raises:
+        ConfigurationError: A malformed connection string or option.
+        MissingDependencyError: psycopg is not installed (``pip install 'oncely[postgres]'``).
+
+    .. versionadded:: 0.1.0
+    """
+
+    backend = "postgres"
+
+    def __init__(
+        self,
+        conninfo: str = "",
+        *,
+        namespace: str = "",
+        schema: str = "public",
+        clock: Clock | None = None,
+        min_size: int = 1,
+        max_size: int = 10,
+        connect_timeout: float | None = None,
+        pool_timeout: float = 5.0,
+        statement_timeout: float | None = 10.0,
+        application_name: str = "oncely",
+        prepare: bool = True,
+    ) -> None:
+        del clock  # the server's clock judges time
+        if not 0 <= min_size <= max_size or max_size < 1:
+            raise ConfigurationError("pool sizes need 0 <= min_size <= max_size and max_size >= 1")
+        if pool_timeout <= 0 or (statement_timeout is not None and statement_timeout <= 0):
+            raise ConfigurationError("pool_timeout and statement_timeout must be positive")
+        try:
+            self._queries = _sql.Queries(schema)
+            params = psycopg.conninfo.conninfo_to_dict(conninfo)
+        except (ValueError, psycopg.Error) as exc:
+            raise ConfigurationError(f"bad PostgreSQL store settings: {exc}") from exc
+        self.namespace = namespace
+        self.schema = schema
+        self._conninfo = conninfo
+        self._kwargs: dict[str, Any] = {"autocommit": True}
+        if "application_name" not in params:
+            self._kwargs["application_name"] = application_name
+        if connect_timeout is not None or "connect_timeout" not in params:
+            self._kwargs["connect_timeout"] = max(2, round(connect_timeout or 5))
+        if statement_timeout is not None:
+            setting = f"-c statement_timeout={round(statement_timeout * 1000)}"
+            self._kwargs["options"] = f"{params.get('options', '')} {setting}".strip()
+        self._min_size = min_size
+        self._max_size = max_size
+        self._pool_timeout = pool_timeout
+        self._prepare = prepare
+        self._where = "{}:{}/{}".format(
+            params.get("host") or "localhost", params.get("port") or 5432, params.get("dbname", "")
+        )
+        self._lock = threading.Lock()
+        self._pool: psycopg_pool.ConnectionPool[Any] | None = None
+        self._loop_pools: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
+        self._closed = False
+        _OPEN_STORES.add(self)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresStore:
+        """Open ``postgresql://user:password@host:port/dbname?…`` (or ``postgres://``).
+
+        Query parameters ``schema``, ``min_size``, ``max_size``, ``connect_timeout``,
+        ``pool_timeout``, ``statement_timeout`` and ``prepare`` configure the store (keyword
+        *options* take precedence); any other parameter, such as ``sslmode`` or
+        ``application_name``, goes to libpq.
+        """
+        parts = urlsplit(url)
+        passed = []
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            convert = _URL_OPTIONS.get(name)
+            if convert is None:
+                passed.append((name, value))
+                continue
+            try:
+                options.setdefault(name, convert(value))
+            except ValueError:
+                raise ConfigurationError(f"bad value {value!r} for {name} in {url!r}") from None
+        return cls(urlunsplit(parts._replace(query=urlencode(passed))), **options)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed", backend=self.backend)
+
+    def _after_fork(self) -> None:
+        # Only the forking thread survives, and it may have left the lock held: take a new one.
+        # The parent's pools stay referenced and unclosed, since closing them would end the
+        # parent's sessions; this process opens its own on first use.
+        self._lock = threading.Lock()
+        _INHERITED.extend([self._pool, *self._loop_pools.values()])
+        self._pool, self._loop_pools = None, {}
+
+    def _sync_pool(self) -> psycopg_pool.ConnectionPool[Any]:
+        self._usable()
+        pool = self._pool
+        if pool is None:
+            with self._lock:
+                pool = self._pool
+                if pool is None:
+                    pool = psycopg_pool.ConnectionPool(
+                        self._conninfo,
+                        kwargs=self._kwargs,
+                        min_size=self._min_size,
+                        max_size=self._max_size,
+                        timeout=self._pool_timeout,
+                        name=f"oncely-{next(_POOL_NUMBERS)}",
+                        open=False,
+                    )
+                    pool.open()
+                    self._pool = pool
+        return pool
+
+    async def _async_pool(self) -> psycopg_pool.AsyncConnectionPool[Any]:
+        self._usable()
+        loop = asyncio.get_running_loop()
+        entry = self._loop_pools.get(loop)
+        if entry is None:
+            with self._lock:
+                entry = self._loop_pools.get(loop)
+                if entry is None:
+                    for stale in [other for other in self._loop_pools if other.is_closed()]:
+                        self._loop_pools.pop(stale).abandon()
+                    entry = self._loop_pools[loop] = self._new_loop_pool(loop)
+        if entry.pool.closed:  # not opened yet; opening twice is harmless
+            await entry.open(self._forget)
+        return entry.pool
+
+    def _forget(self, entry: _LoopPool) -> None:
+        with self._lock:
+            if self._loop_pools.get(entry.loop) is entry:
+                del self._loop_pools[entry.loop]
+
+    def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> _LoopPool:
+        async def track(connection: psycopg.AsyncConnection[Any]) -> None:
+            entry.connections.add(connection)
+
+        entry = _LoopPool(
+            loop,
+            psycopg_pool.AsyncConnectionPool(
+                self._conninfo,
+                kwargs=self._kwargs,
+                min_size=self._min_size,
+                max_size=self._max_size,
+                timeout=self._pool_timeout,
+                name=f"oncely-async-{next(_POOL_NUMBERS)}",
+                configure=track,
+                open=False,
+            ),
+        )
+        return entry
+
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """The one place where psycopg's exceptions become oncely's."""
+        try:
+            yield
+        except psycopg_pool.PoolClosed as exc:
+            raise StoreError("the store is closed", backend=self.backend) from exc
+        except psycopg_pool.PoolTimeout as exc:
+            raise StoreUnavailableError(
+                f"no connection to PostgreSQL at {self._where} within {self._pool_timeout}s "
+                f"for {key!r}",
+                backend=self.backend,
+            ) from exc
+        except (
+            psycopg.errors.UndefinedTable,
+            psycopg.errors.UndefinedFunction,
+            psycopg.errors.UndefinedColumn,
+            psycopg.errors.InvalidSchemaName,
+        ) as exc:
+            raise SchemaMissingError(
+                f"the oncely schema is missing or out of date in schema {self.schema!r} at "
+                f"{self._where}: run store.migrate() or `oncely migrate` ({_first_line(exc)})",
+                backend=self.backend,
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailableError(
+                f"PostgreSQL at {self._where} could not serve {key!r}: {_first_line(exc)}",
+                backend=self.backend,
+            ) from exc
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"PostgreSQL at {self._where} failed on {key!r}: {_first_line(exc)}",
+                backend=self.backend,
+            ) from exc
+
+    def _execute(self, op: _sql.Statement) -> _sql.Reply:
+        script = op.params is None
+        with self._errors(op.key):
+            pool = self._sync_pool()
+            with pool.connection() as connection:
+                try:
+                    cursor = connection.execute(
+                        op.sql, op.params, prepare=self._prepare and not script, binary=not script
+                    )
+                    rows = cursor.fetchall() if cursor.description is not None else []
+                except psycopg.OperationalError:
+                    if connection.broken:
+                        # A session that died usually did not die alone (a restart, a failover,
+                        # a kill): weed out the pool's other dead sessions now, so that the
+                        # caller's retry gets a live one rather than the next dead one.
+                        pool.check()
+                    raise
+                return _sql.Reply(rows, cursor.rowcount)
+
+    async def _aexecute(self, op: _sql.Statement) -> _sql.Reply:
+        script = op.params is None
+        with self._errors(op.key):
+            pool = await self._async_pool()
+            async with pool.connection() as connection:
+                try:
+                    cursor = await connection.execute(
+                        op.sql, op.params, prepare=self._prepare and not script, binary=not script
+                    )
+                    rows = await cursor.fetchall() if cursor.description is not None else []
+                except psycopg.OperationalError:
+                    if connection.broken:
+                        await pool.check()  # as in _execute
+                    raise
+                return _sql.Reply(rows, cursor.rowcount)
+
+    def _stored_key(self, key: str) -> str:
+        return f"{self.namespace}:{key}" if self.namespace else key
+
+    # -- sync verbs ----------------------------------------------------------------------------
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`. One statement, judged by the server's clock."""
+        flow = _sql.claim(self._queries, self._stored_key(key), key, fingerprint, lease, ttl)
+        return drive(flow, self._execute)
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`."""
+        flow = _sql.finish(
+            self._queries, self._stored_key(key), key, token, Status.COMPLETED, result, ttl
+        )
+        return drive(flow, self._execute)
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`."""
+        flow = _sql.finish(
+            self._queries, self._stored_key(key), key, token, Status.FAILED, error, ttl
+        )
+        return drive(flow, self._execute)
+
+    def release(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.SyncStore.release`."""
+        return drive(_sql.release(self._queries, self._stored_key(key), key, token), self._execute)
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.extend`."""
+        flow = _sql.extend(self._queries, self._stored_key(key), key, token, lease)
+        return drive(flow, self._execute)
+
+    def get(self, key: str) -> Record | None:
+        """See `oncely.SyncStore.get`."""
+        return drive(_sql.get(self._queries, self._stored_key(key), key), self._execute)
+
+    # -- async verbs ---------------------------------------------------------------------------
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`."""
+        flow = _sql.claim(self._queries, self._stored_key(key), key, fingerprint, lease, ttl)
+        return await adrive(flow, self._aexecute)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        flow = _sql.finish(
+            self._queries, self._stored_key(key), key, token, Status.COMPLETED, result, ttl
+        )
+        return await adrive(flow, self._aexecute)
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        flow = _sql.finish(
+            self._queries, self._stored_key(key), key, token, Status.FAILED, error, ttl
+        )
+        return await adrive(flow, self._aexecute)
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """See `oncely.AsyncStore.arelease`."""
+        flow = _sql.release(self._queries, self._stored_key(key), key, token)
+        return await adrive(flow, self._aexecute)
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """See `oncely.AsyncStore.aextend`."""
+        flow = _sql.extend(self._queries, self._stored_key(key), key, token, lease)
+        return await adrive(flow, self._aexecute)
+
+    async def aget(self, key: str) -> Record | None:
+        """See `oncely.AsyncStore.aget`."""
+        return await adrive(_sql.get(self._queries, self._stored_key(key), key), self._aexecute)
+
+    # -- schema and maintenance ----------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create or upgrade the schema, table, index and claim function.
+
+        Idempotent, and safe to run from several processes at once: the script runs in one
+        transaction under an advisory lock per schema.
+
+        Raises:
+            StoreError: The database holds a newer schema than this version of oncely, or
+                refused the script (for example for lack of privileges).
+            StoreUnavailableError: The server could not be reached.
+        """
+        drive(_sql.migrate(self._queries), self._execute)
+
+    async def amigrate(self) -> None:
+        """Async `migrate`."""
+        await adrive(_sql.migrate(self._queries), self._aexecute)
+
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """Delete expired records in batches; return how many were deleted.
+
+        Args:
+            batch: Records deleted per statement, so no lock is held for long.
+            limit: Stop after this many (default: until none is left).
+        """
+        return drive(_sql.purge(self._queries, batch, limit), self._execute)
+
+    async def apurge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """Async `purge`."""
+        return await adrive(_sql.purge(self._queries, batch, limit), self._aexecute)
+
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """Return up to *limit* live records whose key sorts after *after*, results left out."""
+        prefix = self._stored_key("")
+        return drive(_sql.scan(self._queries, prefix, after, limit), self._execute)
+
+    async def ascan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """Async `scan`."""
+        prefix = self._stored_key("")
+        return await adrive(_sql.scan(self._queries, prefix, after, limit), self._aexecute)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _detach(self) -> tuple[psycopg_pool.ConnectionPool[Any] | None, list[Any]]:
+        with self._lock:
+            if self._closed:
+                return None, []
+            self._closed = True
+            pool, self._pool = self._pool, None
+            loop_pools, self._loop_pools = list(self._loop_pools.items()), {}
+        return pool, loop_pools
+
+    def close(self) -> None:
+        """Close every pool. Async pools whose loop is running elsewhere are closed there."""
+        pool, loop_pools = self._detach()
+        if pool is not None:
+            pool.close()
+        for loop, entry in loop_pools:
+            _close_elsewhere(loop, entry)
+
+    async def aclose(self) -> None:
+        """Close every pool, awaiting the one of the running loop."""
+        pool, loop_pools = self._detach()
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+        current = asyncio.get_running_loop()
+        for loop, entry in loop_pools:
+            if loop is current:
+                await entry.close()
+            else:
+                _close_elsewhere(loop, entry)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self: _S) -> _S:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"PostgresStore({self._where!r}, schema={self.schema!r}, namespace={self.namespace!r})"
+        )
+
+
+def _close_elsewhere(loop: asyncio.AbstractEventLoop, entry: _LoopPool) -> None:
+    """Close an async pool from outside its loop, as far as that loop's state allows."""
+    if loop.is_closed():
+        entry.abandon()
+        return
+    if loop.is_running():
+        if _running_loop() is loop:  # a sync close() called inside this loop
+            task = loop.create_task(entry.close())
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
+            return
+        future = asyncio.run_coroutine_threadsafe(entry.close(), loop)
+        try:
+            future.result(timeout=10)
+        except Exception:
+            logger.warning("could not close an oncely PostgreSQL pool in its event loop")
+        return
+    if _running_loop() is None:
+        loop.run_until_complete(entry.close())
+    else:
+        entry.abandon()
+
+
+def _forget_parent_pools() -> None:
+    for store in list(_OPEN_STORES):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_pools)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().split("\n", 1)[0]
