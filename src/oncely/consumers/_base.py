@@ -1,0 +1,970 @@
+"""The broker-agnostic consumer runner: DESIGN.md section 6 as pure decisions.
+
+A broker adapter turns each delivery into a `Delivery` (body, headers, the broker's message id),
+asks `IdempotentConsumer` for a `Verdict`, and translates the verdict into the broker's verbs:
+
+==========================================  =========================  =========================
+situation                                   handler                    verdict
+==========================================  =========================  =========================
+new key                                     runs once                  ACK after ``complete``
+completed (or failed) duplicate             skipped, logged, counted   ACK
+duplicate whose lease is live elsewhere     not run now                RETRY after a delay
+handler raised, attempts left               lease released             RETRY, broker's policy
+handler raised on attempt N, or a declared  lease released             DEAD_LETTER
+  dead-letter error
+claimed on attempt N + 1 (workers killed    not run                    DEAD_LETTER
+  mid-handler N times)
+store unreachable, or the lease was lost    not run / not settled      RETRY after a delay
+key missing or invalid, fingerprint         not run                    DEAD_LETTER
+  mismatch, corrupt record
+==========================================  =========================  =========================
+
+``attempt`` is the record's own count of starts (`oncely.Record.attempt`): it survives releases,
+lease takeovers and redelivery to another worker, so a message that kills every worker that
+touches it is dead-lettered after N starts even on brokers that do not count deliveries.
+
+The decisions are one sans-I/O flow (`IdempotentConsumer.flow`); `IdempotentConsumer.process`
+and `IdempotentConsumer.aprocess` run it against a sync or an async store. Adapters that have a
+loop of their own (Kafka, Redis Streams) write it as a flow too, yielding `BrokerOp` values that
+`run_with` and `arun_with` hand to the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, TypeAlias, TypeVar
+
+from oncely import _execution
+from oncely._core import codec as _codec
+from oncely._core.codec import Codec, JSONCodec
+from oncely._core.fingerprint import digest
+from oncely._core.flow import Flow, adrive, drive
+from oncely._core.keys import scope_key
+from oncely._core.policy import Duration, Policy, to_timedelta
+from oncely._core.protocols import AsyncStore, SyncStore
+from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
+from oncely.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    FingerprintMismatchError,
+    InProgressError,
+    InvalidKeyError,
+    LeaseLostError,
+    OncelyError,
+    StoreError,
+    StoreUnavailableError,
+)
+from oncely.keys import content_hash, from_header
+
+__all__ = [
+    "Action",
+    "ano_broker",
+    "arun_with",
+    "BATCH_VERBS",
+    "body_value",
+    "BrokerOp",
+    "ConsumerPolicy",
+    "ConsumerStats",
+    "default_scope",
+    "Delivery",
+    "FingerprintSource",
+    "Handle",
+    "IdempotentConsumer",
+    "KEY_HEADERS",
+    "KeySource",
+    "no_broker",
+    "Parallel",
+    "Reason",
+    "run_with",
+    "seconds",
+    "Verdict",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+KEY_HEADERS: tuple[str, ...] = ("Idempotency-Key", "x-idempotency-key")
+"""Headers read for the key, in this order and case-insensitively."""
+
+BATCH_VERBS: tuple[str, ...] = ("claim_many", "complete_many", "aclaim_many", "acomplete_many")
+"""The store verbs `IdempotentConsumer.batch_flow` uses when a store has all of them.
+
+``claim_many(requests, *, lease, ttl)`` takes ``(key, fingerprint)`` pairs and returns one
+`ClaimResult` per pair, in order; ``complete_many(items, *, ttl)`` takes ``(key, token,
+result)`` triples and returns ``None`` or `LeaseLost` per triple. Each item is its own atomic
+transition (the batch is not all-or-nothing), the call one round trip; an item may also come
+back as a `StoreError` instance (its own failure), and a failure of the whole call raises.
+The ``a``-prefixed verbs are the async twins."""
+
+
+# -- what an adapter gives and gets ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery of a message, as every broker adapter describes it.
+
+    Attributes:
+        body: The payload, as bytes.
+        headers: The message's headers (values may be ``str`` or ``bytes``).
+        message_id: The broker's identity of the message, stable across redeliveries
+            (an AMQP ``message_id``, a stream sequence, ``topic/partition/offset``, a stream
+            entry id), used as the key when no header carries one. ``None`` if it has none.
+        raw: The broker's own message object, for key and fingerprint callables.
+
+    .. versionadded:: 0.1.0
+    """
+
+    body: bytes
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
+    raw: Any = None
+
+    def header(self, name: str) -> str | bytes | None:
+        """Return the header *name* (case-insensitive), or ``None``."""
+        wanted = name.lower()
+        for header, value in self.headers.items():
+            if header.lower() == wanted and value is not None:
+                return value if isinstance(value, (str, bytes)) else str(value)
+        return None
+
+
+class Action(str, enum.Enum):
+    """What the adapter must tell the broker about one delivery."""
+
+    ACK = "ack"
+    """Acknowledge (commit): the message has taken effect, or already had."""
+    RETRY = "retry"
+    """Do not acknowledge: have it redelivered (after `Verdict.delay` when one is given)."""
+    DEAD_LETTER = "dead_letter"
+    """Move it to the dead-letter target (the broker's, or one the adapter was given)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reason(str, enum.Enum):
+    """Why a `Verdict` was reached; also the name of the counter it increments."""
+
+    PROCESSED = "processed"
+    DUPLICATE = "duplicate"
+    IN_PROGRESS = "in_progress"
+    HANDLER_FAILED = "handler_failed"
+    EXHAUSTED = "exhausted"
+    MISMATCH = "mismatch"
+    INVALID_KEY = "invalid_key"
+    CORRUPT_RECORD = "corrupt_record"
+    STORE_UNAVAILABLE = "store_unavailable"
+    LEASE_LOST = "lease_lost"
+    BLOCKED = "blocked"
+    """Not run: an earlier message of the same ordered batch must be retried first."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The runner's decision for one delivery.
+
+    Attributes:
+        action: What to tell the broker.
+        reason: Why.
+        key: The scoped key, when one could be derived.
+        delay: For `Action.RETRY`: wait this long before the redelivery; ``None`` leaves the
+            timing to the broker's own redelivery policy (a handler that raised).
+        attempt: The record's attempt number when the handler was started (0: not started).
+        error: The handler's exception, or the error that decided the verdict.
+        result: What the handler returned (`Reason.PROCESSED`), or what its first run returned,
+            decoded from the record (`Reason.DUPLICATE`; ``None`` if it cannot be decoded).
+
+    .. versionadded:: 0.1.0
+    """
+
+    action: Action
+    reason: Reason
+    key: str | None = None
+    delay: timedelta | None = None
+    attempt: int = 0
+    error: BaseException | None = None
+    result: Any = None
+
+
+KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str]"
+"""Where a message's key comes from.
+
+``"header"``: the first of `KEY_HEADERS` present, else the broker's message id; ``"content"``:
+a canonical hash of the body (JSON bodies are canonicalised, so key order and number formatting
+do not matter); or a callable over the `Delivery`.
+"""
+
+FingerprintSource: TypeAlias = "Literal['body'] | Callable[[Delivery], Any] | None"
+"""What defines a message's operation: ``"body"`` (canonical), a callable, or ``None``."""
+
+
+# -- policy and counters -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerPolicy:
+    """How an idempotent consumer treats deliveries (DESIGN.md section 6). Immutable.
+
+    Attributes:
+        lease: How long a handler may run before another worker may take the message over; the
+            heartbeat extends it every third of it while the handler runs.
+        ttl: How long a processed key is remembered (duplicates arriving later run again). Keep
+            it longer than the broker can redeliver: its retention, or its retry horizon.
+        max_attempts: Starts of the handler, across all workers, before the message is
+            dead-lettered (counted in the record, so they survive redelivery and crashes).
+        retry_delay: The longest a delivery waits before it is redelivered when its key is busy
+            elsewhere or the store is unreachable (never longer than the remaining lease).
+        heartbeat: Keep the lease alive while the handler runs.
+        dead_letter_on: Exception types that dead-letter a message at once, without retries
+            (a malformed payload will not parse on the fifth try either).
+
+    .. versionadded:: 0.1.0
+    """
+
+    lease: timedelta = timedelta(seconds=30)
+    ttl: timedelta = timedelta(days=7)
+    max_attempts: int = 5
+    retry_delay: timedelta = timedelta(seconds=1)
+    heartbeat: bool = True
+    dead_letter_on: tuple[type[BaseException], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("lease", "ttl", "retry_delay"):
+            object.__setattr__(self, name, to_timedelta(getattr(self, name), name))
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ConfigurationError(f"max_attempts must be an int, not {self.max_attempts!r}")
+        if self.max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be 1 or more, not {self.max_attempts}")
+        errors = self.dead_letter_on
+        errors = (errors,) if isinstance(errors, type) else tuple(errors)
+        for error in errors:
+            if not (isinstance(error, type) and issubclass(error, BaseException)):
+                raise ConfigurationError(f"dead_letter_on must be exception types, not {error!r}")
+        object.__setattr__(self, "dead_letter_on", errors)
+        self.as_policy()  # validates the rest (ttl not shorter than the lease)
+
+    def as_policy(self) -> Policy:
+        """The `oncely.Policy` the shared claim and settle flows run under."""
+        return Policy(ttl=self.ttl, lease=self.lease, on_conflict="raise", heartbeat=self.heartbeat)
+
+
+class ConsumerStats:
+    """Thread-safe counters of verdicts, by `Reason`, for one consumer.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[Reason] = Counter()
+
+    def add(self, reason: Reason) -> None:
+        """Count one verdict reached for *reason*."""
+        with self._lock:
+            self._counts[reason] += 1
+
+    def __getitem__(self, reason: Reason | str) -> int:
+        """Return how many verdicts were reached for *reason*."""
+        with self._lock:
+            return self._counts[Reason(reason)]
+
+    def snapshot(self) -> dict[str, int]:
+        """Return every non-zero counter, by reason name."""
+        with self._lock:
+            return {str(reason): count for reason, count in self._counts.items() if count}
+
+    def __repr__(self) -> str:
+        return f"ConsumerStats({self.snapshot()!r})"
+
+
+# -- keys and fingerprints ---------------------------------------------------------------------
+
+
+def body_value(body: bytes) -> Any:
+    """Return *body* parsed as JSON when it is JSON, else the bytes themselves.
+
+    Keys and fingerprints derived from the result do not change with JSON key order, spacing
+    or number formatting.
+    """
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body
+
+
+def _content_key(delivery: Delivery) -> str:
+    return content_hash(body_value(delivery.body))
+
+
+def _header_key(delivery: Delivery, headers: tuple[str, ...]) -> str:
+    for name in headers:
+        value = delivery.header(name)
+        if value is not None:
+            return from_header(value)
+    if delivery.message_id:
+        return from_header(delivery.message_id)
+    raise KeyError(
+        f"the message has none of the headers {', '.join(headers)} and no message id: "
+        "stamp a key on it (oncely.consumers.producer) or configure key="
+    )
+
+
+# -- the runner --------------------------------------------------------------------------------
+
+
+class IdempotentConsumer:
+    """Decide, for each delivery, whether the handler runs and what the broker is told.
+
+    Adapters (`oncely.consumers.rabbitmq` and the others) build one per handler; use it
+    directly to support a broker oncely has no adapter for.
+
+    Args:
+        store: Where the records are kept (a `SyncStore` for `process`, an `AsyncStore` for
+            `aprocess`; built-in stores are both).
+        scope: The namespace of the keys, normally the consumer group and handler: two
+            consumer groups each process a message once.
+        policy: Leases, retention, attempts (see `ConsumerPolicy`).
+        key: Where each message's key comes from (see `KeySource`).
+        key_headers: The headers tried for ``key="header"``, in order.
+        fingerprint: What defines a message's operation; the same key with another fingerprint
+            is dead-lettered as a producer bug.
+        codec: Serialises what the handler returns, for the record.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        store: SyncStore | AsyncStore,
+        *,
+        scope: str,
+        policy: ConsumerPolicy | None = None,
+        key: KeySource = "header",
+        key_headers: tuple[str, ...] = KEY_HEADERS,
+        fingerprint: FingerprintSource = "body",
+        codec: Codec | None = None,
+    ) -> None:
+        if not scope:
+            raise ConfigurationError("a consumer needs a scope (its group or handler name)")
+        if not (key in ("header", "content") or callable(key)):
+            raise ConfigurationError(f"key must be 'header', 'content' or a callable, not {key!r}")
+        if not (fingerprint in ("body", None) or callable(fingerprint)):
+            raise ConfigurationError(
+                f"fingerprint must be 'body', None or a callable, not {fingerprint!r}"
+            )
+        self.store = store
+        self.scope = scope
+        self.policy = policy if policy is not None else ConsumerPolicy()
+        self.key = key
+        self.key_headers = tuple(key_headers)
+        self.fingerprint = fingerprint
+        self.codec: Codec = codec or JSONCodec()
+        self.stats = ConsumerStats()
+        self._policy = self.policy.as_policy()
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def key_for(self, delivery: Delivery) -> str:
+        """Return the scoped key of *delivery*.
+
+        Raises:
+            InvalidKeyError: The key is missing, empty, too long or not header-safe.
+        """
+        if self.key == "content":
+            raw = _content_key(delivery)
+        elif self.key == "header":
+            try:
+                raw = _header_key(delivery, self.key_headers)
+            except KeyError as exc:
+                raise InvalidKeyError(str(exc.args[0])) from None
+        else:
+            raw = from_header(self.key(delivery))
+        return scope_key(self.scope, raw)
+
+    def fingerprint_for(self, delivery: Delivery) -> str:
+        """Return the digest of what *delivery* asks for (empty when unchecked)."""
+        if self.fingerprint is None or (self.key == "content" and self.fingerprint == "body"):
+            return ""  # the key is the content already
+        if self.fingerprint == "body":
+            return digest([body_value(delivery.body)])
+        return digest([self.fingerprint(delivery)])
+
+    def _verdict(self, verdict: Verdict) -> Verdict:
+        self.stats.add(verdict.reason)
+        return verdict
+
+    def _retry_delay(self, limit: timedelta | None = None) -> timedelta:
+        delay = self.policy.retry_delay
+        return min(delay, limit) if limit is not None and limit > timedelta(0) else delay
+
+    # -- the decisions, once -----------------------------------------------------------------
+
+    def flow(self, delivery: Delivery) -> Flow[Verdict]:
+        """The decisions for *delivery*, as a sans-I/O flow (see `oncely._core.flow`).
+
+        It yields the shared operations of `oncely._execution` (store calls, the handler's
+        ``Invoke``, heartbeats) and returns the `Verdict`. It raises only what the handler
+        raised that is not an `Exception` (cancellation, interpreter exit), after releasing
+        the lease.
+        """
+        try:
+            key = self.key_for(delivery)
+            fingerprint = self.fingerprint_for(delivery)
+        except Exception as exc:
+            logger.error("message dead-lettered: no usable idempotency key (%s)", exc)
+            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc))
+        try:
+            outcome = yield from _execution.acquire(key, fingerprint, self._policy)
+        except InProgressError as exc:
+            # Counted, and logged once at INFO by acquire(); never dropped: redelivered later.
+            delay = self._retry_delay(exc.retry_after)
+            return self._verdict(Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay))
+        except FingerprintMismatchError as exc:
+            logger.error("message dead-lettered: key=%s was used for another payload", key)
+            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=exc))
+        except CorruptRecordError as exc:
+            logger.error("message dead-lettered: the record of key=%s is corrupt (%s)", key, exc)
+            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=exc))
+        except StoreError as exc:
+            logger.warning("store error claiming key=%s; redelivering later: %s", key, exc)
+            delay = self._retry_delay()
+            return self._verdict(
+                Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=exc)
+            )
+        if isinstance(outcome, Replay):
+            result = self._replayed(outcome)
+            return self._verdict(Verdict(Action.ACK, Reason.DUPLICATE, key, result=result))
+        lease = outcome
+        if lease.attempt > self.policy.max_attempts:
+            yield from self._release(lease)
+            logger.error(
+                "message dead-lettered: key=%s was started %d times without finishing",
+                key,
+                lease.attempt - 1,
+            )
+            return self._verdict(
+                Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt)
+            )
+        try:
+            value = yield _execution.Invoke(lease)
+        except Exception as exc:
+            yield from self._release(lease)
+            return self._verdict(self._failed(key, lease.attempt, exc))
+        except BaseException:
+            yield from self._release(lease)
+            raise
+        try:
+            yield from _execution.complete_with(lease, value, self.codec, self._policy)
+        except LeaseLostError as exc:
+            # Another worker took the message over; its copy decides. Acking ours is not safe
+            # (the record is not completed); the redelivery will be a duplicate and be acked.
+            return self._verdict(
+                Verdict(Action.RETRY, Reason.LEASE_LOST, key, self._retry_delay(), error=exc)
+            )
+        except StoreError as exc:
+            # The effect happened but is not recorded: not acked. Until the lease expires the
+            # redelivery waits; after it, it runs again (closed only by a transactional inbox).
+            return self._verdict(
+                Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, self._retry_delay(), error=exc)
+            )
+        return self._verdict(
+            Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
+        )
+
+    # -- batches: one claim and one completion round trip per fetched batch ------------------
+
+    @property
+    def batches(self) -> bool:
+        """Whether the store has the `BATCH_VERBS`: then a batch costs two store round trips."""
+        return all(callable(getattr(self.store, verb, None)) for verb in BATCH_VERBS)
+
+    def batch_flow(
+        self,
+        deliveries: Sequence[Delivery],
+        *,
+        ordered: bool = False,
+        held: dict[str, _execution.Lease] | None = None,
+    ) -> Flow[list[Verdict]]:
+        """The decisions for a fetched batch, as one flow; verdicts come back in order.
+
+        With a store that has the batch verbs (`batches`), every key of the batch is claimed in
+        one call and every outcome completed in one call; the handlers run one after the other
+        in between, each with the message of its `Delivery.raw` (via `Handle`), while one
+        heartbeat per lease keeps the whole batch's leases alive. Copies of one key within the
+        batch are claimed once: they are duplicates of the first copy's outcome. Without the
+        batch verbs each delivery runs through `flow` in turn.
+
+        With *ordered* (Kafka partitions), nothing runs after a delivery that must be retried:
+        the later ones come back as `Reason.BLOCKED` retries, so effects keep the batch's order.
+        Their leases are kept in *held* (not released: a release would count as an attempt)
+        and used again when the same keys come back in the next call with the same *held*;
+        give what is left back with `release_flow` when the deliveries are abandoned.
+
+        Adapters drive it with `run_with` / `arun_with`, since it yields `Handle` operations.
+        """
+        if not self.batches:
+            verdicts: list[Verdict] = []
+            for delivery in deliveries:
+                if ordered and any(v.action is Action.RETRY for v in verdicts):
+                    verdicts.append(self._verdict(self._blocked(None)))
+                    continue
+                verdicts.append((yield Handle(delivery.raw, self.flow(delivery))))
+            return verdicts
+        return (yield from self._batched(deliveries, ordered, {} if held is None else held))
+
+    def release_flow(self, held: dict[str, _execution.Lease]) -> Flow[None]:
+        """Release the leases `batch_flow` kept in *held* (the deliveries were abandoned)."""
+        while held:
+            yield from self._release(held.popitem()[1])
+
+    def _blocked(self, key: str | None) -> Verdict:
+        return Verdict(Action.RETRY, Reason.BLOCKED, key, self._retry_delay())
+
+    def _batched(
+        self,
+        deliveries: Sequence[Delivery],
+        ordered: bool,
+        held: dict[str, _execution.Lease],
+    ) -> Flow[list[Verdict]]:
+        verdicts: list[Verdict | None] = [None] * len(deliveries)
+        firsts: dict[str, int] = {}  # key -> index of its first copy in the batch
+        copies: dict[int, list[int]] = {}
+        prints: dict[str, str] = {}
+        for index, delivery in enumerate(deliveries):
+            try:
+                key = self.key_for(delivery)
+                fingerprint = self.fingerprint_for(delivery)
+            except Exception as exc:
+                logger.error("message dead-lettered: no usable idempotency key (%s)", exc)
+                verdicts[index] = self._verdict(
+                    Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
+                )
+                continue
+            if key in firsts:
+                if prints[key] != fingerprint:
+                    logger.error("message dead-lettered: key=%s was used for another payload", key)
+                    verdicts[index] = self._verdict(
+                        Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key)
+                    )
+                else:
+                    copies[firsts[key]].append(index)
+                continue
+            firsts[key], prints[key], copies[index] = index, fingerprint, []
+        policy = self._policy
+        if firsts:
+            leases: list[tuple[int, _execution.Lease]] = []
+            claims = {key: index for key, index in firsts.items() if key not in held}
+            for key, index in firsts.items():
+                if key in held:  # blocked last time: still ours
+                    leases.append((index, held.pop(key)))
+            requests = [(key, prints[key]) for key in claims]
+            answers: list[Any] = []
+            if requests:
+                try:
+                    answers = yield _execution.StoreCall(
+                        "claim_many", (requests,), {"lease": policy.lease, "ttl": policy.ttl}
+                    )
+                except StoreError as exc:
+                    logger.warning("store error claiming a batch; redelivering later: %s", exc)
+                    answers = [exc] * len(requests)
+            for (key, index), answer in zip(claims.items(), answers, strict=True):
+                verdict, lease = self._claimed(key, answer)
+                if lease is not None and lease.attempt > self.policy.max_attempts:
+                    yield from self._release(lease)
+                    logger.error(
+                        "message dead-lettered: key=%s was started %d times without finishing",
+                        key,
+                        lease.attempt - 1,
+                    )
+                    verdict = Verdict(
+                        Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt
+                    )
+                elif lease is not None:
+                    leases.append((index, lease))
+                    continue
+                assert verdict is not None
+                verdicts[index] = self._verdict(verdict)
+            leases.sort(key=lambda pair: pair[0])
+            if ordered:  # leases after the first retry are kept for next time, unused
+                stop = min(
+                    (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
+                    default=len(deliveries),
+                )
+                for index, lease in leases:
+                    if index > stop:
+                        held[lease.key] = lease
+                        verdicts[index] = self._verdict(self._blocked(lease.key))
+                leases = [(i, lease) for i, lease in leases if i < stop]
+            run = yield from self._run_batch(deliveries, leases, held if ordered else None)
+            for index, verdict in run:
+                verdicts[index] = self._verdict(verdict)
+        for first, others in copies.items():
+            outcome = verdicts[first]
+            assert outcome is not None
+            for index in others:
+                if outcome.action is Action.ACK:
+                    logger.info("duplicate suppressed key=%s status=in_batch", outcome.key)
+                    copy = Verdict(Action.ACK, Reason.DUPLICATE, outcome.key, result=outcome.result)
+                else:  # redelivered: a later claim decides it (never dead-lettered twice here)
+                    copy = Verdict(
+                        Action.RETRY, Reason.IN_PROGRESS, outcome.key, self._retry_delay()
+                    )
+                verdicts[index] = self._verdict(copy)
+        settled = [verdict for verdict in verdicts if verdict is not None]
+        assert len(settled) == len(deliveries)
+        return settled
+
+    def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
+        """Translate one claim answer: a verdict, or a lease to run the handler under."""
+        if isinstance(answer, Acquired):
+            if answer.recovered:
+                logger.warning(
+                    "lease recovered key=%s token=%d attempt=%d", key, answer.token, answer.attempt
+                )
+            lease = _execution.Lease(
+                key, answer.token, self._policy.lease, answer.recovered, answer.attempt
+            )
+            return None, lease
+        if isinstance(answer, Replay):
+            logger.info("duplicate suppressed key=%s status=%s", key, answer.record.status.value)
+            return Verdict(Action.ACK, Reason.DUPLICATE, key, result=self._replayed(answer)), None
+        if isinstance(answer, InProgress):
+            logger.info("duplicate in progress key=%s", key)
+            delay = self._retry_delay(answer.retry_after)
+            return Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay), None
+        if isinstance(answer, Mismatch):
+            logger.error("message dead-lettered: key=%s was used for another payload", key)
+            return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key), None
+        error = answer if isinstance(answer, Exception) else TypeError(f"claim answered {answer!r}")
+        if isinstance(error, CorruptRecordError):
+            logger.error("message dead-lettered: the record of key=%s is corrupt (%s)", key, error)
+            return Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=error), None
+        logger.warning("store error claiming key=%s; redelivering later: %s", key, error)
+        delay = self._retry_delay()
+        return Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=error), None
+
+    def _run_batch(
+        self,
+        deliveries: Sequence[Delivery],
+        leases: list[tuple[int, _execution.Lease]],
+        held: dict[str, _execution.Lease] | None,
+    ) -> Flow[list[tuple[int, Verdict]]]:
+        """Run the handlers of the acquired leases, then complete them all at once.
+
+        Ordered batches (*held* given) run their handlers one after the other and stop at the
+        first one to retry; others run them as a `Parallel` (concurrently when async).
+        """
+        policy = self._policy
+        if policy.heartbeat:
+            for _, lease in leases:
+                yield _execution.StartHeartbeat(lease)
+        verdicts: list[tuple[int, Verdict]] = []
+        finished: list[tuple[int, _execution.Lease, Any]] = []
+        try:
+            if held is None:
+                runs = [self._guarded(deliveries[index].raw, lease) for index, lease in leases]
+                outcomes_of_runs = yield Parallel(runs)
+            else:
+                outcomes_of_runs = []
+                blocked = False
+                for position, (index, lease) in enumerate(leases):
+                    if blocked:
+                        held[lease.key] = lease
+                        outcomes_of_runs.append(None)
+                        continue
+                    try:
+                        ran = yield from self._guarded(deliveries[index].raw, lease)
+                    except BaseException:
+                        for _, left in leases[position + 1 :]:
+                            yield from self._release(left)
+                        raise
+                    blocked = isinstance(ran, Verdict) and ran.action is Action.RETRY
+                    outcomes_of_runs.append(ran)
+            for (index, lease), ran in zip(leases, outcomes_of_runs, strict=True):
+                if ran is None:
+                    verdicts.append((index, self._blocked(lease.key)))
+                elif isinstance(ran, Verdict):
+                    verdicts.append((index, ran))
+                else:
+                    finished.append((index, lease, ran[0]))
+            outcomes: list[Any] = []
+            if finished:
+                items = [
+                    (lease.key, lease.token, _encoded(lease, value, self.codec))
+                    for _, lease, value in finished
+                ]
+                outcomes = yield from self._complete_many(items)
+        finally:
+            for _, lease in leases:
+                if lease.heartbeat is not None:
+                    yield _execution.StopHeartbeat(lease)
+        for (index, lease, value), outcome in zip(finished, outcomes, strict=True):
+            key, delay = lease.key, self._retry_delay()
+            if outcome is None:
+                done = Verdict(
+                    Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value
+                )
+                verdicts.append((index, done))
+            elif isinstance(outcome, LeaseLost):
+                lease.lost = True
+                logger.error("lease lost key=%s token=%d on complete", key, lease.token)
+                verdicts.append((index, Verdict(Action.RETRY, Reason.LEASE_LOST, key, delay)))
+            else:  # an error for this item alone, or for the whole call
+                failed = Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=outcome)
+                verdicts.append((index, failed))
+        return verdicts
+
+    def _guarded(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any] | Verdict]:
+        """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
+        try:
+            value = yield Handle(message, _invoke(lease))
+        except Exception as exc:
+            yield from self._release(lease)
+            return self._failed(lease.key, lease.attempt, exc)
+        except BaseException:  # cancelled: give the lease back, then go on being cancelled
+            yield from self._release(lease)
+            raise
+        return (value,)
+
+    def _complete_many(self, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
+        """Complete every item in one call, retrying while the store is briefly unavailable."""
+        for delay in (*_execution.SETTLE_RETRY_DELAYS, None):
+            try:
+                answers: list[Any] = yield _execution.StoreCall(
+                    "complete_many", (items,), {"ttl": self._policy.ttl}
+                )
+            except StoreUnavailableError as exc:
+                if delay is None:
+                    logger.error("could not complete a batch: the store is unavailable: %s", exc)
+                    return [exc] * len(items)
+                yield _execution.Sleep(delay)
+            except StoreError as exc:
+                logger.error("could not complete a batch: %s", exc)
+                return [exc] * len(items)
+            else:
+                return answers
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _replayed(self, outcome: Replay) -> Any:
+        """What the first run returned (for adapters that pass results on), else ``None``."""
+        try:
+            return _execution.replay(outcome, self.codec, Any, self._policy)
+        except Exception:  # a stored failure, or a result that cannot be decoded
+            return None
+
+    def _failed(self, key: str, attempt: int, exc: Exception) -> Verdict:
+        final = isinstance(exc, self.policy.dead_letter_on)
+        if final or attempt >= self.policy.max_attempts:
+            logger.error(
+                "message dead-lettered: handler failed key=%s attempt=%d/%d: %r",
+                key,
+                attempt,
+                self.policy.max_attempts,
+                exc,
+            )
+            reason = Reason.HANDLER_FAILED if final else Reason.EXHAUSTED
+            return Verdict(Action.DEAD_LETTER, reason, key, attempt=attempt, error=exc)
+        logger.warning(
+            "handler failed key=%s attempt=%d/%d; the message will be redelivered: %r",
+            key,
+            attempt,
+            self.policy.max_attempts,
+            exc,
+        )
+        return Verdict(Action.RETRY, Reason.HANDLER_FAILED, key, attempt=attempt, error=exc)
+
+    def _release(self, lease: _execution.Lease) -> Flow[None]:
+        try:
+            yield from _execution.settle(lease, "release", None, self._policy)
+        except OncelyError as exc:  # the lease recovers on expiry; the broker redelivers
+            logger.error("could not release key=%s: %s", lease.key, exc)
+
+    # -- drivers -----------------------------------------------------------------------------
+
+    def process(self, delivery: Delivery, handler: Callable[[], Any]) -> Verdict:
+        """Decide about *delivery* against a sync store, running *handler* if it must run.
+
+        Args:
+            delivery: The message as received.
+            handler: Runs the user's handler for this message (no arguments).
+
+        Returns:
+            The `Verdict` the adapter translates for the broker.
+        """
+        store = _require(self.store, SyncStore)
+        return _execution.run(self.flow(delivery), store, handler)
+
+    async def aprocess(self, delivery: Delivery, handler: Callable[[], Awaitable[Any]]) -> Verdict:
+        """Async `process`: *handler* returns an awaitable."""
+        store = _require(self.store, AsyncStore)
+        return await _execution.arun(self.flow(delivery), store, handler)
+
+    def process_batch(
+        self, deliveries: Sequence[Delivery], handler: Callable[[Any], Any]
+    ) -> list[Verdict]:
+        """Decide about a fetched batch (see `batch_flow`) against a sync store.
+
+        Args:
+            deliveries: The batch, in the broker's order.
+            handler: Called with the ``raw`` message of each delivery that must run.
+
+        Returns:
+            One `Verdict` per delivery, in order.
+        """
+        store = _require(self.store, SyncStore)
+        return run_with(self.batch_flow(deliveries), store, handler, no_broker)
+
+    async def aprocess_batch(
+        self, deliveries: Sequence[Delivery], handler: Callable[[Any], Awaitable[Any]]
+    ) -> list[Verdict]:
+        """Async `process_batch`: *handler* returns an awaitable."""
+        store = _require(self.store, AsyncStore)
+        return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)
+
+
+def _invoke(lease: _execution.Lease) -> Flow[Any]:
+    return (yield _execution.Invoke(lease))
+
+
+def _encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
+    """The stored form of *value*; one that cannot be encoded is stored as unavailable."""
+    try:
+        return _codec.encode_value(codec.encode(value))
+    except Exception as exc:
+        logger.warning(
+            "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
+            lease.key,
+            exc,
+        )
+        return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
+
+
+def default_scope(handler: Callable[..., Any], group: str | None) -> str:
+    """Return *group*, or the handler's qualified name: the scope of an adapter's keys."""
+    if group:
+        return group
+    target = getattr(handler, "func", handler)  # functools.partial
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+def no_broker(op: BrokerOp) -> Any:
+    """The *broker* of `run_with` for flows that yield no broker operation of their own."""
+    raise TypeError(f"cannot perform {op!r}")
+
+
+async def ano_broker(op: BrokerOp) -> Any:
+    """Async `no_broker`."""
+    raise TypeError(f"cannot perform {op!r}")
+
+
+def _require(store: Any, kind: type[Any]) -> Any:
+    if not isinstance(store, kind):
+        raise ConfigurationError(f"{type(store).__name__} is not a {kind.__name__}")
+    return store
+
+
+# -- adapters' own flows -------------------------------------------------------------------------
+
+
+class BrokerOp:
+    """Base class of the operations an adapter's flow yields for the adapter to perform."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Handle(BrokerOp):
+    """Run *flow* (usually `IdempotentConsumer.flow`) with the handler bound to *message*."""
+
+    message: Any
+    flow: Flow[Any]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Parallel(BrokerOp):
+    """Run *flows* (one per partition, say): concurrently when async, in order when sync."""
+
+    flows: Sequence[Flow[Any]]
+
+
+def _one(op: Any) -> Flow[Any]:
+    return (yield op)
+
+
+def run_with(
+    flow: Flow[T],
+    store: SyncStore,
+    handler: Callable[[Any], Any],
+    broker: Callable[[BrokerOp], Any],
+) -> T:
+    """Run an adapter's *flow* against a sync store.
+
+    `Handle` and `Parallel` are performed here; other `BrokerOp` values go to *broker*; the
+    rest (store calls, the handler's invocation, heartbeats, sleeps) to `oncely._execution.run`,
+    with *handler* called on the message of the enclosing `Handle`.
+    """
+
+    def performer(message: Any) -> Callable[[Any], Any]:
+        def perform(op: Any) -> Any:
+            if isinstance(op, Handle):
+                return drive(op.flow, performer(op.message))
+            if isinstance(op, Parallel):
+                return [drive(each, perform) for each in op.flows]
+            if isinstance(op, BrokerOp):
+                return broker(op)
+            return _execution.run(_one(op), store, functools.partial(handler, message))
+
+        return perform
+
+    return drive(flow, performer(None))
+
+
+async def arun_with(
+    flow: Flow[T],
+    store: AsyncStore,
+    handler: Callable[[Any], Awaitable[Any]],
+    broker: Callable[[BrokerOp], Awaitable[Any]],
+) -> T:
+    """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
+
+    def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
+        async def perform(op: Any) -> Any:
+            if isinstance(op, Handle):
+                return await adrive(op.flow, performer(op.message))
+            if isinstance(op, Parallel):
+                tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
+                try:
+                    return await asyncio.gather(*tasks)
+                except BaseException:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+            if isinstance(op, BrokerOp):
+                return await broker(op)
+            return await _execution.arun(_one(op), store, functools.partial(handler, message))
+
+        return perform
+
+    return await adrive(flow, performer(None))
+
+
+def seconds(value: Duration | None) -> float:
+    """Return a duration in seconds (``None``: 0)."""
+    if value is None:
+        return 0.0
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)

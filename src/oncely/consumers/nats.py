@@ -1,0 +1,278 @@
+"""NATS JetStream consumers (nats-py): each message takes effect once, however often delivered.
+
+.. code-block:: python
+
+    from oncely.consumers.nats import idempotent_handler
+
+    @idempotent_handler(store, group="billing", max_deliver=10)
+    async def on_order(msg: nats.aio.msg.Msg) -> None:
+        await charge(json.loads(msg.data))
+
+    await js.subscribe("orders.*", durable="billing", cb=on_order, manual_ack=True,
+                       config=ConsumerConfig(max_deliver=10, ack_wait=30))
+    # or, pulling: for msg in await sub.fetch(10): await on_order(msg)
+    # or, a fetched batch at once (two store round trips with a batching store):
+    #     await on_order.batch(await sub.fetch(100))
+
+How the runner's verdicts reach the broker (DESIGN.md section 6):
+
+* ack: ``msg.ack()``, only once the record is completed (or for a completed duplicate);
+* retry: ``msg.nak(delay=...)`` when the key is busy elsewhere or the store is unreachable;
+  a plain ``msg.nak()`` after the handler raised (JetStream redelivers at once);
+* dead-letter: a copy is published to *dead_letter_subject* (when given; JetStream has no
+  dead-letter queue of its own), then ``msg.term()`` stops redelivery.
+
+While the handler runs, ``msg.in_progress()`` is sent every *progress_interval* so JetStream
+does not redeliver a slow message after ``ack_wait``. A worker killed mid-handler stops those
+heartbeats: JetStream redelivers after ``ack_wait`` and the copy runs once the dead worker's
+lease has ended.
+
+JetStream gives up on a message after the consumer's ``max_deliver`` deliveries, silently for
+the application. Pass the same *max_deliver* here: the last delivery is then dead-lettered
+rather than dropped, whatever the verdict. Keep `ConsumerPolicy.max_attempts` below it.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from oncely._core.codec import Codec
+from oncely._core.policy import Duration, to_timedelta
+from oncely._core.protocols import AsyncStore
+from oncely._deps import require
+from oncely.consumers._base import (
+    KEY_HEADERS,
+    Action,
+    ConsumerPolicy,
+    ConsumerStats,
+    Delivery,
+    FingerprintSource,
+    IdempotentConsumer,
+    KeySource,
+    Verdict,
+    ano_broker,
+    arun_with,
+    default_scope,
+    seconds,
+)
+from oncely.errors import ConfigurationError
+
+require("nats", extra="nats")
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+
+__all__ = ["DEAD_LETTER_HEADERS", "IdempotentHandler", "idempotent_handler", "MessageHandler"]
+
+logger = logging.getLogger(__name__)
+
+MessageHandler: TypeAlias = "Callable[[Msg], Awaitable[Any]]"
+"""A nats-py message callback."""
+
+DEAD_LETTER_HEADERS = ("Oncely-Dead-Letter-Reason", "Oncely-Source-Subject", "Oncely-Source-Seq")
+"""Headers added to a dead-lettered copy: why, and where it came from."""
+
+
+def _message_id(msg: Msg) -> str | None:
+    headers = msg.headers or {}
+    if headers.get("Nats-Msg-Id"):
+        return headers["Nats-Msg-Id"]
+    with contextlib.suppress(Exception):  # not a JetStream message: no metadata
+        meta = msg.metadata
+        return f"{meta.stream}:{meta.sequence.stream}"
+    return None
+
+
+class IdempotentHandler:
+    """A nats-py JetStream callback that runs *handler* once per key and settles the message.
+
+    Args:
+        handler: The user's callback; it must not ack, nak or term the message itself.
+        store: Where the records are kept.
+        group: The scope of the keys (default: the handler's qualified name).
+        policy: Leases, retention and attempts (`oncely.consumers.ConsumerPolicy`).
+        key: Where the key comes from: a header (then ``Nats-Msg-Id``, then the stream
+            sequence), the content, or a callable over the `oncely.consumers.Delivery`.
+        key_headers: The headers tried for ``key="header"``.
+        fingerprint: What defines the operation (default: the canonical body).
+        codec: Serialises what the handler returns, for the record.
+        progress_interval: How often ``in_progress()`` is sent while the handler runs; keep it
+            below the consumer's ``ack_wait``.
+        max_deliver: The JetStream consumer's ``max_deliver``: its last delivery is
+            dead-lettered instead of being left to expire.
+        dead_letter_subject: Where dead-lettered copies are published (through *jetstream*).
+        jetstream: The JetStream context that publishes dead-lettered copies.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self,
+        handler: MessageHandler,
+        store: AsyncStore,
+        *,
+        group: str | None = None,
+        policy: ConsumerPolicy | None = None,
+        key: KeySource = "header",
+        key_headers: tuple[str, ...] = KEY_HEADERS,
+        fingerprint: FingerprintSource = "body",
+        codec: Codec | None = None,
+        progress_interval: Duration = timedelta(seconds=10),
+        max_deliver: int | None = None,
+        dead_letter_subject: str | None = None,
+        jetstream: JetStreamContext | None = None,
+    ) -> None:
+        if dead_letter_subject is not None and jetstream is None:
+            raise ConfigurationError("dead_letter_subject needs jetstream= to publish with")
+        if max_deliver is not None and max_deliver < 1:
+            raise ConfigurationError(f"max_deliver must be 1 or more, not {max_deliver}")
+        self.handler = handler
+        self.consumer = IdempotentConsumer(
+            store,
+            scope=default_scope(handler, group),
+            policy=policy,
+            key=key,
+            key_headers=key_headers,
+            fingerprint=fingerprint,
+            codec=codec,
+        )
+        self.progress_interval = to_timedelta(progress_interval, "progress_interval")
+        self.max_deliver = max_deliver
+        self.dead_letter_subject = dead_letter_subject
+        self.jetstream = jetstream
+        functools.update_wrapper(self, handler)
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """Counters of verdicts (processed, duplicate, in_progress...)."""
+        return self.consumer.stats
+
+    async def __call__(self, msg: Msg) -> Verdict:
+        """Process one delivery and ack, nak or term it; return the verdict."""
+        verdict = await self.consumer.aprocess(
+            self._delivery(msg), functools.partial(self._run, msg)
+        )
+        await self._settle(msg, verdict)
+        return verdict
+
+    async def _settle(self, msg: Msg, verdict: Verdict) -> None:
+        action = verdict.action
+        if action is Action.RETRY and self._last_delivery(msg):
+            logger.error("message dead-lettered: key=%s reached max_deliver", verdict.key)
+            action = Action.DEAD_LETTER
+        if action is Action.ACK:
+            await msg.ack()
+        elif action is Action.DEAD_LETTER:
+            await self._dead_letter(msg, verdict)
+        elif verdict.delay is not None:
+            await msg.nak(delay=seconds(verdict.delay))
+        else:
+            await msg.nak()
+
+    async def batch(self, msgs: Sequence[Msg]) -> list[Verdict]:
+        """Process a fetched batch (a pull subscription's ``fetch``) and settle each message.
+
+        With a store that has the batch verbs, the batch's keys are claimed in one call and
+        completed in one call (see `oncely.consumers.IdempotentConsumer.batch_flow`); the
+        handlers run one after the other. Keep ``len(msgs)`` times the handler's duration well
+        below ``ack_wait``: the messages still waiting get no ``in_progress()`` heartbeat.
+
+        Returns:
+            One verdict per message, in order.
+        """
+        store = self.consumer.store
+        if not isinstance(store, AsyncStore):
+            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        deliveries = [self._delivery(msg) for msg in msgs]
+        flow = self.consumer.batch_flow(deliveries)
+        verdicts = await arun_with(flow, store, self._run, ano_broker)
+        await asyncio.gather(*(self._settle(m, v) for m, v in zip(msgs, verdicts, strict=True)))
+        return verdicts
+
+    def _delivery(self, msg: Msg) -> Delivery:
+        return Delivery(msg.data, dict(msg.headers or {}), _message_id(msg), raw=msg)
+
+    def _last_delivery(self, msg: Msg) -> bool:
+        if self.max_deliver is None:
+            return False
+        try:
+            return bool(msg.metadata.num_delivered >= self.max_deliver)
+        except Exception:  # not a JetStream message
+            return False
+
+    async def _run(self, msg: Msg) -> Any:
+        beat = asyncio.ensure_future(self._progress(msg))
+        try:
+            return await self.handler(msg)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+    async def _progress(self, msg: Msg) -> None:
+        interval = seconds(self.progress_interval)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # the next beat may get through; ack_wait decides
+                logger.warning("in_progress failed for %s: %s", msg.subject, exc)
+
+    async def _dead_letter(self, msg: Msg, verdict: Verdict) -> None:
+        if self.dead_letter_subject is not None and self.jetstream is not None:
+            headers = dict(msg.headers or {})
+            reason, subject, sequence = DEAD_LETTER_HEADERS
+            headers[reason] = str(verdict.reason)
+            headers[subject] = msg.subject
+            with contextlib.suppress(Exception):
+                headers[sequence] = str(msg.metadata.sequence.stream)
+            # Published before term(): if the publish fails, the message is redelivered.
+            await self.jetstream.publish(self.dead_letter_subject, msg.data, headers=headers)
+        await msg.term()
+
+
+def idempotent_handler(
+    store: AsyncStore,
+    *,
+    group: str | None = None,
+    policy: ConsumerPolicy | None = None,
+    key: KeySource = "header",
+    key_headers: tuple[str, ...] = KEY_HEADERS,
+    fingerprint: FingerprintSource = "body",
+    codec: Codec | None = None,
+    progress_interval: Duration = timedelta(seconds=10),
+    max_deliver: int | None = None,
+    dead_letter_subject: str | None = None,
+    jetstream: JetStreamContext | None = None,
+) -> Callable[[MessageHandler], IdempotentHandler]:
+    """Decorate a nats-py callback so each message takes effect once (see `IdempotentHandler`).
+
+    .. versionadded:: 0.1.0
+    """
+
+    def decorate(handler: MessageHandler) -> IdempotentHandler:
+        return IdempotentHandler(
+            handler,
+            store,
+            group=group,
+            policy=policy,
+            key=key,
+            key_headers=key_headers,
+            fingerprint=fingerprint,
+            codec=codec,
+            progress_interval=progress_interval,
+            max_deliver=max_deliver,
+            dead_letter_subject=dead_letter_subject,
+            jetstream=jetstream,
+        )
+
+    return decorate

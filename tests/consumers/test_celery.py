@@ -1,0 +1,169 @@
+"""The Celery task option against a real broker (RabbitMQ); effects are PostgreSQL rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from kombu import Queue
+
+from oncely import Status
+from oncely.consumers import Delivery, Reason
+from oncely.consumers.celery import IdempotentTask, celery_options
+from oncely.consumers.rabbitmq import dead_letter_arguments
+from oncely.errors import ConfigurationError
+from oncely.stores.redis import RedisStore
+from tests._helpers import eventually
+from tests.conftest import service_url
+from tests.consumers._effects import FAST, Ledger, Worker
+
+pytestmark = pytest.mark.rabbitmq
+
+
+def make_app(queue: str) -> Celery:
+    """A Celery app on RabbitMQ whose one queue dead-letters to ``<queue>.dead``."""
+    app = Celery(queue, broker=service_url("ONCELY_TEST_RABBITMQ_URL"), set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        task_queues=[
+            Queue(queue, routing_key=queue, queue_arguments=dead_letter_arguments(f"{queue}.dead"))
+        ],
+        task_ignore_result=True,
+        broker_heartbeat=0,  # with AMQP heartbeats the test worker misses its stop signal
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_prefetch_multiplier=4,
+    )
+    return app
+
+
+@pytest.fixture
+def app(name: str) -> Iterator[Celery]:
+    made = make_app(name)
+    with made.connection_for_write() as connection:  # where the queue's DLX routes to
+        connection.default_channel.queue_declare(f"{name}.dead", durable=True, auto_delete=False)
+    yield made
+    with made.connection_for_write() as connection:
+        channel = connection.default_channel
+        channel.queue_delete(name)
+        channel.queue_delete(f"{name}.dead")
+    made.close()
+
+
+def options(store: RedisStore, **extra: Any) -> dict[str, Any]:
+    # shared=False: each test's app has its own "orders.charge".
+    return {
+        "base": IdempotentTask,
+        "oncely_store": store,
+        "oncely_policy": FAST,
+        "shared": False,
+        **extra,
+    }
+
+
+def runner(task: Any) -> Any:
+    return task.oncely
+
+
+def test_duplicates_take_effect_once(app: Celery, store: RedisStore, ledger: Ledger) -> None:
+    """Each of three keys published three times (same task id): three effects, six replays."""
+
+    @app.task(name="orders.charge", **options(store))
+    def charge(order: str) -> str:
+        ledger.write(order)
+        return f"receipt-{order}"
+
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        for order in ["a", "b", "c"] * 3:
+            charge.apply_async((order,), **celery_options(f"charge-{order}"))
+        eventually(
+            lambda: runner(charge).stats[Reason.PROCESSED] + runner(charge).stats["duplicate"] == 9,
+            timeout=30,
+        )
+    assert ledger.counts() == {"a": 1, "b": 1, "c": 1}
+    assert runner(charge).stats[Reason.DUPLICATE] == 6
+
+
+def test_failing_task_is_retried_then_dead_lettered(
+    app: Celery, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A task that raises is retried until max_attempts, then rejected to the DLX queue."""
+    calls: list[str] = []
+
+    @app.task(name="orders.charge", **options(store))
+    def charge(order: str) -> None:
+        calls.append(order)
+        raise RuntimeError("the payment provider is down")
+
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        charge.apply_async(("a",), **celery_options("charge-a"))
+        eventually(lambda: runner(charge).stats[Reason.EXHAUSTED] == 1, timeout=30)
+    assert calls == ["a"] * FAST.max_attempts
+    with app.connection_for_write() as connection:
+        dead = connection.default_channel.basic_get(f"{name}.dead", no_ack=True)
+    assert dead is not None
+    assert dead.headers["id"] == "charge-a"
+    assert ledger.counts() == {}
+
+
+def test_worker_killed_mid_task_is_redelivered_and_applied_once(
+    app: Celery, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """SIGKILL of a worker before the write commits: RabbitMQ redelivers, the lease recovers."""
+
+    @app.task(name="orders.charge", **options(store))
+    def charge(order: str) -> None:
+        ledger.write(order, "survivor")
+
+    charge.apply_async(("a",), **celery_options("charge-a"))
+    worker = Worker("celery", {"queue": name, "namespace": name, "table": ledger.table})
+    try:
+        assert worker.wait_ready() == "a"
+    finally:
+        worker.kill()
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        eventually(lambda: runner(charge).stats[Reason.PROCESSED] == 1, timeout=30)
+    assert ledger.rows() == [("a", "survivor")]
+    record = store.get(runner(charge).key_for(Delivery(b"", {"Idempotency-Key": "charge-a"})))
+    assert record is not None
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 2
+
+
+def test_direct_calls_run_unprotected_and_missing_store_is_an_error(app: Celery) -> None:
+    """Calling the task as a function just runs it; a task without a store cannot run."""
+
+    @app.task(name="orders.direct", base=IdempotentTask, shared=False)
+    def direct(order: str) -> str:
+        return order.upper()
+
+    assert direct("a") == "A"
+    with pytest.raises(ConfigurationError, match="oncely_store"):
+        _ = direct.oncely
+
+
+def test_dead_letter_queue_option_keeps_a_copy(
+    app: Celery, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """oncely_dead_letter_queue: the exhausted task is copied there (same id and arguments)."""
+
+    @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue=f"{name}.parked"))
+    def charge(order: str) -> None:
+        raise RuntimeError("the payment provider is down")
+
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        charge.apply_async(("a",), **celery_options("charge-a"))
+        eventually(lambda: runner(charge).stats[Reason.EXHAUSTED] == 1, timeout=30)
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        try:
+            parked = channel.basic_get(f"{name}.parked", no_ack=True)
+        finally:
+            channel.queue_delete(f"{name}.parked")
+    assert parked is not None
+    assert parked.headers["id"] == "charge-a"
+    assert parked.headers["oncely-dead-letter-reason"] == "exhausted"

@@ -1,0 +1,402 @@
+"""Kafka (confluent-kafka and aiokafka) against the real broker; effects are PostgreSQL rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from oncely import Status
+from oncely.consumers import Delivery, Reason
+from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer, IdempotentKafkaConsumer
+from oncely.consumers.producer import kafka_headers
+from oncely.stores.redis import RedisStore
+from tests._helpers import eventually
+from tests.conftest import service_url
+from tests.consumers._effects import FAST, Ledger, Worker
+from tests.consumers._proxy import TcpProxy
+
+pytestmark = pytest.mark.kafka
+
+PARTITIONS = 3
+
+
+@pytest.fixture
+def bootstrap() -> str:
+    return service_url("ONCELY_TEST_KAFKA_BOOTSTRAP")
+
+
+@pytest.fixture
+def topic(bootstrap: str, name: str) -> Iterator[str]:
+    """The test's topic (3 partitions) and its dead-letter topic, created explicitly, deleted."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = [NewTopic(name, num_partitions=PARTITIONS), NewTopic(f"{name}.dead", num_partitions=1)]
+    for future in admin.create_topics(topics).values():
+        future.result(10)
+    yield name
+    for future in admin.delete_topics([name, f"{name}.dead"]).values():
+        future.result(10)
+
+
+def config(bootstrap: str, group: str) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group,
+        "auto.offset.reset": "earliest",
+        "session.timeout.ms": 2000,
+        "heartbeat.interval.ms": 400,
+    }
+
+
+def produce(bootstrap: str, topic: str, keys: list[str]) -> dict[int, int]:
+    """Produce one record per key (spread over the partitions); return the end offset of each."""
+    producer = Producer({"bootstrap.servers": bootstrap})
+    ends: dict[int, int] = {}
+
+    def delivered(error: Any, message: Any) -> None:
+        assert error is None, error
+        ends[message.partition()] = max(ends.get(message.partition(), 0), message.offset() + 1)
+
+    for number, key in enumerate(keys):
+        producer.produce(
+            topic,
+            value=json.dumps({"order": key}).encode(),
+            headers=kafka_headers(key),
+            partition=number % PARTITIONS,
+            on_delivery=delivered,
+        )
+    assert producer.flush(10) == 0
+    return ends
+
+
+def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offsets (without joining the group)."""
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        parts = probe.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
+        return {p.partition: p.offset for p in parts if p.offset >= 0}
+    finally:
+        probe.close()
+
+
+def header_key(message: Any) -> str:
+    headers = message.headers() if callable(message.headers) else message.headers
+    return str(dict(headers)["Idempotency-Key"].decode())
+
+
+class Running:
+    """confluent consumers, each polling in a thread until stopped, then closed."""
+
+    def __init__(self, consumers: list[IdempotentKafkaConsumer]) -> None:
+        self.consumers = consumers
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        for consumer in consumers:
+            self.add(consumer)
+
+    def add(self, consumer: IdempotentKafkaConsumer) -> None:
+        if consumer not in self.consumers:
+            self.consumers.append(consumer)
+        thread = threading.Thread(target=consumer.run, args=(self.stop,))
+        self.threads.append(thread)
+        thread.start()
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        for consumer in self.consumers:
+            consumer.close()
+
+
+def test_many_copies_to_several_consumers_take_effect_once(
+    bootstrap: str, topic: str, any_store: Any, ledger: Ledger
+) -> None:
+    """60 records (15 keys, 4 copies each, across partitions), 3 members: 15 effects."""
+    keys = [f"order-{i}" for i in range(15)]
+    copies = keys * 4
+    random.Random(11).shuffle(copies)
+
+    def handle(message: Any) -> None:
+        ledger.write(header_key(message), threading.current_thread().name)
+        time.sleep(0.005)  # the work
+
+    consumers = [
+        IdempotentKafkaConsumer(
+            config(bootstrap, topic),
+            [topic],
+            handle,
+            store=any_store,
+            policy=FAST,
+            poll_timeout=0.1,
+        )
+        for _ in range(3)
+    ]
+    with Running(consumers):
+        eventually(lambda: all(len(c.assignment) == 1 for c in consumers), timeout=30)
+        ends = produce(bootstrap, topic, copies)  # each member owns one partition now
+        eventually(lambda: committed(bootstrap, topic, topic) == ends, timeout=40)
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert sum(c.stats[Reason.DUPLICATE] for c in consumers) == 45
+    assert all(c.stats[Reason.PROCESSED] + c.stats[Reason.DUPLICATE] > 0 for c in consumers)
+
+
+def test_async_consumers_take_effect_once(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger
+) -> None:
+    """aiokafka: two members, partitions settled concurrently, 30 records, 10 effects."""
+    import aiokafka
+
+    keys = [f"order-{i}" for i in range(10)]
+
+    async def main() -> None:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        members = []
+        try:
+
+            async def handle(record: Any) -> None:
+                await ledger.awrite(header_key(record))
+
+            for _ in range(2):
+                client = _aiokafka_consumer(bootstrap, topic)
+                member = AsyncIdempotentKafkaConsumer(
+                    client, [topic], handle, store=store, producer=producer, policy=FAST
+                )
+                await client.start()
+                members.append(member)
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(m.arun(stop)) for m in members]
+            await _until_async(lambda: all(m.assignment for m in members))
+            ends = produce(bootstrap, topic, keys * 3)
+            await _until_async(lambda: committed(bootstrap, topic, topic) == ends)
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            for member in members:
+                await member.client.stop()
+            await producer.stop()
+
+    asyncio.run(main())
+    assert ledger.counts() == {key: 1 for key in keys}
+
+
+def _aiokafka_consumer(bootstrap: str, group: str) -> Any:
+    import aiokafka
+
+    return aiokafka.AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=400,
+        rebalance_timeout_ms=2000,
+    )
+
+
+async def _until_async(check: Callable[[], Any], timeout: float = 40.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await asyncio.to_thread(check):
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+def test_consumer_killed_mid_handler_is_redelivered_and_applied_once(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """SIGKILL before the write commits: after the session timeout the survivor redoes it."""
+    produce(bootstrap, topic, ["order-1"])
+    worker = Worker(
+        "kafka", {"topic": topic, "group": topic, "namespace": name, "table": ledger.table}
+    )
+    try:
+        assert worker.wait_ready() == "order-1"
+    finally:
+        worker.kill()
+
+    def handle(message: Any) -> None:
+        ledger.write(header_key(message), "survivor")
+
+    survivor = IdempotentKafkaConsumer(
+        config(bootstrap, topic), [topic], handle, store=store, policy=FAST, poll_timeout=0.1
+    )
+    with Running([survivor]):
+        eventually(lambda: survivor.stats[Reason.PROCESSED] == 1, timeout=30)
+    assert ledger.rows() == [("order-1", "survivor")]
+    record = store.get(survivor.consumer.key_for(Delivery(b"", {"Idempotency-Key": "order-1"})))
+    assert record is not None
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 2
+    assert committed(bootstrap, topic, topic) == {0: 1}
+
+
+def test_handler_that_raises_is_retried_then_dead_lettered(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger
+) -> None:
+    """A failing handler runs max_attempts times; the record goes to <topic>.dead; offset moves."""
+    calls: list[str] = []
+
+    def handle(message: Any) -> None:
+        calls.append(header_key(message))
+        raise RuntimeError("the payment provider is down")
+
+    produce(bootstrap, topic, ["order-1", "order-2"])
+    consumer = IdempotentKafkaConsumer(
+        config(bootstrap, topic), [topic], handle, store=store, policy=FAST, poll_timeout=0.1
+    )
+    with Running([consumer]):
+        eventually(lambda: committed(bootstrap, topic, topic) == {0: 1, 1: 1}, timeout=30)
+    assert sorted(calls) == ["order-1"] * FAST.max_attempts + ["order-2"] * FAST.max_attempts
+    dead = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}-dlq"})
+    try:
+        dead.assign([TopicPartition(f"{topic}.dead", 0, OFFSET_BEGINNING)])  # no group join
+        records: list[Any] = []
+        deadline = time.monotonic() + 20
+        while len(records) < 2 and time.monotonic() < deadline:
+            records += [m for m in dead.consume(2, 0.5) if m.error() is None]
+    finally:
+        dead.close()
+    assert sorted(header_key(m) for m in records) == ["order-1", "order-2"]
+    headers = dict(records[0].headers())
+    assert headers["oncely-dead-letter-reason"] == b"exhausted"
+    assert headers["oncely-source-topic"] == topic.encode()
+    assert ledger.counts() == {}
+
+
+def test_store_down_nothing_is_committed_until_it_returns(
+    redis_url: str, bootstrap: str, topic: str, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """The store unreachable: the record is retried in place and its offset is not committed."""
+    produce(bootstrap, topic, ["order-1"])
+    with TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+        flaky = RedisStore(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
+        )
+        proxy.down()
+
+        def handle(message: Any) -> None:
+            ledger.write(header_key(message))
+
+        consumer = IdempotentKafkaConsumer(
+            config(bootstrap, topic), [topic], handle, store=flaky, policy=FAST, poll_timeout=0.1
+        )
+        try:
+            with Running([consumer]):
+                eventually(lambda: consumer.stats[Reason.STORE_UNAVAILABLE] >= 3, timeout=30)
+                assert committed(bootstrap, topic, topic) == {}
+                assert ledger.counts() == {}
+                proxy.up()
+                eventually(lambda: committed(bootstrap, topic, topic) == {0: 1}, timeout=30)
+        finally:
+            flaky.close()
+    assert ledger.counts() == {"order-1": 1}
+
+
+def test_rebalance_while_handlers_run_confluent(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger
+) -> None:
+    """A second member joins while the first is mid-batch: every record takes effect once."""
+    keys = [f"order-{i}" for i in range(60)]
+    ends = produce(bootstrap, topic, keys)
+
+    def handle(message: Any) -> None:
+        ledger.write(header_key(message), threading.current_thread().name)
+        time.sleep(0.05)  # slow work (3 s in all), so the join lands while handlers run
+
+    def member() -> IdempotentKafkaConsumer:
+        return IdempotentKafkaConsumer(
+            config(bootstrap, topic),
+            [topic],
+            handle,
+            store=store,
+            policy=FAST,
+            poll_timeout=0.1,
+            batch_size=5,
+        )
+
+    first = member()
+    with Running([first]) as running:
+        eventually(lambda: first.stats[Reason.PROCESSED] >= 3, timeout=30)
+        second = member()
+        running.add(second)
+        eventually(lambda: committed(bootstrap, topic, topic) == ends, timeout=40)
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert second.stats[Reason.PROCESSED] + second.stats[Reason.DUPLICATE] > 0  # took a share
+
+
+def test_rebalance_while_handlers_run_aiokafka(
+    bootstrap: str, topic: str, any_store: Any, ledger: Ledger
+) -> None:
+    """aiokafka: a member joins while the first runs handlers on every partition at once."""
+    import aiokafka
+
+    keys = [f"order-{i}" for i in range(60)]
+    ends = produce(bootstrap, topic, keys)
+    revoked_mid_batch: list[bool] = []
+
+    async def main() -> list[AsyncIdempotentKafkaConsumer]:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        members: list[AsyncIdempotentKafkaConsumer] = []
+
+        async def handle(record: Any) -> None:
+            await ledger.awrite(header_key(record))
+            await asyncio.sleep(0.1)  # slow work, so the join lands while handlers run
+
+        async def join() -> AsyncIdempotentKafkaConsumer:
+            client = _aiokafka_consumer(bootstrap, topic)
+            made = AsyncIdempotentKafkaConsumer(
+                client,
+                [topic],
+                handle,
+                store=any_store,
+                producer=producer,
+                policy=FAST,
+                batch_size=6,
+            )
+            await client.start()
+            members.append(made)
+            return made
+
+        stop = asyncio.Event()
+        tasks = []
+        try:
+            first = await join()
+            revoke = first._revoked
+
+            async def watched(partitions: Any) -> None:
+                revoked_mid_batch.append(not first._idle.is_set())
+                await revoke(partitions)
+
+            first._revoked = watched  # type: ignore[method-assign]
+            tasks.append(asyncio.create_task(first.arun(stop)))
+            await _until_async(lambda: first.stats[Reason.PROCESSED] >= 3)
+            second = await join()
+            tasks.append(asyncio.create_task(second.arun(stop)))
+            await _until_async(lambda: committed(bootstrap, topic, topic) == ends)
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            for made in members:
+                await made.client.stop()
+            await producer.stop()
+        return members
+
+    members = asyncio.run(main())
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert sum(m.stats[Reason.PROCESSED] for m in members) == 60
+    assert True in revoked_mid_batch  # the rebalance really hit records in flight

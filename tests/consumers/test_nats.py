@@ -1,0 +1,318 @@
+"""NATS JetStream (nats-py) against the real server; effects are PostgreSQL rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+
+from oncely import Status
+from oncely.consumers import Delivery, Reason
+from oncely.consumers.nats import IdempotentHandler, idempotent_handler
+from oncely.consumers.producer import nats_headers, stamp
+from oncely.stores.redis import RedisStore
+from tests.conftest import service_url
+from tests.consumers._effects import FAST, Ledger, Worker
+
+pytestmark = pytest.mark.nats
+
+
+@asynccontextmanager
+async def jetstream(name: str) -> AsyncIterator[tuple[Client, JetStreamContext]]:
+    """A connection and the test's own stream (subjects ``<name>.>``), deleted afterwards."""
+    client = await nats.connect(service_url("ONCELY_TEST_NATS_URL"))
+    try:
+        js = client.jetstream()
+        await js.add_stream(name=name, subjects=[f"{name}.>"])
+        try:
+            yield client, js
+        finally:
+            await js.delete_stream(name)
+    finally:
+        await client.close()
+
+
+async def until(check: Callable[[], Any], *, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def pull_loop(
+    js: JetStreamContext, name: str, handler: IdempotentHandler, stop: asyncio.Event, **config: Any
+) -> None:
+    """One member of the durable pull consumer ``billing``, feeding *handler*."""
+    sub = await js.pull_subscribe(
+        f"{name}.orders", durable="billing", stream=name, config=ConsumerConfig(**config)
+    )
+    while not stop.is_set():
+        try:
+            messages = await sub.fetch(8, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            continue
+        for msg in messages:
+            await handler(msg)
+
+
+async def publish(js: JetStreamContext, name: str, key: str, headers: dict[str, str]) -> None:
+    await js.publish(f"{name}.orders", json.dumps({"order": key}).encode(), headers=headers)
+
+
+def settled(handlers: list[IdempotentHandler]) -> int:
+    return sum(h.stats[Reason.PROCESSED] + h.stats[Reason.DUPLICATE] for h in handlers)
+
+
+def test_many_copies_to_several_consumers_take_effect_once(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """60 published copies (no Nats-Msg-Id, so JetStream keeps them all), 3 members: 15 effects."""
+    keys = [f"order-{i}" for i in range(15)]
+    copies = keys * 4
+    random.Random(5).shuffle(copies)
+
+    async def main() -> list[IdempotentHandler]:
+        async with jetstream(name) as (_, js):
+            handlers = []
+            for worker in range(3):
+
+                @idempotent_handler(store, group=name, policy=FAST)
+                async def handle(msg: Msg, worker: int = worker) -> None:
+                    await ledger.awrite(msg.headers["Idempotency-Key"], str(worker))
+                    await asyncio.sleep(0.01)
+
+                handlers.append(handle)
+            stop = asyncio.Event()
+            loops = [asyncio.create_task(pull_loop(js, name, h, stop)) for h in handlers]
+            for key in copies:
+                await publish(js, name, key, stamp(key))
+            await until(lambda: settled(handlers) == len(copies))
+            stop.set()
+            await asyncio.gather(*loops)
+            return handlers
+
+    handlers = asyncio.run(main())
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert sum(h.stats[Reason.DUPLICATE] for h in handlers) == 45
+
+
+def test_publish_dedupe_and_consumer_dedupe_together(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """nats_headers sets Nats-Msg-Id too: JetStream drops re-publishes inside its window."""
+
+    async def main() -> IdempotentHandler:
+        async with jetstream(name) as (_, js):
+
+            @idempotent_handler(store, group=name, policy=FAST)
+            async def handle(msg: Msg) -> None:
+                await ledger.awrite(msg.headers["Idempotency-Key"])
+
+            for _ in range(3):
+                await publish(js, name, "order-1", nats_headers("order-1"))
+            info = await js.stream_info(name)
+            assert info.state.messages == 1
+            stop = asyncio.Event()
+            loop = asyncio.create_task(pull_loop(js, name, handle, stop))
+            await until(lambda: handle.stats[Reason.PROCESSED] == 1)
+            stop.set()
+            await loop
+            return handle
+
+    asyncio.run(main())
+    assert ledger.counts() == {"order-1": 1}
+
+
+def test_consumer_killed_mid_handler_is_redelivered_and_applied_once(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """SIGKILL before the write commits: redelivered after ack_wait, the lease recovers."""
+
+    async def main() -> IdempotentHandler:
+        async with jetstream(name) as (_, js):
+            await js.add_consumer(name, ConsumerConfig(durable_name="billing", ack_wait=1))
+            await publish(js, name, "order-1", stamp("order-1"))
+            worker = Worker(
+                "nats",
+                {
+                    "stream": name,
+                    "subject": f"{name}.orders",
+                    "group": name,
+                    "namespace": name,
+                    "table": ledger.table,
+                },
+            )
+            try:
+                assert await asyncio.to_thread(worker.wait_ready) == "order-1"
+            finally:
+                worker.kill()
+
+            @idempotent_handler(store, group=name, policy=FAST)
+            async def handle(msg: Msg) -> None:
+                await ledger.awrite(msg.headers["Idempotency-Key"], "survivor")
+
+            stop = asyncio.Event()
+            loop = asyncio.create_task(pull_loop(js, name, handle, stop))
+            await until(lambda: handle.stats[Reason.PROCESSED] == 1)
+            stop.set()
+            await loop
+            return handle
+
+    handle = asyncio.run(main())
+    assert ledger.rows() == [("order-1", "survivor")]
+    record = store.get(handle.consumer.key_for(Delivery(b"", {"Idempotency-Key": "order-1"})))
+    assert record is not None
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 2
+
+
+def test_handler_that_raises_is_redelivered_then_dead_lettered(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A failing handler is nak'ed, runs max_attempts times, then is copied out and termed."""
+    calls: list[str] = []
+
+    async def main() -> tuple[IdempotentHandler, Any]:
+        async with jetstream(name) as (_, js):
+
+            @idempotent_handler(
+                store, group=name, policy=FAST, dead_letter_subject=f"{name}.dead", jetstream=js
+            )
+            async def handle(msg: Msg) -> None:
+                calls.append(msg.headers["Idempotency-Key"])
+                raise RuntimeError("the payment provider is down")
+
+            stop = asyncio.Event()
+            loop = asyncio.create_task(pull_loop(js, name, handle, stop))
+            await publish(js, name, "order-1", stamp("order-1"))
+            await until(lambda: handle.stats[Reason.EXHAUSTED] == 1)
+            stop.set()
+            await loop
+            return handle, await js.get_last_msg(name, f"{name}.dead")
+
+    _, dead = asyncio.run(main())
+    assert calls == ["order-1"] * FAST.max_attempts
+    assert dead.headers["Idempotency-Key"] == "order-1"
+    assert dead.headers["Oncely-Dead-Letter-Reason"] == "exhausted"
+    assert dead.headers["Oncely-Source-Subject"] == f"{name}.orders"
+    assert ledger.counts() == {}
+
+
+def test_last_delivery_before_max_deliver_is_dead_lettered(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """JetStream's max_deliver=2 comes before max_attempts: delivery 2 is dead-lettered."""
+
+    async def main() -> tuple[IdempotentHandler, Any]:
+        async with jetstream(name) as (_, js):
+
+            @idempotent_handler(
+                store,
+                group=name,
+                policy=FAST,
+                max_deliver=2,
+                dead_letter_subject=f"{name}.dead",
+                jetstream=js,
+            )
+            async def handle(msg: Msg) -> None:
+                raise RuntimeError("still down")
+
+            stop = asyncio.Event()
+            loop = asyncio.create_task(pull_loop(js, name, handle, stop, max_deliver=2))
+            await publish(js, name, "order-1", stamp("order-1"))
+            await until(lambda: handle.stats[Reason.HANDLER_FAILED] == 2)
+            dead = None
+            while dead is None:
+                try:
+                    dead = await js.get_last_msg(name, f"{name}.dead")
+                except nats.js.errors.NotFoundError:
+                    await asyncio.sleep(0.02)
+            stop.set()
+            await loop
+            return handle, dead
+
+    handle, dead = asyncio.run(main())
+    assert dead.headers["Oncely-Dead-Letter-Reason"] == "handler_failed"
+    assert handle.stats[Reason.EXHAUSTED] == 0
+
+
+def test_in_progress_heartbeats_hold_a_slow_message(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A handler slower than ack_wait keeps its message: no redelivery while it runs."""
+
+    async def main() -> tuple[IdempotentHandler, list[int]]:
+        async with jetstream(name) as (_, js):
+            deliveries: list[int] = []
+
+            @idempotent_handler(store, group=name, policy=FAST, progress_interval=0.2)
+            async def handle(msg: Msg) -> None:
+                deliveries.append(msg.metadata.num_delivered)
+                await asyncio.sleep(1.4)  # the work: longer than ack_wait=1
+                await ledger.awrite(msg.headers["Idempotency-Key"])
+
+            other = idempotent_handler(store, group=name, policy=FAST)(handle.__wrapped__)
+            stop = asyncio.Event()
+            loops = [
+                asyncio.create_task(pull_loop(js, name, h, stop, ack_wait=1))
+                for h in (handle, other)
+            ]
+            await publish(js, name, "order-1", stamp("order-1"))
+            await until(lambda: handle.stats[Reason.PROCESSED] + other.stats[Reason.PROCESSED])
+            stop.set()
+            await asyncio.gather(*loops)
+            assert handle.stats[Reason.IN_PROGRESS] + other.stats[Reason.IN_PROGRESS] == 0
+            return handle, deliveries
+
+    _, deliveries = asyncio.run(main())
+    assert deliveries == [1]
+    assert ledger.counts() == {"order-1": 1}
+
+
+def test_fetched_batches_take_effect_once(any_store: Any, ledger: Ledger, name: str) -> None:
+    """handler.batch(fetched): 3 copies of 8 keys in batches of 10, two members: 8 effects."""
+    keys = [f"order-{i}" for i in range(8)]
+
+    async def main() -> list[IdempotentHandler]:
+        async with jetstream(name) as (_, js):
+            members = []
+            for _ in range(2):
+
+                @idempotent_handler(any_store, group=name, policy=FAST)
+                async def handle(msg: Msg) -> None:
+                    await ledger.awrite(msg.headers["Idempotency-Key"])
+
+                members.append(handle)
+            for key in keys * 3:
+                await publish(js, name, key, stamp(key))
+
+            async def member(handle: IdempotentHandler, stop: asyncio.Event) -> None:
+                sub = await js.pull_subscribe(f"{name}.orders", durable="billing", stream=name)
+                while not stop.is_set():
+                    try:
+                        await handle.batch(await sub.fetch(10, timeout=0.2))
+                    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                        continue
+
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(member(h, stop)) for h in members]
+            await until(lambda: settled(members) == 24)
+            stop.set()
+            await asyncio.gather(*tasks)
+            return members
+
+    members = asyncio.run(main())
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert sum(m.stats[Reason.DUPLICATE] for m in members) == 16
