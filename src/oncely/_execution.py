@@ -41,6 +41,12 @@ T = TypeVar("T")
 SETTLE_RETRY_DELAYS = (0.05, 0.2, 0.5, 1.0)
 """Pauses between attempts to complete, fail or release when the store is unavailable."""
 
+_SETTLED_STATUS = {
+    "complete": Status.COMPLETED,
+    "fail": Status.FAILED,
+    "release": Status.RELEASED,
+}
+
 
 # -- operations a flow yields ------------------------------------------------------------------
 
@@ -185,11 +191,13 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
         call = StoreCall("release", (lease.key, lease.token))
     else:
         call = StoreCall(verb, (lease.key, lease.token, payload), {"ttl": policy.ttl})
+    retried = False
     try:
         for delay in (*SETTLE_RETRY_DELAYS, None):
             try:
                 answer = yield call
             except StoreUnavailableError:
+                retried = True
                 if delay is None:
                     logger.error(
                         "could not %s key=%s token=%d: the store is unavailable; the key "
@@ -205,6 +213,17 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
     finally:
         if lease.heartbeat is not None:
             yield StopHeartbeat(lease)
+    if isinstance(answer, LeaseLost) and retried:
+        # An earlier attempt may have been applied with its reply lost on the way back: then
+        # the record already shows this token settled, and the lease was not lost at all.
+        record = yield StoreCall("get", (lease.key,))
+        if (
+            record is not None
+            and record.token == lease.token
+            and record.status is _SETTLED_STATUS[verb]
+            and (payload is None or record.result == payload)
+        ):
+            return
     if isinstance(answer, LeaseLost):
         lease.lost = True
         logger.error("lease lost key=%s token=%d on %s", lease.key, lease.token, verb)

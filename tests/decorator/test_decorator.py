@@ -565,3 +565,37 @@ class TestCurrentLease:
             return await asyncio.gather(op("a"), op("b"))
 
         assert asyncio.run(main()) == [1, 1]
+
+
+class _ReplyLostOnce:
+    """A store whose first complete is applied but answers as if the connection dropped."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.dropped = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> Any:
+        answer = self.inner.complete(key, token, result, ttl=ttl)
+        if not self.dropped:
+            self.dropped = True
+            raise oncely.StoreUnavailableError("reply lost", backend="test")
+        return answer
+
+
+def test_completion_whose_reply_was_lost_is_not_a_lost_lease(store: Store) -> None:
+    """A retried complete that finds its own earlier write applied succeeds quietly."""
+    flaky = _ReplyLostOnce(store)
+    calls = []
+
+    @oncely.idempotent(store=flaky, key="k", heartbeat=False)  # type: ignore[arg-type]
+    def op(k: str) -> str:
+        calls.append(k)
+        return "done"
+
+    assert op("a") == "done"
+    assert flaky.dropped
+    assert op("a") == "done"
+    assert calls == ["a"]
