@@ -26,8 +26,11 @@ Step = Callable[[Record | None, int], tuple[Record | None, T]]
 """Given the record as found and the clock's time, the record to write and the answer."""
 
 
+_MILLISECOND = timedelta(milliseconds=1)
+
+
 def _ms(duration: timedelta) -> int:
-    return max(1, int(duration / timedelta(milliseconds=1)))
+    return max(1, duration // _MILLISECOND)
 
 
 class MachineStore:

@@ -50,6 +50,15 @@ __all__ = ["PostgresStore"]
 
 logger = logging.getLogger("oncely")
 
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+
+def _has_rows(cursor: Any) -> bool:
+    # Cheaper than `cursor.description`, which builds a Column object per column on each call.
+    result = cursor.pgresult
+    return result is not None and result.status == _TUPLES_OK
+
+
 _S = TypeVar("_S", bound="PostgresStore")
 
 _URL_OPTIONS: dict[str, Callable[[str], object]] = {
@@ -393,7 +402,7 @@ class PostgresStore:
                     cursor = connection.execute(
                         op.sql, op.params, prepare=self._prepare and not script, binary=not script
                     )
-                    rows = cursor.fetchall() if cursor.description is not None else []
+                    rows = cursor.fetchall() if _has_rows(cursor) else []
                 except psycopg.OperationalError:
                     if connection.broken:
                         # A session that died usually did not die alone (a restart, a failover,
@@ -412,7 +421,7 @@ class PostgresStore:
                     cursor = await connection.execute(
                         op.sql, op.params, prepare=self._prepare and not script, binary=not script
                     )
-                    rows = await cursor.fetchall() if cursor.description is not None else []
+                    rows = await cursor.fetchall() if _has_rows(cursor) else []
                 except psycopg.OperationalError:
                     if connection.broken:
                         await pool.check()  # as in _execute
