@@ -355,15 +355,24 @@ async def arun(
             finally:
                 _CURRENT.reset(reset)
         if isinstance(op, StartHeartbeat):
-            op.state.heartbeat = asyncio.create_task(_async_heartbeat(store, op.state))
+            # A timer first, a task only once the operation has outlived a third of its lease:
+            # short operations (most requests and messages) never create and cancel a task.
+            state, loop = op.state, asyncio.get_running_loop()
+
+            def launch() -> None:
+                state.heartbeat = loop.create_task(_async_heartbeat(store, state))
+
+            state.heartbeat = loop.call_later(_interval(state), launch)
             return None
         if isinstance(op, StopHeartbeat):
-            task = op.state.heartbeat
+            beat = op.state.heartbeat
             op.state.heartbeat = None
-            if task is not None:
-                task.cancel()
+            if isinstance(beat, asyncio.TimerHandle):
+                beat.cancel()
+            elif beat is not None:
+                beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                    await beat
             return None
         raise TypeError(f"cannot perform {op!r}")
 
@@ -387,15 +396,16 @@ def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
 
 
 async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
+    """Extend at once (a third of the lease has passed when this starts), then every third."""
     while True:
-        await asyncio.sleep(_interval(lease))
         try:
             answer = await store.aextend(lease.key, lease.token, lease=lease.lease)
         except Exception as exc:  # the next beat may succeed; the lease is not lost yet
             logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
-            continue
-        if not _beat_answered(lease, answer):
-            return
+        else:
+            if not _beat_answered(lease, answer):
+                return
+        await asyncio.sleep(_interval(lease))
 
 
 class _HeartbeatScheduler:

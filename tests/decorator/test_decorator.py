@@ -599,3 +599,40 @@ def test_completion_whose_reply_was_lost_is_not_a_lost_lease(store: Store) -> No
     assert flaky.dropped
     assert op("a") == "done"
     assert calls == ["a"]
+
+
+def test_async_heartbeat_keeps_a_slow_coroutine_from_being_taken_over(store: Store) -> None:
+    """A coroutine slower than its lease is not run twice: the async heartbeat extends it."""
+    calls = []
+
+    @oncely.idempotent(store=store, key="k", lease=0.2, ttl=60)
+    async def slow(k: str) -> str:
+        calls.append(k)
+        await asyncio.sleep(1.0)
+        return "done"
+
+    async def main() -> None:
+        first = asyncio.create_task(slow("a"))
+        for _ in range(4):  # probe over three leases' worth of time
+            await asyncio.sleep(0.2)
+            with pytest.raises(InProgressError):
+                await slow("a")
+        assert await first == "done"
+
+    asyncio.run(main())
+    assert calls == ["a"]
+
+
+def test_short_async_calls_leave_no_heartbeat_behind(store: Store) -> None:
+    """A call that ends before a third of its lease cancels the timer; nothing keeps running."""
+
+    @oncely.idempotent(store=store, key="k", lease=30)
+    async def quick(k: str) -> int:
+        return 1
+
+    async def main() -> None:
+        assert await quick("a") == 1
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        assert pending == []
+
+    asyncio.run(main())
