@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oncely._demo import _positive, _rate  # the main demo's option checks
+
 __all__ = ["build_http_parser", "main", "run_http_demo"]
 
 EXIT_OK = 0
@@ -537,20 +539,6 @@ def _render(summary: dict[str, Any]) -> str:
     ]
     width = max(len(label) for label, _, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value!s:>8}  {note}" for label, value, note in rows)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {value}")
-    return value
 
 
 def build_http_parser() -> argparse.ArgumentParser:
