@@ -22,7 +22,7 @@ import typing as _typing
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.policy import Policy
-from oncely._core.protocols import AsyncStore, Store, SyncStore
+from oncely._core.protocols import AsyncStore, BatchStore, Store, SyncStore
 from oncely._core.records import (
     Acquired,
     ClaimResult,
@@ -57,6 +57,7 @@ from oncely.stores import open_store
 __all__ = [
     "Acquired",
     "AsyncStore",
+    "BatchStore",
     "ClaimResult",
     "Clock",
     "Codec",

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from oncely._core import codec as _codec
-from oncely._core.flow import Flow, adrive, drive
+from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
@@ -341,42 +341,53 @@ async def arun(
     flow: Flow[T], store: AsyncStore, invoke: Callable[[], Awaitable[Any]] | None = None
 ) -> T:
     """Run *flow* against an async store; *invoke* runs the protected coroutine function."""
+    # `adrive`'s loop with the operations performed inline: this driver runs three times per
+    # protected HTTP request, so it creates no closure and no coroutine per operation.
+    send: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = flow.throw(error) if error is not None else flow.send(send)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        send, error = None, None
+        try:
+            kind = type(op)
+            if kind is StoreCall:
+                send = await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+            elif kind is Invoke and invoke is not None:
+                reset = _CURRENT.set(op.lease.view())
+                try:
+                    send = await invoke()
+                finally:
+                    _CURRENT.reset(reset)
+            elif kind is StartHeartbeat:
+                _start_async_heartbeat(store, op.state)
+            elif kind is StopHeartbeat:
+                beat, op.state.heartbeat = op.state.heartbeat, None
+                if isinstance(beat, asyncio.Future):  # the heartbeat task
+                    beat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await beat
+                elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
+                    beat.cancel()
+            elif kind is Sleep:
+                await asyncio.sleep(op.seconds)
+            else:
+                raise TypeError(f"cannot perform {op!r}")
+        except BaseException as exc:  # the flow decides: release the lease, map the error...
+            error = exc
 
-    async def perform(op: Any) -> Any:
-        if isinstance(op, StoreCall):
-            return await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-        if isinstance(op, Sleep):
-            await asyncio.sleep(op.seconds)
-            return None
-        if isinstance(op, Invoke) and invoke is not None:
-            reset = _CURRENT.set(op.lease.view())
-            try:
-                return await invoke()
-            finally:
-                _CURRENT.reset(reset)
-        if isinstance(op, StartHeartbeat):
-            # A timer first, a task only once the operation has outlived a third of its lease:
-            # short operations (most requests and messages) never create and cancel a task.
-            state, loop = op.state, asyncio.get_running_loop()
 
-            def launch() -> None:
-                state.heartbeat = loop.create_task(_async_heartbeat(store, state))
+def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
+    # A timer first, a task only once the operation has outlived a third of its lease: short
+    # operations (most requests and messages) never create and cancel a task.
+    loop = asyncio.get_running_loop()
 
-            state.heartbeat = loop.call_later(_interval(state), launch)
-            return None
-        if isinstance(op, StopHeartbeat):
-            beat = op.state.heartbeat
-            op.state.heartbeat = None
-            if isinstance(beat, asyncio.TimerHandle):
-                beat.cancel()
-            elif beat is not None:
-                beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beat
-            return None
-        raise TypeError(f"cannot perform {op!r}")
+    def launch() -> None:
+        state.heartbeat = loop.create_task(_async_heartbeat(store, state))
 
-    return await adrive(flow, perform)
+    state.heartbeat = loop.call_later(_interval(state), launch)
 
 
 # -- heartbeats -------------------------------------------------------------------------------

@@ -33,6 +33,16 @@ class TestSQLiteStore(StoreConformance):
         return SQLiteStore(self.path, clock=clock, namespace=namespace)
 
 
+class TestSQLiteStoreWithoutDiskWaits(TestSQLiteStore):
+    """synchronous="normal": async transitions run on the event loop's thread when they can."""
+
+    def store_url(self) -> str:
+        return f"sqlite:///{self.path}?synchronous=normal"
+
+    def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
+        return SQLiteStore(self.path, clock=clock, namespace=namespace, synchronous="normal")
+
+
 class TestTieredSQLiteStore(StoreConformance):
     @pytest.fixture(autouse=True)
     def _database(self, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A memory store with the batch verbs the consumers use when a store has them."""
+"""Stores for the consumer tests: one that counts batch calls, one that hides the batch verbs."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from oncely import ClaimResult, LeaseLost, StoreUnavailableError
+from oncely import StoreUnavailableError
 from oncely.stores.memory import MemoryStore
 
 
 class BatchingStore(MemoryStore):
-    """A memory store with the batch verbs (a loop each), counting the calls."""
+    """A memory store (which has the batch verbs) counting the batch calls; a verb named in
+    ``down`` fails as an unreachable store would."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -25,22 +26,35 @@ class BatchingStore(MemoryStore):
 
     def claim_many(
         self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
-    ) -> list[ClaimResult]:
+    ) -> list[Any]:
         self._enter("claim_many")
-        return [self.claim(key, fp, lease=lease, ttl=ttl) for key, fp in requests]
+        return super().claim_many(requests, lease=lease, ttl=ttl)
 
     def complete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | None]:
+    ) -> list[Any]:
         self._enter("complete_many")
-        return [self.complete(key, token, result, ttl=ttl) for key, token, result in items]
+        return super().complete_many(items, ttl=ttl)
 
     async def aclaim_many(
         self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
-    ) -> list[ClaimResult]:
+    ) -> list[Any]:
         return self.claim_many(requests, lease=lease, ttl=ttl)
 
     async def acomplete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | None]:
+    ) -> list[Any]:
         return self.complete_many(items, ttl=ttl)
+
+
+class SingleVerbs:
+    """A store seen without its batch verbs, as a third-party store may be: the consumers
+    then claim and complete one message at a time."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        if name.endswith("_many"):
+            raise AttributeError(name)
+        return getattr(self.store, name)

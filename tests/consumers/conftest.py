@@ -52,12 +52,13 @@ def delete_namespace(redis_url: str, namespace: str) -> None:
 
 @pytest.fixture(params=["one-by-one", "batched"])
 def any_store(request: pytest.FixtureRequest, store: RedisStore) -> Any:
-    """The Redis store (no batch verbs: one claim per message), or a store with batch verbs."""
+    """The Redis store, seen without its batch verbs (one claim per message) or as it is
+    (one claim per fetched batch, or per loop turn of concurrent deliveries)."""
     if request.param == "one-by-one":
-        return store
-    from tests.consumers._batching import BatchingStore
+        from tests.consumers._batching import SingleVerbs
 
-    return BatchingStore()
+        return SingleVerbs(store)
+    return store
 
 
 @pytest.fixture

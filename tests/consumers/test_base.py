@@ -328,14 +328,15 @@ def test_same_key_other_body_is_dead_lettered_as_mismatch(store: Store, process:
 
 
 class FlakyStore:
-    """Delegates to *inner*, but raises StoreUnavailableError on the verbs listed in *down*."""
+    """Delegates to *inner*, but raises StoreUnavailableError on the verbs listed in *down*
+    (``claim`` covers ``claim_many`` and the async twins too)."""
 
     def __init__(self, inner: Store, down: set[str]) -> None:
         self.inner = inner
         self.down = down
 
     def __getattr__(self, name: str) -> Any:
-        verb = name.removeprefix("a")
+        verb = name.removeprefix("a").removesuffix("_many")
         if verb in self.down:
             if name.startswith("a"):
 

@@ -15,7 +15,7 @@ from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsume
 from oncely.consumers._base import no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
-from tests.consumers._batching import BatchingStore
+from tests.consumers._batching import BatchingStore, SingleVerbs
 
 POLICY = ConsumerPolicy(lease=timedelta(seconds=10), max_attempts=2, retry_delay=0.5)
 
@@ -142,7 +142,7 @@ def test_store_down_nothing_acked(
 
 def test_stores_without_batch_verbs_go_one_by_one(batch: Batch) -> None:
     """A store without the batch verbs gets the same verdicts, one delivery at a time."""
-    consumer = IdempotentConsumer(MemoryStore(), scope="s", policy=POLICY)
+    consumer = IdempotentConsumer(SingleVerbs(MemoryStore()), scope="s", policy=POLICY)
     assert not consumer.batches
     seen: list[Any] = []
     verdicts = batch(consumer, deliveries("a", "b", "a"), seen.append)
@@ -204,7 +204,7 @@ def test_ordered_blocking_by_a_busy_key_and_giving_leases_back(store: BatchingSt
 
 def test_ordered_without_batch_verbs_stops_at_the_first_retry() -> None:
     """The one-by-one path keeps order the same way, without claiming what it cannot run."""
-    consumer = IdempotentConsumer(MemoryStore(), scope="s", policy=POLICY)
+    consumer = IdempotentConsumer(SingleVerbs(MemoryStore()), scope="s", policy=POLICY)
     seen: list[str] = []
 
     def handler(message: Any) -> None:
@@ -236,3 +236,14 @@ def test_async_handlers_of_a_batch_run_concurrently(store: BatchingStore) -> Non
         return await consumer.aprocess_batch(deliveries("a", "b", "c"), handler)
 
     assert reasons(asyncio.run(main())) == ["processed"] * 3
+
+
+def test_batch_verbs_are_the_batch_store_protocol() -> None:
+    """BATCH_VERBS names exactly the verbs of oncely.BatchStore, which `batches` checks."""
+    import typing
+
+    from oncely import BatchStore
+    from oncely.consumers import BATCH_VERBS
+
+    members = typing._get_protocol_attrs(BatchStore)  # type: ignore[attr-defined]
+    assert sorted(members) == sorted(BATCH_VERBS)

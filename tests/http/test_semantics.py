@@ -6,6 +6,7 @@ every row of the table is pinned down here before the HTTP suite runs it through
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from oncely import (
     ConfigurationError,
     CorruptRecordError,
     InProgress,
+    InvalidKeyError,
     LeaseLost,
     Mismatch,
     Record,
@@ -28,6 +30,7 @@ from oncely import (
     _execution,
 )
 from oncely._core import codec
+from oncely._core.fingerprint import canonical_json
 from oncely._core.flow import drive
 from oncely.http import (
     HttpPolicy,
@@ -40,6 +43,7 @@ from oncely.http import (
 )
 from oncely.http._routes import RouteMatch, RouteTable, compile_pattern, idempotent_route
 from oncely.http._semantics import Response, ResponseCapture
+from oncely.keys import from_header
 
 POLICY = HttpPolicy()
 
@@ -159,6 +163,19 @@ class TestDecide:
     )
     def test_quoted_and_bare_keys_are_accepted(self, value: bytes, key: str) -> None:
         assert _semantics.decide("POST", [value], POLICY) == key
+
+    @given(st.binary(max_size=300) | st.text(st.characters(max_codepoint=127)).map(str.encode))
+    def test_read_key_agrees_with_from_header(self, value: bytes) -> None:
+        """The fast path for bare keys answers exactly as `oncely.keys.from_header`."""
+        try:
+            expected: str | type[InvalidKeyError] = from_header(value)
+        except InvalidKeyError:
+            expected = InvalidKeyError
+        try:
+            got: str | type[InvalidKeyError] = _semantics.read_key([value])
+        except InvalidKeyError:
+            got = InvalidKeyError
+        assert got == expected
 
 
 class TestBegin:
@@ -437,6 +454,66 @@ class TestFingerprint:
         headers = ((b"content-type", media.encode()),)
         assert _semantics.plan(request(body, headers=headers), "k", POLICY).fingerprint
 
+    @pytest.mark.parametrize(
+        ("query", "content_type", "body", "fingerprint"),
+        [
+            (b"", b"application/json", b'{"amount":500,"currency":"EUR"}',
+             "89ebb2a6de3b94f86bd0384b60b0dbb0817b47b22db2522bf4bab70be71a5452"),
+            (b"b=2&a=1&a=0", b"application/json",
+             b'{"b":[1.0,"x\\u00e9\\ud800"],"a":1.10,"c":{"z":null,"y":true}}',
+             "aee9c95bc10d2a97ba5e9e10aa58fb1f6b4ab887b35571c5f9d0e7d1e030d981"),
+            (b"", b"application/merge-patch+json; charset=utf-8",
+             b"[1e400, -0, 12345678901234567890]",
+             "1f8d177aaae5e2c8e91081df3d479ba633e4403fc1103a0d7dd553faf64c8164"),
+            (b"", b"application/json", b'{"a": NaN}',
+             "114fcfd7da6cf64c73b281eaaf2769a1f24d44fd2bea8003cb15c9f731576371"),
+            (b"", b"application/json", b'\xef\xbb\xbf{"a":1}',
+             "bb97a6193e8bf7efe9a612ec62be8d398b5f1a6b4bbc3ba4987766e0fccf7e7f"),
+            (b"", b"application/json", '{"a":"\u00e9"}'.encode("utf-16"),
+             "16abba070222ab817f083f949f6d41036f3b2743e396280530b818f200c4713d"),
+        ],
+    )  # fmt: skip
+    def test_golden_fingerprints(
+        self, query: bytes, content_type: bytes, body: bytes, fingerprint: str
+    ) -> None:
+        """Fingerprints are stored: the default one never changes for the same request."""
+        req = request(body, query=query, headers=((b"content-type", content_type),))
+        assert self.fp(req) == "h1:" + fingerprint
+
+    @given(
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers()
+            | st.text()
+            | st.floats(allow_nan=False, allow_infinity=False),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+            ),
+            max_leaves=20,
+        ),
+        st.text(max_size=20),
+        st.sampled_from([b"", b"b=2&a=1", b"x=%C3%A9&x=1&flag"]),
+    )
+    def test_default_fingerprint_is_its_digest(
+        self, document: Any, path: str, query: bytes
+    ) -> None:
+        """The digest of a request is the digest of `default_fingerprint`'s parts, with JSON
+        bodies in `canonical_json`'s spelling, however the fast paths compute it."""
+        body = json.dumps(document).encode()
+        req = request(body, path=path, query=query)
+        parts = default_fingerprint(req)
+        assert (
+            parts[-1]
+            == "json:"
+            + hashlib.sha256(
+                canonical_json(_semantics._JSON.decode(body.decode())).encode("ascii")
+            ).hexdigest()
+        )
+        text = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
+        assert self.fp(req) == "h1:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
 
 # -- headers and the snapshot ---------------------------------------------------------------------
 
@@ -462,6 +539,26 @@ class TestHeaders:
             (b"Link", b"<a>"),
             (b"Link", b"<b>"),
         )
+
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from([b"Connection", b"connection", b"Set-Cookie", b"TE", b"\xc4"])
+                | st.binary(max_size=6),
+                st.sampled_from([b"close", b"X-A, \xe4", b""]) | st.binary(max_size=6),
+            ),
+            max_size=6,
+        )
+    )
+    def test_storable_headers_match_their_definition(
+        self, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        dropped = set(_semantics.HOP_BY_HOP) | set(POLICY.unreplayed_headers)
+        for name, value in headers:
+            if name.lower() == b"connection":
+                dropped.update(t.strip().lower() for t in value.decode("latin-1").split(","))
+        kept = [(n, v) for n, v in headers if n.decode("latin-1").lower() not in dropped]
+        assert _semantics.storable_headers(headers, POLICY) == tuple(kept)
 
     def test_unreplayed_headers_are_configurable(self) -> None:
         policy = HttpPolicy(unreplayed_headers={"X-Secret"})

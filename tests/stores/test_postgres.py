@@ -41,6 +41,7 @@ from oncely import (
     _execution,
 )
 from oncely.stores.postgres import PostgresStore, _sql
+from oncely.stores.postgres import store as postgres_store
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
 from tests.conftest import service_url
@@ -373,6 +374,7 @@ class _ProtocolCounter:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.counts: dict[str, int] = {}
+        self.sent: list[str] = []  # every message's type, in order
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -384,6 +386,11 @@ class _ProtocolCounter:
     def parses(self) -> int:
         with self._lock:
             return self.counts.get("P", 0)
+
+    def sent_since(self, mark: int) -> str:
+        """The types of the messages sent since `len(self.sent)` was *mark*, as one string."""
+        with self._lock:
+            return "".join(self.sent[mark:])
 
     def close(self) -> None:
         for sock in self._sockets:
@@ -428,6 +435,7 @@ class _ProtocolCounter:
                         kind = chr(message[0])
                         with self._lock:
                             self.counts[kind] = self.counts.get(kind, 0) + 1
+                            self.sent.append(kind)
                     # Count first, forward second: the reply cannot overtake the count.
                     server.sendall(message)
 
@@ -1041,3 +1049,267 @@ def _retry_after_lease(call: Callable[[str], str]) -> str | None:
         return call("o-1")
     except InProgressError:
         return None
+
+
+# -- batch verbs ------------------------------------------------------------------------------
+
+
+class _Batches:
+    """claim_many and complete_many in one world, sync or async, as plain calls."""
+
+    def __init__(self, store: PostgresStore, world: str) -> None:
+        self.store = store
+        self.loop = asyncio.new_event_loop() if world == "async" else None
+
+    def claim_many(self, requests: list[tuple[str, str]], lease: timedelta = LEASE) -> list[Any]:
+        if self.loop is None:
+            return list(self.store.claim_many(requests, lease=lease, ttl=TTL))
+        return list(
+            self.loop.run_until_complete(self.store.aclaim_many(requests, lease=lease, ttl=TTL))
+        )
+
+    def complete_many(self, items: list[tuple[str, int, bytes]]) -> list[Any]:
+        if self.loop is None:
+            return list(self.store.complete_many(items, ttl=TTL))
+        return list(self.loop.run_until_complete(self.store.acomplete_many(items, ttl=TTL)))
+
+    def close(self) -> None:
+        if self.loop is not None:
+            # As asyncio.run ends a loop: the loop's pool closes with it, the store stays open.
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def _batches(store: PostgresStore, world: str) -> Iterator[_Batches]:
+    calls = _Batches(store, world)
+    try:
+        yield calls
+    finally:
+        calls.close()
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_each_batch_is_one_round_trip(
+    counted_store: PostgresStore, counter: _ProtocolCounter, world: str
+) -> None:
+    """A batch of 50 claims or completions is one round trip: the client sends every
+    statement, then one Sync (one transaction), and only then waits (a Flush may follow the
+    Sync). The statement is prepared once, in that same trip; an empty batch sends nothing."""
+    keys = [f"b{index:02}" for index in range(50)]
+    with _batches(counted_store, world) as batches:
+
+        def cost(call: Callable[[], Any]) -> tuple[Any, int, int]:
+            mark = len(counter.sent)
+            answer = call()
+            sent = counter.sent_since(mark)
+            if sent:
+                assert sent.rstrip("H").endswith("S"), f"the client waited before its Sync: {sent}"
+            return answer, sent.count("S") + sent.count("Q"), sent.count("P")
+
+        counted_store.get("warm-up")  # connect first: the pool's own set-up is not counted
+        assert cost(lambda: batches.claim_many([]))[1:] == (0, 0)
+        assert cost(lambda: batches.complete_many([]))[1:] == (0, 0)
+        claimed, *claim_cost = cost(lambda: batches.claim_many([(key, "fp") for key in keys]))
+        assert claimed == [Acquired(1, recovered=False, attempt=1)] * 50
+        assert claim_cost == [1, 1]
+        items = [(key, 1, key.encode()) for key in keys]
+        completed, *complete_cost = cost(lambda: batches.complete_many(items))
+        assert completed == [None] * 50
+        assert complete_cost == [1, 1]
+        replays, *replay_cost = cost(lambda: batches.claim_many([(key, "fp") for key in keys]))
+        assert [answer.record.result for answer in replays] == [key.encode() for key in keys]
+        assert replay_cost == [1, 0]
+        lost, *lost_cost = cost(lambda: batches.complete_many(items))
+        assert lost == [LeaseLost()] * 50
+        assert lost_cost == [1, 0]
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_answers_a_corrupt_record_in_its_slot_only(
+    store: PostgresStore, schema: str, admin: psycopg.Connection[Any], world: str
+) -> None:
+    """A corrupt record in the middle of a batch: CorruptRecordError in its slot, the other
+    items answered (and their claims kept); the record itself is never overwritten."""
+    stored = f"{store.namespace}:m"
+    admin.execute(
+        f"INSERT INTO {_table(schema)} VALUES (%s, 'archived', 'fp', 7, 1, now(), "
+        "now() + interval '1 hour', now(), now(), 'x')",
+        (stored,),
+    )
+    with _batches(store, world) as batches:
+        first, corrupt, last = batches.claim_many([("a", "fp"), ("m", "fp"), ("z", "fp")])
+        assert first == last == Acquired(1, recovered=False, attempt=1)
+        assert isinstance(corrupt, CorruptRecordError)
+        assert corrupt.key == "m"
+        assert batches.complete_many([("a", 1, b"ra"), ("m", 7, b"rm"), ("z", 1, b"rz")]) == [
+            None,
+            LeaseLost(),  # as `complete` answers a record it cannot take
+            None,
+        ]
+    row = admin.execute(
+        f"SELECT status, token, result FROM {_table(schema)} WHERE key = %s", (stored,)
+    ).fetchone()
+    assert row == ("archived", 7, b"x")
+    for key, result in (("a", b"ra"), ("z", b"rz")):
+        record = store.get(key)
+        assert record is not None
+        assert (record.status, record.result) == (Status.COMPLETED, result)
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_with_repeated_keys_answers_as_single_verbs(
+    base_url: str, schema: str, world: str
+) -> None:
+    """Repeated keys in one batch: each item answers what the single verb would, in order."""
+    requests = [("k", "fp"), ("j", "fp"), ("k", "fp"), ("k", "fp-2"), ("j", "fp-2"), ("a", "fp")]
+    with (
+        PostgresStore(base_url, schema=schema, namespace=_name("one")) as singles,
+        PostgresStore(base_url, schema=schema, namespace=_name("many")) as batched,
+        _batches(batched, world) as batches,
+    ):
+        expected = [singles.claim(key, fp, lease=LEASE, ttl=TTL) for key, fp in requests]
+        answers = batches.claim_many(requests)
+        assert [type(answer) for answer in answers] == [type(answer) for answer in expected]
+        assert [a for a in answers if not isinstance(a, InProgress)] == [
+            e for e in expected if not isinstance(e, InProgress)
+        ]
+        items = [("k", 1, b"first"), ("j", 2, b"stale"), ("k", 1, b"second"), ("j", 1, b"j")]
+        settled = [singles.complete(key, token, result, ttl=TTL) for key, token, result in items]
+        assert batches.complete_many(items) == settled == [None, LeaseLost(), LeaseLost(), None]
+        replays = batches.claim_many([("k", "fp"), ("j", "fp")])
+        assert [answer.record.result for answer in replays] == [b"first", b"j"]
+
+
+def _batch_stuck_behind(
+    admin: psycopg.Connection[Any], schema: str, stored: str, app: str
+) -> psycopg.Connection[Any]:
+    """A session holding an uncommitted insert of *stored*: a claim of it waits on the session."""
+    blocker = psycopg.connect(service_url("ONCELY_TEST_POSTGRES_URL"))
+    blocker.execute(
+        f"INSERT INTO {_table(schema)} VALUES (%s, 'completed', 'fp', 1, 1, now(), "
+        "now() + interval '1 hour', now(), now(), NULL)",
+        (stored,),
+    )
+    return blocker
+
+
+def _waiting_on_a_lock(admin: psycopg.Connection[Any], app: str) -> list[int]:
+    rows = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+        (app,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_whose_session_is_killed_raises_and_takes_nothing(
+    store: PostgresStore,
+    schema: str,
+    admin: psycopg.Connection[Any],
+    app: str,
+    world: str,
+) -> None:
+    """The session dies in the middle of a batch: StoreUnavailableError, and no item of it took
+    effect (one transaction); the next batch runs on a new session."""
+    blocker = _batch_stuck_behind(admin, schema, f"{store.namespace}:m", app)
+    requests = [("z", "fp"), ("a", "fp"), ("m", "fp"), ("b", "fp")]
+    try:
+        with _batches(store, world) as batches, ThreadPoolExecutor(max_workers=1) as pool:
+            running = pool.submit(batches.claim_many, requests)
+            (waiting,) = eventually(lambda: _waiting_on_a_lock(admin, app))
+            admin.execute("SELECT pg_terminate_backend(%s)", (waiting,))
+            with pytest.raises(StoreUnavailableError) as info:
+                running.result(timeout=30)
+            assert isinstance(info.value.__cause__, psycopg.OperationalError)
+            assert "a batch of 4 keys" in str(info.value)
+            blocker.rollback()
+            assert store.get("a") is None
+            assert store.get("b") is None
+            answers = batches.claim_many(requests)
+            assert answers == [Acquired(1, recovered=False, attempt=1)] * 4
+    finally:
+        blocker.close()
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_statement_timeout_raises_and_takes_nothing(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str, world: str
+) -> None:
+    """A statement of the batch cancelled by the server: StoreUnavailableError for the call, and
+    the items before it were rolled back with it."""
+    with PostgresStore(
+        base_url, schema=schema, namespace=_name("bt"), statement_timeout=0.3
+    ) as store:
+        blocker = _batch_stuck_behind(admin, schema, f"{store.namespace}:m", app)
+        try:
+            with _batches(store, world) as batches:
+                with pytest.raises(StoreUnavailableError) as info:
+                    batches.claim_many([("a", "fp"), ("m", "fp"), ("z", "fp")])
+                assert isinstance(info.value.__cause__, psycopg.errors.QueryCanceled)
+                assert store.get("a") is None
+                blocker.rollback()
+                assert (
+                    batches.claim_many([("a", "fp"), ("m", "fp"), ("z", "fp")])
+                    == [Acquired(1, recovered=False, attempt=1)] * 3
+                )
+        finally:
+            blocker.close()
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_failures_of_the_whole_call_are_typed(
+    base_url: str, fresh_schema: str, world: str
+) -> None:
+    """Nothing listening: StoreUnavailableError; no schema: SchemaMissingError. Both raise."""
+    unreachable = PostgresStore(
+        f"postgresql://postgres@127.0.0.1:{_closed_port()}/test", pool_timeout=0.5
+    )
+    with _batches(unreachable, world) as batches:
+        with pytest.raises(StoreUnavailableError):
+            batches.claim_many([("a", "fp"), ("b", "fp")])
+        with pytest.raises(StoreUnavailableError):
+            batches.complete_many([("a", 1, b"r")])
+    with PostgresStore(base_url, schema=fresh_schema) as store, _batches(store, world) as batches:
+        with pytest.raises(SchemaMissingError, match=r"migrate\(\)"):
+            batches.claim_many([("a", "fp"), ("b", "fp")])
+        with pytest.raises(SchemaMissingError):
+            batches.complete_many([("a", 1, b"r")])
+
+
+def test_overlapping_batches_in_opposite_orders_never_deadlock(
+    wide_store: PostgresStore,
+) -> None:
+    """8 threads claim batches of 50 of the same 100 keys at once, windows overlapping and in
+    opposite orders: no batch deadlocks or fails, and each key is acquired exactly once."""
+    racers = 8
+    for round_ in range(5):
+        keys = [f"r{round_}-{index:03}" for index in range(100)]
+        barrier = threading.Barrier(racers)
+
+        def claim(racer: int, keys: list[str] = keys, barrier: Any = barrier) -> list[Any]:
+            window = [keys[(racer * 13 + index) % len(keys)] for index in range(50)]
+            if racer % 2:
+                window.reverse()
+            barrier.wait(timeout=30)
+            answers = wide_store.claim_many([(key, "fp") for key in window], lease=LEASE, ttl=TTL)
+            return list(zip(window, answers, strict=True))
+
+        with ThreadPoolExecutor(max_workers=racers) as pool:
+            results = [pair for batch in pool.map(claim, range(racers)) for pair in batch]
+        winners = [key for key, answer in results if isinstance(answer, Acquired)]
+        assert all(isinstance(answer, (Acquired, InProgress)) for _, answer in results)
+        assert sorted(winners) == sorted({key for key, _ in results})
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_batch_without_pipeline_mode_answers_the_same(
+    store: PostgresStore, world: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a libpq older than 14 (no pipeline mode) a batch is one transaction all the same."""
+    monkeypatch.setattr(postgres_store, "_PIPELINE", False)
+    with _batches(store, world) as batches:
+        answers = batches.claim_many([("b", "fp"), ("a", "fp"), ("b", "fp")])
+        assert answers[:2] == [Acquired(1, recovered=False, attempt=1)] * 2
+        assert isinstance(answers[2], InProgress)
+        assert batches.complete_many([("a", 1, b"r"), ("a", 1, b"r")]) == [None, LeaseLost()]

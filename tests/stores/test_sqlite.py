@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
@@ -12,6 +13,7 @@ import textwrap
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,6 +113,104 @@ def test_corrupt_rows_fail_closed(tmp_path: Path, column: str, value: object) ->
             store.claim("k", "fp", lease=LEASE, ttl=TTL)
         with pytest.raises(CorruptRecordError):
             store.get("k")
+
+
+def test_batch_answers_a_corrupt_row_in_its_own_place(tmp_path: Path) -> None:
+    """A damaged row in a batch is CorruptRecordError for that item; the others are answered
+    and written in the same transaction."""
+    path = tmp_path / "oncely.db"
+    with SQLiteStore(path) as store:
+        store.claim("bad", "fp", lease=LEASE, ttl=TTL)
+    with sqlite3.connect(path) as raw:
+        raw.execute("UPDATE oncely_records SET status = 'exploded'")
+    raw.close()
+    with SQLiteStore(path) as store:
+        requests = [("a", "fp"), ("bad", "fp"), ("b", "fp")]
+        first, bad, last = store.claim_many(requests, lease=LEASE, ttl=TTL)
+        assert isinstance(first, Acquired)
+        assert isinstance(bad, CorruptRecordError)
+        assert bad.key == "bad"
+        assert isinstance(last, Acquired)
+        done, broken = store.complete_many([("a", 1, b"r"), ("bad", 1, b"r")], ttl=TTL)
+        assert done is None
+        assert isinstance(broken, CorruptRecordError)
+    with SQLiteStore(path) as store:
+        record = store.get("a")
+        assert record is not None
+        assert record.result == b"r"
+
+
+def test_batch_in_a_locked_database_is_unavailable(tmp_path: Path) -> None:
+    """A write lock held past the timeout fails the whole batch closed, nothing written."""
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, timeout=0.05)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.claim_many([("a", "fp"), ("b", "fp")], lease=LEASE, ttl=TTL)
+    finally:
+        blocker.execute("COMMIT")
+        blocker.close()
+    assert store.get("a") is None
+    assert store.claim_many([("a", "fp")], lease=LEASE, ttl=TTL) == [
+        Acquired(1, recovered=False, attempt=1)
+    ]
+    store.close()
+
+
+def _threads_of_transitions(store: SQLiteStore) -> list[str]:
+    """The names of the threads that run *store*'s transitions, as they run."""
+    names: list[str] = []
+    original = store._apply
+
+    def spy(*args: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return original(*args)
+
+    store._apply = spy  # type: ignore[method-assign]
+    return names
+
+
+def test_async_calls_run_inline_unless_another_writer_holds_the_lock(tmp_path: Path) -> None:
+    """synchronous="normal": an async claim runs on the loop's thread; while another process
+    (here another connection) holds the write lock it waits in a worker thread instead, and
+    succeeds once the lock is free, without blocking the event loop meanwhile."""
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, synchronous="normal")
+    threads = _threads_of_transitions(store)
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    async def main() -> None:
+        assert await store.aclaim("a", "fp", lease=LEASE, ttl=TTL) == Acquired(1, False, 1)
+        blocker.execute("BEGIN EXCLUSIVE")
+        claim = asyncio.ensure_future(store.aclaim("b", "fp", lease=LEASE, ttl=TTL))
+        ticks = 0
+        while not claim.done() and ticks < 20:  # the loop keeps running meanwhile
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not claim.done()
+        blocker.execute("COMMIT")
+        assert await claim == Acquired(1, recovered=False, attempt=1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        blocker.close()
+        store.close()
+    main_thread = threading.main_thread().name
+    assert threads[0] == main_thread
+    assert threads[-1].startswith("oncely-sqlite")
+
+
+def test_async_calls_with_full_sync_use_worker_threads(tmp_path: Path) -> None:
+    """synchronous="full" (the default): commits wait for the disk, so never on the loop."""
+    store = SQLiteStore(tmp_path / "oncely.db")
+    names = _threads_of_transitions(store)
+    asyncio.run(store.aclaim("a", "fp", lease=LEASE, ttl=TTL))
+    store.close()
+    assert len(names) == 1
+    assert names[0].startswith("oncely-sqlite")
 
 
 def test_not_a_database(tmp_path: Path) -> None:

@@ -44,3 +44,23 @@ async def uses() -> None:
         assert_type(answer.token, int)
     with oncely.Guard(store, "k") as guard:
         assert_type(guard.token, int)
+
+
+def batch_stores() -> None:
+    """Every built-in store satisfies the optional batch protocol, structurally."""
+    from oncely.stores.memory import MemoryStore
+    from oncely.stores.postgres import PostgresStore
+    from oncely.stores.redis import RedisClusterStore, RedisStore
+    from oncely.stores.sqlite import SQLiteStore
+    from oncely.stores.tiered import TieredStore
+
+    stores: list[oncely.BatchStore] = [MemoryStore(), SQLiteStore(":memory:")]
+    stores.append(TieredStore(MemoryStore()))
+    stores.append(RedisStore.from_url("redis://localhost"))
+    stores.append(RedisClusterStore.from_url("redis+cluster://localhost:7000"))
+    stores.append(PostgresStore.from_url("postgresql://localhost/db"))
+    policy = oncely.Policy()
+    for batching in stores:
+        answers = batching.claim_many([("k", "fp")], lease=policy.lease, ttl=policy.ttl)
+        assert_type(answers, list[oncely.ClaimResult | oncely.StoreError])
+    MemoryStore().claim_many(["k"], lease=policy.lease, ttl=policy.ttl)  # type: ignore[list-item]

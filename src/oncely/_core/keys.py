@@ -26,12 +26,12 @@ def validate_key(key: object) -> str:
         raise InvalidKeyError(
             f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed"
         )
-    for position, char in enumerate(key):
-        if not " " <= char <= "~":
-            raise InvalidKeyError(
-                f"the idempotency key has a character that is not printable ASCII "
-                f"({char!r} at position {position})"
-            )
+    if not (key.isascii() and key.isprintable()):  # printable ASCII is exactly " " to "~"
+        position, char = next((i, c) for i, c in enumerate(key) if not " " <= c <= "~")
+        raise InvalidKeyError(
+            f"the idempotency key has a character that is not printable ASCII "
+            f"({char!r} at position {position})"
+        )
     if key[0] == " " or key[-1] == " ":
         raise InvalidKeyError("the idempotency key starts or ends with a space")
     return key

@@ -6,12 +6,16 @@ conformance suite in `oncely.testing`, not a base class, enforces the contract.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from oncely._core.records import ClaimResult, LeaseLost, Record
 
-__all__ = ["AsyncStore", "Store", "SyncStore"]
+if TYPE_CHECKING:
+    from oncely.errors import StoreError
+
+__all__ = ["AsyncStore", "BatchStore", "Store", "SyncStore"]
 
 
 @runtime_checkable
@@ -93,3 +97,38 @@ class AsyncStore(Protocol):
 @runtime_checkable
 class Store(SyncStore, AsyncStore, Protocol):
     """What every built-in backend implements: one object, both worlds."""
+
+
+@runtime_checkable
+class BatchStore(Protocol):
+    """Optional verbs that settle many keys in one round trip (every built-in store has them).
+
+    Each item is its own transition, answered exactly as the single verb would answer it, in
+    order: the batch is not all-or-nothing. An item that fails alone (a corrupt record) comes
+    back as a `StoreError` instance in its place; a failure of the whole call (the store is
+    unreachable) raises, as the single verbs do. Consumers use them per fetched batch.
+    """
+
+    def claim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """`SyncStore.claim` for each ``(key, fingerprint)``, in order."""
+        ...
+
+    def complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """`SyncStore.complete` for each ``(key, token, result)``, in order."""
+        ...
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """Async `claim_many`."""
+        ...
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """Async `complete_many`."""
+        ...

@@ -50,7 +50,7 @@ from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
-from oncely._core.protocols import AsyncStore, SyncStore
+from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
 from oncely.errors import (
     ConfigurationError,
@@ -64,6 +64,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.keys import content_hash, from_header
+from oncely.stores._coalesce import CoalescingStore
 
 __all__ = [
     "Action",
@@ -97,14 +98,8 @@ KEY_HEADERS: tuple[str, ...] = ("Idempotency-Key", "x-idempotency-key")
 """Headers read for the key, in this order and case-insensitively."""
 
 BATCH_VERBS: tuple[str, ...] = ("claim_many", "complete_many", "aclaim_many", "acomplete_many")
-"""The store verbs `IdempotentConsumer.batch_flow` uses when a store has all of them.
-
-``claim_many(requests, *, lease, ttl)`` takes ``(key, fingerprint)`` pairs and returns one
-`ClaimResult` per pair, in order; ``complete_many(items, *, ttl)`` takes ``(key, token,
-result)`` triples and returns ``None`` or `LeaseLost` per triple. Each item is its own atomic
-transition (the batch is not all-or-nothing), the call one round trip; an item may also come
-back as a `StoreError` instance (its own failure), and a failure of the whole call raises.
-The ``a``-prefixed verbs are the async twins."""
+"""The verbs of `oncely.BatchStore` (whose docstring is their contract), which
+`IdempotentConsumer.batch_flow` uses when a store has all of them."""
 
 
 # -- what an adapter gives and gets ------------------------------------------------------------
@@ -231,6 +226,9 @@ class ConsumerPolicy:
         heartbeat: Keep the lease alive while the handler runs.
         dead_letter_on: Exception types that dead-letter a message at once, without retries
             (a malformed payload will not parse on the fifth try either).
+        coalesce: With a store that has the batch verbs (`oncely.BatchStore`), send one claim
+            (completion) at a time and those that concurrent deliveries make meanwhile together
+            as one batch call (group commit): same answers, far fewer round trips. Async only.
 
     .. versionadded:: 0.1.0
     """
@@ -241,6 +239,7 @@ class ConsumerPolicy:
     retry_delay: timedelta = timedelta(seconds=1)
     heartbeat: bool = True
     dead_letter_on: tuple[type[BaseException], ...] = ()
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lease", "ttl", "retry_delay"):
@@ -375,6 +374,7 @@ class IdempotentConsumer:
         self.codec: Codec = codec or JSONCodec()
         self.stats = ConsumerStats()
         self._policy = self.policy.as_policy()
+        self._async_calls: Any = None  # what aprocess calls: see _async_store
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -489,8 +489,8 @@ class IdempotentConsumer:
 
     @property
     def batches(self) -> bool:
-        """Whether the store has the `BATCH_VERBS`: then a batch costs two store round trips."""
-        return all(callable(getattr(self.store, verb, None)) for verb in BATCH_VERBS)
+        """Whether the store is a `oncely.BatchStore`: then a batch costs two store round trips."""
+        return isinstance(self.store, BatchStore)
 
     def batch_flow(
         self,
@@ -810,8 +810,20 @@ class IdempotentConsumer:
 
     async def aprocess(self, delivery: Delivery, handler: Callable[[], Awaitable[Any]]) -> Verdict:
         """Async `process`: *handler* returns an awaitable."""
-        store = _require(self.store, AsyncStore)
+        store = self._async_calls
+        if store is None:  # not `or`: a store with no records may be falsy (it has a len)
+            store = self._async_store()
         return await _execution.arun(self.flow(delivery), store, handler)
+
+    def _async_store(self) -> Any:
+        """The store `aprocess` calls, checked once: the store, or its coalescing view."""
+        store = _require(self.store, AsyncStore)
+        if self.policy.coalesce and self.batches:
+            # One claim in flight at a time; the rest queue and go together when it returns:
+            # the largest batches, and a round trip is short next to a handler.
+            store = CoalescingStore(store, max_in_flight=1)
+        self._async_calls = store
+        return store
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Any]

@@ -210,22 +210,33 @@ class IdempotentHandler:
             return False
 
     async def _run(self, msg: Msg) -> Any:
-        beat = asyncio.ensure_future(self._progress(msg))
+        # The first beat is a timer, not a task: handlers shorter than the interval (most of
+        # them) cost no task to start and cancel.
+        loop = asyncio.get_running_loop()
+        beat: asyncio.Task[None] | None = None
+
+        def start() -> None:
+            nonlocal beat
+            beat = loop.create_task(self._progress(msg))
+
+        timer = loop.call_later(seconds(self.progress_interval), start)
         try:
             return await self.handler(msg)
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            timer.cancel()
+            if beat is not None:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
 
     async def _progress(self, msg: Msg) -> None:
         interval = seconds(self.progress_interval)
         while True:
-            await asyncio.sleep(interval)
             try:
                 await msg.in_progress()
             except Exception as exc:  # the next beat may get through; ack_wait decides
                 logger.warning("in_progress failed for %s: %s", msg.subject, exc)
+            await asyncio.sleep(interval)
 
     async def _dead_letter(self, msg: Msg, verdict: Verdict) -> None:
         if self.dead_letter_subject is not None and self.jetstream is not None:

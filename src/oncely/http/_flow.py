@@ -53,15 +53,12 @@ PASS_THROUGH: Final = _PassThrough.PASS_THROUGH
 
 
 def begin(
-    plan: Plan, policy: HttpPolicy, *, method: str, path: str, heartbeat: bool = True
+    plan: Plan, policy: HttpPolicy, *, method: str, path: str
 ) -> Flow[_execution.Lease | Response | _PassThrough]:
-    """Claim the request's key; return the lease, the answer to send, or `PASS_THROUGH`.
-
-    With ``heartbeat=False`` the caller starts the lease's heartbeat itself.
-    """
-    core = policy.core if heartbeat else policy.core_without_heartbeat
+    """Claim the request's key; return the lease (heartbeat started), the answer to send, or
+    `PASS_THROUGH`."""
     try:
-        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, core)
+        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, policy.core)
     except InProgressError as exc:
         return _semantics.in_progress(exc.retry_after)
     except FingerprintMismatchError:

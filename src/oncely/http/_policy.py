@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, to_timedelta
 from oncely.errors import ConfigurationError
 from oncely.http._semantics import (
+    HOP_BY_HOP,
     SAFE_METHODS,
     HttpRequest,
     default_fingerprint,
@@ -92,12 +93,12 @@ class HttpPolicy:
     unavailable_retry_after: Duration = timedelta(seconds=1)
     core: Policy = field(init=False, repr=False, compare=False)
     """The `oncely.Policy` the shared flows run with (derived from ttl and lease)."""
-    core_without_heartbeat: Policy = field(init=False, repr=False, compare=False)
-    """`core` for callers that start the heartbeat themselves (the ASGI middleware)."""
     header_name: bytes = field(init=False, repr=False, compare=False)
     """`header` lower-cased, as ASGI spells header names."""
     environ_key: str = field(init=False, repr=False, compare=False)
     """`header` as a WSGI environ key (``HTTP_IDEMPOTENCY_KEY``)."""
+    dropped_headers: frozenset[bytes] = field(init=False, repr=False, compare=False)
+    """The response header names never stored, lower-case bytes: hop-by-hop and unreplayed."""
 
     def __post_init__(self) -> None:
         methods = frozenset(_strings(self.methods, "methods", upper=True))
@@ -143,9 +144,13 @@ class HttpPolicy:
         setattr_(self, "unavailable_retry_after", retry_after)
         setattr_(self, "unreplayed_headers", frozenset(name.lower() for name in unreplayed))
         setattr_(self, "core", core)
-        setattr_(self, "core_without_heartbeat", dataclasses.replace(core, heartbeat=False))
         setattr_(self, "header_name", self.header.lower().encode("ascii"))
         setattr_(self, "environ_key", "HTTP_" + self.header.upper().replace("-", "_"))
+        setattr_(
+            self,
+            "dropped_headers",
+            frozenset(name.encode("ascii") for name in (*HOP_BY_HOP, *self.unreplayed_headers)),
+        )
 
     def covers(self, method: str) -> bool:
         """Whether requests with *method* are protected under this policy."""

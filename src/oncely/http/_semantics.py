@@ -26,6 +26,7 @@ response over the size limit                            passed through; repeats 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -35,11 +36,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
 from http import HTTPStatus
+from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl
 
 from oncely._core.fingerprint import canonical_json, digest
-from oncely._core.keys import scope_key
+from oncely._core.keys import MAX_KEY_LENGTH, scope_key
 from oncely.errors import FingerprintError, InvalidKeyError
 from oncely.keys import from_header
 
@@ -174,15 +176,30 @@ def default_fingerprint(request: HttpRequest) -> list[Any]:
 
     .. versionadded:: 0.1.0
     """
-    query: list[list[str]] = []
-    if request.query_string:
-        pairs = parse_qsl(request.query_string.decode("latin-1"), keep_blank_values=True)
-        query = [list(pair) for pair in sorted(pairs)]
-    return [request.method, request.path, query, _body_digest(request)]
+    return [request.method, request.path, _sorted_query(request), _body_digest(request)]
+
+
+def _sorted_query(request: HttpRequest) -> list[list[str]]:
+    if not request.query_string:
+        return []
+    pairs = parse_qsl(request.query_string.decode("latin-1"), keep_blank_values=True)
+    return [list(pair) for pair in sorted(pairs)]
 
 
 _JSON: Final = json.JSONDecoder(parse_float=Decimal)
 """Decimals keep every digit of a number, so 0.10000000000000000001 is not 0.1."""
+
+_PLAIN: Final = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+"""Compact ASCII JSON, as ``json.dumps(value, ensure_ascii=True, separators=(",", ":"))``."""
+
+_SORTED: Final = json.JSONEncoder(
+    ensure_ascii=True, separators=(",", ":"), sort_keys=True, allow_nan=False
+)
+"""`canonical_json`'s spelling of documents without decimals, at C speed (see `_canonical`)."""
+
+_FAST_BRACKETS: Final = 100
+"""At most this many brackets (so at most this deep), `canonical_json` cannot hit the recursion
+limit, so the C encoder, which nests deeper, cannot succeed where it would fail."""
 
 
 def _body_digest(request: HttpRequest) -> str:
@@ -190,13 +207,37 @@ def _body_digest(request: HttpRequest) -> str:
     media = request.content_type
     if body and (media == "application/json" or media.endswith("+json")):
         try:
-            document = _JSON.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
-            text = canonical_json(document)
+            document = _JSON.decode(body.decode(_json_encoding(body), "surrogatepass"))
+            text = _canonical(document, body)
         except (ValueError, RecursionError, FingerprintError):
             pass  # labelled JSON but it is not: the raw bytes define the request
         else:
             return "json:" + hashlib.sha256(text.encode("ascii")).hexdigest()
     return "raw:" + hashlib.sha256(body).hexdigest()
+
+
+def _json_encoding(body: bytes) -> str:
+    """`json.detect_encoding`, answered at once for the usual body (UTF-8, ``{`` or ``[``)."""
+    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
+        return "utf-8"  # no BOM starts so, and only UTF-16/32 put a zero byte second
+    return json.detect_encoding(body)
+
+
+def _canonical(document: Any, body: bytes) -> str:
+    """``canonical_json(document)`` for a parsed JSON document.
+
+    A document holds only dicts, lists, strings, ints, booleans, None, Decimals and (for
+    ``NaN`` and ``Infinity``) floats. Without Decimals or floats, `canonical_json` spells it
+    exactly as the C encoder does with sorted keys and ASCII escapes (same string escapes, keys
+    in code-point order, ints in decimal), so that is tried first; a Decimal (TypeError) or a
+    non-finite float (ValueError) falls back to `canonical_json` itself.
+    """
+    if body.count(b"[") + body.count(b"{") <= _FAST_BRACKETS:
+        try:
+            return _SORTED.encode(document)
+        except (TypeError, ValueError):
+            pass
+    return canonical_json(document)
 
 
 def read_key(values: Sequence[bytes]) -> str | None:
@@ -210,7 +251,20 @@ def read_key(values: Sequence[bytes]) -> str | None:
         return None
     if len(values) > 1:
         raise InvalidKeyError("the idempotency key header was sent more than once")
-    return from_header(values[0])
+    value = values[0]
+    if isinstance(value, bytes) and value.isascii():
+        # The usual key, answered without `from_header`'s character loop: bare, 1 to 255
+        # printable ASCII characters (str.isprintable on ASCII is exactly " " to "~"), no
+        # space or tab at either end. Anything else (quoted, padded, invalid) goes the long way.
+        key = value.decode("ascii")
+        if (
+            0 < len(key) <= MAX_KEY_LENGTH
+            and key.isprintable()
+            and key[0] not in ' "'
+            and key[-1] != " "
+        ):
+            return key
+    return from_header(value)
 
 
 def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str | Response | None:
@@ -252,10 +306,15 @@ def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
 
 
 def _default_digest(request: HttpRequest) -> str:
-    # The digest of `default_fingerprint`'s parts, in one C-speed JSON encoding of plain
-    # strings instead of a second canonical pass: it runs on every protected request.
-    parts = default_fingerprint(request)
-    text = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
+    # The digest of `default_fingerprint`'s parts, spelt as
+    # ``json.dumps(parts, ensure_ascii=True, separators=(",", ":"))`` without building the
+    # list: this runs on every protected request. The body digest is hex behind an ASCII tag,
+    # so it needs no escaping.
+    query = _PLAIN.encode(_sorted_query(request)) if request.query_string else "[]"
+    text = (
+        f"[{_ascii_string(request.method)},{_ascii_string(request.path)},{query},"
+        f'"{_body_digest(request)}"]'
+    )
     return "h1:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -412,6 +471,22 @@ def storable_headers(headers: Iterable[Header], policy: HttpPolicy) -> tuple[Hea
     (``set-cookie`` by default) are left out.
     """
     headers = tuple(headers)
+    dropped_names = policy.dropped_headers
+    kept = []
+    for header in headers:
+        name = header[0].lower()
+        if name == b"connection":
+            return _storable_after_connection(headers, policy)
+        if name not in dropped_names:
+            kept.append(header)
+    # Without a Connection header, the names dropped are the policy's, all ASCII: comparing
+    # ASCII-lower-cased bytes agrees with comparing latin-1 text lower-cased.
+    return tuple(kept)
+
+
+def _storable_after_connection(
+    headers: tuple[Header, ...], policy: HttpPolicy
+) -> tuple[Header, ...]:
     dropped: set[str] = set(HOP_BY_HOP)
     dropped.update(policy.unreplayed_headers)
     for name, value in headers:
@@ -431,9 +506,14 @@ def replayed(snapshot: bytes, policy: HttpPolicy) -> Response:
     response = decode_snapshot(snapshot)
     if policy.replay_header is None:
         return response
-    name, value = policy.replay_header
-    marker = (name.lower().encode("ascii"), value.encode("ascii"))
+    marker = _marker(policy.replay_header)
     return Response(response.status, (*response.headers, marker), response.body, response.reason)
+
+
+@functools.lru_cache(maxsize=32)
+def _marker(replay_header: tuple[str, str]) -> Header:
+    name, value = replay_header
+    return (name.lower().encode("ascii"), value.encode("ascii"))
 
 
 # -- the stored response snapshot -----------------------------------------------------------------
@@ -476,39 +556,42 @@ def decode_snapshot(data: bytes) -> Response:
     Raises:
         ValueError: *data* is not a snapshot of a known version, or is truncated or padded.
     """
-    view = memoryview(data)
-    if len(view) < _HEAD.size:
+    data = bytes(data)
+    size = len(data)
+    if size < _HEAD.size:
         raise ValueError("the stored response is truncated")
-    magic, version, status, reason_length, count = _HEAD.unpack_from(view)
+    magic, version, status, reason_length, count = _HEAD.unpack_from(data)
     if magic != _MAGIC:
         raise ValueError("the stored value is not an oncely HTTP response")
     if version != _VERSION:
         raise ValueError(f"the stored response has unknown format version {version}")
-    offset = _HEAD.size
-    reason, offset = _take(view, offset, reason_length)
+    offset = _HEAD.size + reason_length
+    reason = data[_HEAD.size : offset]
     headers = []
     for _ in range(count):
-        name, offset = _take(view, offset + _NAME.size, _length(_NAME, view, offset))
-        value, offset = _take(view, offset + _VALUE.size, _length(_VALUE, view, offset))
+        name, offset = _take(data, offset, _NAME)
+        value, offset = _take(data, offset, _VALUE)
         headers.append((name, value))
-    body, offset = _take(view, offset + _BODY.size, _length(_BODY, view, offset))
-    if offset != len(view):
-        raise ValueError("the stored response has trailing bytes")
+    body, offset = _take(data, offset, _BODY)
+    if offset != size:  # past the end when the reason or the last field is truncated
+        raise ValueError(
+            "the stored response has trailing bytes"
+            if offset < size
+            else "the stored response is truncated"
+        )
     return Response(status, tuple(headers), body, reason)
 
 
-def _length(fmt: struct.Struct, view: memoryview, offset: int) -> int:
-    if offset + fmt.size > len(view):
+def _take(data: bytes, offset: int, length: struct.Struct) -> tuple[bytes, int]:
+    """The field at *offset* (its length, then its bytes) and the offset after it."""
+    start = offset + length.size
+    if start > len(data):
         raise ValueError("the stored response is truncated")
-    (length,) = fmt.unpack_from(view, offset)
-    return int(length)
-
-
-def _take(view: memoryview, offset: int, length: int) -> tuple[bytes, int]:
-    end = offset + length
-    if end > len(view):
+    (count,) = length.unpack_from(data, offset)
+    end = start + count
+    if end > len(data):
         raise ValueError("the stored response is truncated")
-    return view[offset:end].tobytes(), end
+    return data[start:end], end
 
 
 # -- capturing the app's response ---------------------------------------------------------------

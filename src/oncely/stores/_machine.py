@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
+from oncely.errors import CorruptRecordError, StoreError
 
 __all__ = ["MachineStore", "Step"]
 
@@ -33,13 +34,32 @@ def _ms(duration: timedelta) -> int:
     return max(1, duration // _MILLISECOND)
 
 
+def _claim_step(stored: str, fingerprint: str, lease_ms: int, ttl_ms: int) -> Step[ClaimResult]:
+    def step(record: Record | None, now_ms: int) -> tuple[Record | None, ClaimResult]:
+        return machine.claim(
+            stored, record, fingerprint, now_ms=now_ms, lease_ms=lease_ms, ttl_ms=ttl_ms
+        )
+
+    return step
+
+
+def _complete_step(token: int, result: bytes, ttl_ms: int) -> Step[LeaseLost | None]:
+    outcome = bytes(result)
+
+    def step(record: Record | None, now_ms: int) -> tuple[Record | None, LeaseLost | None]:
+        return machine.complete(record, token, outcome, now_ms=now_ms, ttl_ms=ttl_ms)
+
+    return step
+
+
 class MachineStore:
     """Implements every verb of `oncely.Store` over one `_atomic` primitive.
 
     Subclasses provide `_atomic(key, step)`, which reads the record of *key*, calls
     ``step(record, now_ms)`` and writes the record it returns (if not ``None``) atomically, and
-    `_read(key)`. Async verbs run the same code through `_run_async`, which by default calls it
-    inline (right for stores that never block).
+    `_read(key)`; `_atomic_many` runs several steps in one section where the store can (by
+    default one `_atomic` each). Async verbs run the same code through `_run_async`, which by
+    default calls it inline (right for stores that never block).
     """
 
     backend = "machine"
@@ -56,6 +76,17 @@ class MachineStore:
     def _read(self, key: str) -> Record | None:
         raise NotImplementedError
 
+    def _atomic_many(self, steps: Sequence[tuple[str, Step[T]]]) -> list[T | StoreError]:
+        """Run each ``(key, step)`` as `_atomic` would, in order; a corrupt record answers
+        `CorruptRecordError` in its own place."""
+        answers: list[T | StoreError] = []
+        for key, step in steps:
+            try:
+                answers.append(self._atomic(key, step))
+            except CorruptRecordError as exc:
+                answers.append(exc)
+        return answers
+
     async def _run_async(self, call: Callable[[], T]) -> T:
         return call()
 
@@ -67,22 +98,34 @@ class MachineStore:
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`."""
         stored = self._stored_key(key)
-
-        def step(record: Record | None, now_ms: int) -> tuple[Record | None, ClaimResult]:
-            return machine.claim(
-                stored, record, fingerprint, now_ms=now_ms, lease_ms=_ms(lease), ttl_ms=_ms(ttl)
-            )
-
+        step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
         return typing.cast(ClaimResult, self._unscoped(self._atomic(stored, step)))
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
-        return self._atomic(
-            self._stored_key(key),
-            lambda record, now_ms: machine.complete(
-                record, token, bytes(result), now_ms=now_ms, ttl_ms=_ms(ttl)
-            ),
-        )
+        return self._atomic(self._stored_key(key), _complete_step(token, result, _ms(ttl)))
+
+    def claim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.claim_many`: one atomic section for the whole batch."""
+        lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+        steps = []
+        for key, fingerprint in requests:
+            stored = self._stored_key(key)
+            steps.append((stored, _claim_step(stored, fingerprint, lease_ms, ttl_ms)))
+        return [self._unscoped(answer) for answer in self._atomic_many(steps)] if steps else []
+
+    def complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.complete_many`: one atomic section for the whole batch."""
+        ttl_ms = _ms(ttl)
+        steps = [
+            (self._stored_key(key), _complete_step(token, result, ttl_ms))
+            for key, token, result in items
+        ]
+        return self._atomic_many(steps) if steps else []
 
     def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.fail`."""
@@ -139,6 +182,24 @@ class MachineStore:
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.acomplete`."""
         return await self._run_async(functools.partial(self.complete, key, token, result, ttl=ttl))
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.aclaim_many`."""
+        if not requests:
+            return []
+        return await self._run_async(
+            functools.partial(self.claim_many, requests, lease=lease, ttl=ttl)
+        )
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.acomplete_many`."""
+        if not items:
+            return []
+        return await self._run_async(functools.partial(self.complete_many, items, ttl=ttl))
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta

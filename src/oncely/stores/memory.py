@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from oncely._core.clock import Clock
 from oncely._core.records import Record
+from oncely.errors import StoreError
 from oncely.stores._machine import MachineStore, Step
 
 __all__ = ["MemoryStore"]
@@ -44,12 +46,23 @@ class MemoryStore(MachineStore):
     def _atomic(self, key: str, step: Step[T]) -> T:
         with self._lock:
             now_ms = self.clock.now_ms()
-            record, answer = step(self._records.get(key), now_ms)
-            if record is not None:
-                self._records[key] = record
-                heapq.heappush(self._expiries, (record.expires_at_ms, key))
+            answer = self._apply(key, step, now_ms)
             self._purge_locked(now_ms, limit=8)
             return answer
+
+    def _atomic_many(self, steps: Sequence[tuple[str, Step[T]]]) -> list[T | StoreError]:
+        with self._lock:
+            now_ms = self.clock.now_ms()
+            answers: list[T | StoreError] = [self._apply(key, step, now_ms) for key, step in steps]
+            self._purge_locked(now_ms, limit=8)
+            return answers
+
+    def _apply(self, key: str, step: Step[T], now_ms: int) -> T:
+        record, answer = step(self._records.get(key), now_ms)
+        if record is not None:
+            self._records[key] = record
+            heapq.heappush(self._expiries, (record.expires_at_ms, key))
+        return answer
 
     def _read(self, key: str) -> Record | None:
         with self._lock:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
+from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import Store
 from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, StoreError
+from oncely.stores import _batch
 
 __all__ = ["TieredStore"]
 
@@ -92,6 +95,22 @@ class TieredStore:
                         self._drop(next(iter(self._cache)))
         return answer
 
+    def _claim_many(
+        self, requests: Sequence[tuple[str, str]]
+    ) -> Flow[list[ClaimResult | StoreError]]:
+        """Answer what the cache holds; yield the misses for the inner store, once, in order."""
+        answers: list[ClaimResult | StoreError | None] = [
+            self._cached(key, fingerprint) for key, fingerprint in requests
+        ]
+        misses = [index for index, answer in enumerate(answers) if answer is None]
+        if misses:
+            fetched: list[ClaimResult | StoreError] = yield [requests[i] for i in misses]
+            for index, answer in zip(misses, fetched, strict=True):
+                answers[index] = (
+                    answer if isinstance(answer, StoreError) else self._remember(answer)
+                )
+        return [answer for answer in answers if answer is not None]
+
     def _drop(self, key: str) -> None:
         record = self._cache.pop(key, None)
         if record is not None:
@@ -112,6 +131,21 @@ class TieredStore:
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
         return self.inner.complete(key, token, result, ttl=ttl)
+
+    def claim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.claim_many`; only the cache's misses reach the inner store."""
+        return drive(
+            self._claim_many(requests),
+            lambda missed: _batch.claim_many(self.inner, missed, lease=lease, ttl=ttl),
+        )
+
+    def complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.complete_many`."""
+        return _batch.complete_many(self.inner, items, ttl=ttl) if items else []
 
     def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.fail`."""
@@ -149,6 +183,22 @@ class TieredStore:
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.acomplete`."""
         return await self.inner.acomplete(key, token, result, ttl=ttl)
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.aclaim_many`."""
+
+        async def fetch(missed: list[tuple[str, str]]) -> list[ClaimResult | StoreError]:
+            return await _batch.aclaim_many(self.inner, missed, lease=lease, ttl=ttl)
+
+        return await adrive(self._claim_many(requests), fetch)
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.acomplete_many`."""
+        return await _batch.acomplete_many(self.inner, items, ttl=ttl) if items else []
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta

@@ -1,9 +1,10 @@
 """PostgreSQL statements and the flows that use them, shared by the sync and the async verbs.
 
-Each verb is a sans-I/O flow (`oncely._core.flow`): it yields `Statement`s, receives their
-`Reply`, and decodes it. The store runs a flow with `drive` for sync callers and `adrive` for
-async ones, so statements, parameters and decoding exist once. Every transition is one
-statement, and so one round trip, judged by the server's clock.
+Each verb is a sans-I/O flow (`oncely._core.flow`): it yields `Statement`s (or one `Batch` of
+them), receives their `Reply`, and decodes it. The store runs a flow with `drive` for sync
+callers and `adrive` for async ones, so statements, parameters and decoding exist once. Every
+transition is one statement, and so one round trip, judged by the server's clock; a batch is
+one round trip for all its statements.
 
 Statements name their tables through ``{schema}``, filled in once per store by `Queries`.
 """
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from importlib import resources
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from oncely._core.flow import Flow
 from oncely._core.records import (
@@ -29,16 +30,19 @@ from oncely._core.records import (
     Replay,
     Status,
 )
-from oncely.errors import CorruptRecordError
+from oncely.errors import CorruptRecordError, StoreError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Batch",
     "Queries",
     "Reply",
     "Statement",
     "claim",
+    "claim_many",
     "extend",
     "finish",
+    "finish_many",
     "get",
     "migrate",
     "purge",
@@ -207,6 +211,42 @@ class Statement:
     params: Mapping[str, Any] | None
     key: str = ""
 
+    @property
+    def subject(self) -> str:
+        """What the statement concerns, for error messages."""
+        return repr(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Execute *statements* in order on one connection, in one round trip and one transaction.
+
+    The store sends them in pipeline mode followed by a single Sync, so the server runs them in
+    one implicit transaction, committed at the Sync: each statement sees the effects of those
+    before it, and they take effect together or (when one fails, or the session dies first) not
+    at all, in which case the whole call raises. The transaction holds the row locks of every
+    statement until it ends, so flows put the statements in the order of their stored keys:
+    every batch then locks rows in one global order, and two batches over the same keys wait
+    for each other instead of deadlocking.
+
+    A Sync after each statement would give each its own transaction instead, but psycopg has no
+    public call that sends a Sync without waiting for the results (``Pipeline.sync()`` waits),
+    so it would cost a round trip per statement; and one commit for the batch is one WAL flush
+    where a commit per item would be one each.
+
+    Attributes:
+        statements: What to run; the reply is a list of `Reply`, one per statement, in order.
+    """
+
+    statements: Sequence[Statement]
+
+    @property
+    def subject(self) -> str:
+        """What the batch concerns, for error messages."""
+        keys = list(dict.fromkeys(statement.key for statement in self.statements))
+        shown = ", ".join(repr(key) for key in keys[:3])
+        return f"a batch of {len(keys)} keys ({shown}{', …' if len(keys) > 3 else ''})"
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -236,12 +276,32 @@ def claim(
     queries: Queries, stored: str, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
 ) -> Flow[ClaimResult]:
     """Claim *stored* (the namespaced key); records come back named *key*."""
-    reply: Reply = yield Statement(
-        queries.claim,
-        {"key": stored, "fingerprint": fingerprint, "lease_ms": _ms(lease), "ttl_ms": _ms(ttl)},
-        key,
-    )
+    reply: Reply = yield _claim_statement(queries, stored, key, fingerprint, _ms(lease), _ms(ttl))
     return decode_claim(key, reply)
+
+
+def _claim_statement(
+    queries: Queries, stored: str, key: str, fingerprint: str, lease_ms: int, ttl_ms: int
+) -> Statement:
+    params = {"key": stored, "fingerprint": fingerprint, "lease_ms": lease_ms, "ttl_ms": ttl_ms}
+    return Statement(queries.claim, params, key)
+
+
+def claim_many(
+    queries: Queries,
+    requests: Sequence[tuple[str, str, str]],
+    lease: timedelta,
+    ttl: timedelta,
+) -> Flow[list[ClaimResult | StoreError]]:
+    """`claim` for each ``(stored, key, fingerprint)`` in one `Batch`, answered in order."""
+    lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+    return _batch(
+        [
+            (stored, _claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms))
+            for stored, key, fingerprint in requests
+        ],
+        decode_claim,
+    )
 
 
 def finish(
@@ -254,6 +314,19 @@ def finish(
     ttl: timedelta,
 ) -> Flow[LeaseLost | None]:
     """Store *result* as the final outcome (``status`` completed or failed) if *token* holds."""
+    reply: Reply = yield _finish_statement(queries, stored, key, token, status, result, ttl)
+    return _held(reply)
+
+
+def _finish_statement(
+    queries: Queries,
+    stored: str,
+    key: str,
+    token: int,
+    status: Status,
+    result: bytes,
+    ttl: timedelta,
+) -> Statement:
     params = {
         "key": stored,
         "token": token,
@@ -261,8 +334,48 @@ def finish(
         "result": bytes(result),
         "ttl": _interval(ttl),
     }
-    reply: Reply = yield Statement(queries.complete, params, key)
-    return _held(reply)
+    return Statement(queries.complete, params, key)
+
+
+def finish_many(
+    queries: Queries,
+    items: Sequence[tuple[str, str, int, bytes]],
+    status: Status,
+    ttl: timedelta,
+) -> Flow[list[LeaseLost | StoreError | None]]:
+    """`finish` for each ``(stored, key, token, result)`` in one `Batch`, answered in order."""
+    return _batch(
+        [
+            (stored, _finish_statement(queries, stored, key, token, status, result, ttl))
+            for stored, key, token, result in items
+        ],
+        lambda key, reply: _held(reply),
+    )
+
+
+_T = TypeVar("_T")
+
+
+def _batch(
+    work: Sequence[tuple[str, Statement]], decode: Callable[[str, Reply], _T]
+) -> Flow[list[_T | StoreError]]:
+    """Run each ``(stored key, statement)`` of *work* in one `Batch`; decode each reply.
+
+    The batch runs in stored-key order (a stable sort, so one key's items keep their order),
+    for the reason given in `Batch`; answers come back in the order of *work*. An item whose
+    record cannot be read is answered by its `CorruptRecordError`.
+    """
+    if not work:
+        return []
+    order = sorted(range(len(work)), key=lambda index: work[index][0])
+    replies: Sequence[Reply] = yield Batch([work[index][1] for index in order])
+    answers: dict[int, _T | StoreError] = {}
+    for index, reply in zip(order, replies, strict=True):
+        try:
+            answers[index] = decode(work[index][1].key, reply)
+        except CorruptRecordError as exc:
+            answers[index] = exc
+    return [answers[index] for index in range(len(work))]
 
 
 def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLost | None]:

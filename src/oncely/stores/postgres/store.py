@@ -3,7 +3,9 @@
 Every transition is one statement in autocommit mode, so one round trip, judged by the
 server's clock: workers whose clocks disagree by minutes still cannot take a live lease. Claims
 call the ``oncely_claim`` function that `PostgresStore.migrate` installs (see ``schema.sql`` for
-why a claim needs a function to be race-free); the other verbs are single ``UPDATE``s.
+why a claim needs a function to be race-free); the other verbs are single ``UPDATE``s. The batch
+verbs send their statements in pipeline mode: one round trip and one transaction per batch
+(see `_sql.Batch` for why one transaction, and why in key order).
 
 Sync callers share a `psycopg_pool.ConnectionPool`; async callers share an
 `psycopg_pool.AsyncConnectionPool` per event loop, opened on first use in that loop. Both run
@@ -20,13 +22,13 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from oncely._core.clock import Clock
-from oncely._core.flow import adrive, drive
+from oncely._core.flow import Flow, adrive, drive
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status
 from oncely._deps import require
 from oncely.errors import (
@@ -51,6 +53,9 @@ __all__ = ["PostgresStore"]
 logger = logging.getLogger("oncely")
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+_PIPELINE = psycopg.Pipeline.is_supported()
+"""Whether libpq has pipeline mode (14 and later; psycopg's binary wheels bundle one)."""
 
 
 def _has_rows(cursor: Any) -> bool:
@@ -359,8 +364,8 @@ class PostgresStore:
         return entry
 
     @contextlib.contextmanager
-    def _errors(self, key: str) -> Iterator[None]:
-        """The one place where psycopg's exceptions become oncely's."""
+    def _errors(self, op: _sql.Statement | _sql.Batch) -> Iterator[None]:
+        """The one place where psycopg's exceptions become oncely's (*op* failed)."""
         try:
             yield
         except psycopg_pool.PoolClosed as exc:
@@ -368,7 +373,7 @@ class PostgresStore:
         except psycopg_pool.PoolTimeout as exc:
             raise StoreUnavailableError(
                 f"no connection to PostgreSQL at {self._where} within {self._pool_timeout}s "
-                f"for {key!r}",
+                f"for {op.subject}",
                 backend=self.backend,
             ) from exc
         except (
@@ -384,25 +389,24 @@ class PostgresStore:
             ) from exc
         except psycopg.OperationalError as exc:
             raise StoreUnavailableError(
-                f"PostgreSQL at {self._where} could not serve {key!r}: {_first_line(exc)}",
+                f"PostgreSQL at {self._where} could not serve {op.subject}: {_first_line(exc)}",
                 backend=self.backend,
             ) from exc
         except psycopg.Error as exc:
             raise StoreError(
-                f"PostgreSQL at {self._where} failed on {key!r}: {_first_line(exc)}",
+                f"PostgreSQL at {self._where} failed on {op.subject}: {_first_line(exc)}",
                 backend=self.backend,
             ) from exc
 
-    def _execute(self, op: _sql.Statement) -> _sql.Reply:
-        script = op.params is None
-        with self._errors(op.key):
+    def _execute(self, op: _sql.Statement | _sql.Batch) -> Any:
+        """Run a `Statement` (a `Reply`) or a `Batch` (a list of them) on a pooled connection."""
+        with self._errors(op):
             pool = self._sync_pool()
             with pool.connection() as connection:
                 try:
-                    cursor = connection.execute(
-                        op.sql, op.params, prepare=self._prepare and not script, binary=not script
-                    )
-                    rows = cursor.fetchall() if _has_rows(cursor) else []
+                    if isinstance(op, _sql.Batch):
+                        return self._run_batch(connection, op)
+                    return self._run(connection, op)
                 except psycopg.OperationalError:
                     if connection.broken:
                         # A session that died usually did not die alone (a restart, a failover,
@@ -410,23 +414,71 @@ class PostgresStore:
                         # caller's retry gets a live one rather than the next dead one.
                         pool.check()
                     raise
-                return _sql.Reply(rows, cursor.rowcount)
 
-    async def _aexecute(self, op: _sql.Statement) -> _sql.Reply:
-        script = op.params is None
-        with self._errors(op.key):
+    async def _aexecute(self, op: _sql.Statement | _sql.Batch) -> Any:
+        """Async `_execute`."""
+        with self._errors(op):
             pool = await self._async_pool()
             async with pool.connection() as connection:
                 try:
-                    cursor = await connection.execute(
-                        op.sql, op.params, prepare=self._prepare and not script, binary=not script
-                    )
-                    rows = await cursor.fetchall() if _has_rows(cursor) else []
+                    if isinstance(op, _sql.Batch):
+                        return await self._arun_batch(connection, op)
+                    return await self._arun(connection, op)
                 except psycopg.OperationalError:
                     if connection.broken:
                         await pool.check()  # as in _execute
                     raise
-                return _sql.Reply(rows, cursor.rowcount)
+
+    def _run(self, connection: psycopg.Connection[Any], op: _sql.Statement) -> _sql.Reply:
+        script = op.params is None
+        cursor = connection.execute(
+            op.sql, op.params, prepare=self._prepare and not script, binary=not script
+        )
+        return _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+
+    async def _arun(
+        self, connection: psycopg.AsyncConnection[Any], op: _sql.Statement
+    ) -> _sql.Reply:
+        script = op.params is None
+        cursor = await connection.execute(
+            op.sql, op.params, prepare=self._prepare and not script, binary=not script
+        )
+        return _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+
+    def _run_batch(
+        self, connection: psycopg.Connection[Any], batch: _sql.Batch
+    ) -> list[_sql.Reply]:
+        # Pipeline mode: every statement is sent without waiting, then one Sync, whose reply
+        # ends the round trip and commits the implicit transaction (see `_sql.Batch`). An older
+        # libpq gets the same transaction at a round trip per statement.
+        if not _PIPELINE:
+            with connection.transaction():
+                return [self._run(connection, op) for op in batch.statements]
+        with connection.pipeline():
+            cursors = [
+                connection.execute(op.sql, op.params, prepare=self._prepare, binary=True)
+                for op in batch.statements
+            ]
+        return [
+            _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+            for cursor in cursors
+        ]
+
+    async def _arun_batch(
+        self, connection: psycopg.AsyncConnection[Any], batch: _sql.Batch
+    ) -> list[_sql.Reply]:
+        if not _PIPELINE:
+            async with connection.transaction():
+                return [await self._arun(connection, op) for op in batch.statements]
+        async with connection.pipeline():
+            cursors = [
+                await connection.execute(op.sql, op.params, prepare=self._prepare, binary=True)
+                for op in batch.statements
+            ]
+        return [
+            _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+            for cursor in cursors
+        ]
 
     def _stored_key(self, key: str) -> str:
         return f"{self.namespace}:{key}" if self.namespace else key
@@ -464,6 +516,30 @@ class PostgresStore:
     def get(self, key: str) -> Record | None:
         """See `oncely.SyncStore.get`."""
         return drive(_sql.get(self._queries, self._stored_key(key), key), self._execute)
+
+    def claim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.claim_many`: one round trip and one transaction."""
+        return drive(self._claim_many(requests, lease, ttl), self._execute)
+
+    def complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.complete_many`: one round trip and one transaction."""
+        return drive(self._complete_many(items, ttl), self._execute)
+
+    def _claim_many(
+        self, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+    ) -> Flow[list[ClaimResult | StoreError]]:
+        named = [(self._stored_key(key), key, fingerprint) for key, fingerprint in requests]
+        return _sql.claim_many(self._queries, named, lease, ttl)
+
+    def _complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], ttl: timedelta
+    ) -> Flow[list[LeaseLost | StoreError | None]]:
+        named = [(self._stored_key(key), key, token, result) for key, token, result in items]
+        return _sql.finish_many(self._queries, named, Status.COMPLETED, ttl)
 
     # -- async verbs ---------------------------------------------------------------------------
 
@@ -505,6 +581,18 @@ class PostgresStore:
     async def aget(self, key: str) -> Record | None:
         """See `oncely.AsyncStore.aget`."""
         return await adrive(_sql.get(self._queries, self._stored_key(key), key), self._aexecute)
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.aclaim_many`."""
+        return await adrive(self._claim_many(requests, lease, ttl), self._aexecute)
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.acomplete_many`."""
+        return await adrive(self._complete_many(items, ttl), self._aexecute)
 
     # -- schema and maintenance ----------------------------------------------------------------
 

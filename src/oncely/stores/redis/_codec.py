@@ -9,7 +9,7 @@ name injective: two (namespace, key) pairs never share a hash.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
 
@@ -23,12 +23,30 @@ from oncely._core.records import (
     Replay,
     Status,
 )
-from oncely.errors import ConfigurationError, CorruptRecordError, StoreError
+from oncely.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    StoreError,
+    StoreUnavailableError,
+)
 
-__all__ = ["BACKEND", "Keyspace", "claim_answer", "record_or_none", "settle_answer"]
+__all__ = [
+    "BACKEND",
+    "TRANSIENT_REPLIES",
+    "Keyspace",
+    "claim_answer",
+    "record_or_none",
+    "rejected",
+    "settle_answer",
+]
 
 BACKEND: Final = "redis"
 """The backend name carried by the errors this store raises."""
+
+TRANSIENT_REPLIES: Final = frozenset(
+    {"BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY"}
+)
+"""Error replies that mean "not now" rather than "never": failovers, loading, a busy script."""
 
 _ESCAPES: Final = {"%": "%25", "{": "%7B", "}": "%7D"}
 _NAMESPACE_ESCAPES: Final = {**_ESCAPES, ":": "%3A"}
@@ -37,6 +55,13 @@ _GLOB_SPECIAL: Final = frozenset("*?[]\\")
 
 def _escape(text: str, table: dict[str, str]) -> str:
     return "".join(table.get(char, char) for char in text)
+
+
+def _escape_key(key: str) -> str:
+    """`_escape` with `_ESCAPES`, fast for the usual key that needs none ("%" goes first)."""
+    if "%" in key or "{" in key or "}" in key:
+        return key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return key
 
 
 def _unescape(text: str) -> str:
@@ -62,20 +87,19 @@ class Keyspace:
 
     prefix: str
     namespace: str
+    _head: str = field(init=False, repr=False, compare=False)  # the escaped name up to the key
 
     def __post_init__(self) -> None:
         if "{" in self.prefix or "}" in self.prefix:
             raise ConfigurationError(
                 f"the Redis key prefix must not contain braces: {self.prefix!r}"
             )
-
-    @property
-    def _head(self) -> str:
-        return f"{self.prefix}{{{_escape(self.namespace, _NAMESPACE_ESCAPES)}:"
+        head = f"{self.prefix}{{{_escape(self.namespace, _NAMESPACE_ESCAPES)}:"
+        object.__setattr__(self, "_head", head)
 
     def name(self, key: str) -> bytes:
         """Return the name of the hash holding *key*'s record."""
-        return f"{self._head}{_escape(key, _ESCAPES)}}}".encode()
+        return (self._head + _escape_key(key) + "}").encode()
 
     def pattern(self) -> bytes:
         """Return a SCAN ``MATCH`` pattern for every record of this namespace."""
@@ -124,11 +148,27 @@ def _record(key: str, fields: list[Any]) -> Record:
         raise _corrupt(key, exc) from exc
 
 
+def rejected(key: str, message: str) -> StoreError:
+    """The error for an error reply *message* about *key* (Redis's, or one item's of a batch).
+
+    A foreign value (``WRONGTYPE``) is a corrupt record, a transient reply (a failover, a busy
+    server) makes the store unavailable, anything else is a plain `StoreError`.
+    """
+    code = message.split(" ", 1)[0]
+    if code == "WRONGTYPE":
+        return CorruptRecordError(message, backend=BACKEND, key=key)
+    if code in TRANSIENT_REPLIES:
+        return StoreUnavailableError(f"Redis could not serve {key!r}: {message}", backend=BACKEND)
+    return StoreError(f"Redis rejected an operation on {key!r}: {message}", backend=BACKEND)
+
+
 def _tagged(key: str, reply: Any) -> tuple[bytes, list[Any]]:
     if not isinstance(reply, list) or not reply or not isinstance(reply[0], bytes):
         raise _unexpected(key, reply)
     if reply[0] == b"corrupt":
         raise _corrupt(key, reply[1] if len(reply) > 1 else "no reason given")
+    if reply[0] == b"error" and len(reply) == 2:  # one item of a batch failed (batch.lua)
+        raise rejected(key, bytes(reply[1]).decode("utf-8", errors="replace"))
     return reply[0], reply[1:]
 
 

@@ -4,38 +4,65 @@ Each script is ``lua/record.lua`` (shared helpers) followed by the transition's 
 (`oncely._core.flow`) yields one `ScriptCall` and decodes the reply, so every store operation is
 written once for both worlds and costs exactly one round trip: the store registers the scripts
 once per client (``register_script``: EVALSHA, loading the script again on NOSCRIPT).
+
+The batch verbs run ``claim_many`` and ``complete_many``: the same transition files, each
+wrapped in a function that ``lua/batch.lua`` calls once per item. Their flows yield one
+`BatchCall`, which the store performs as one EVALSHA (one per slot on a cluster: `BatchCall.split`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import resources
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from oncely._core.flow import Flow
 from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely.errors import StoreError
 from oncely.stores._machine import _ms
 from oncely.stores.redis import _codec
 from oncely.stores.redis._codec import Keyspace
 
-__all__ = ["NAMES", "ScriptCall", "claim", "extend", "finish", "get", "release", "sources"]
+__all__ = [
+    "BATCHES",
+    "NAMES",
+    "BatchCall",
+    "ScriptCall",
+    "claim",
+    "claim_many",
+    "complete_many",
+    "extend",
+    "finish",
+    "get",
+    "release",
+    "sources",
+]
+
+_T = TypeVar("_T")
 
 NAMES: Final = ("claim", "complete", "fail", "release", "extend", "get")
-"""Every script, by the name of its file in ``lua/``."""
+"""Every single-item script, by the name of its file in ``lua/``."""
+
+BATCHES: Final = {"claim_many": "claim", "complete_many": "complete"}
+"""Every batch script, with the transition it runs for each item."""
 
 
 @functools.cache
 def sources() -> Mapping[str, str]:
-    """Return the full text of every script, by name."""
+    """Return the full text of every script, single-item and batch, by name."""
     folder = resources.files("oncely.stores.redis").joinpath("lua")
-    shared = folder.joinpath("record.lua").read_text(encoding="utf-8")
-    return {
-        name: shared + "\n" + folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-        for name in NAMES
-    }
+
+    def read(name: str) -> str:
+        return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+    shared, loop = read("record"), read("batch")
+    texts = {name: f"{shared}\n{read(name)}" for name in NAMES}
+    for batch, name in BATCHES.items():
+        texts[batch] = f"{shared}\nlocal function one(KEYS, ARGV)\n{read(name)}\nend\n\n{loop}"
+    return texts
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +112,116 @@ def extend(space: Keyspace, key: str, token: int, lease: timedelta) -> Flow[Leas
 def get(space: Keyspace, key: str) -> Flow[Record | None]:
     """Read *key*'s live record: see `get.lua`."""
     return _codec.record_or_none(key, (yield ScriptCall("get", key, space.name(key))))
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCall:
+    """Run the batch *script* over *items* (`ScriptCall` of one transition each), in order.
+
+    The reply is one reply per item; `split` divides a batch among cluster slots and `merge`
+    puts the parts' replies back in the items' order.
+
+    Attributes:
+        script: The batch script's name (a key of `BATCHES`).
+        items: One call per item; their ``args`` all have the same length.
+    """
+
+    script: str
+    items: tuple[ScriptCall, ...]
+
+    @property
+    def key(self) -> str:
+        """The first item's key, for the messages of errors that fail the whole call."""
+        return self.items[0].key
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The script's ``KEYS``: every item's record."""
+        return [item.record for item in self.items]
+
+    @property
+    def args(self) -> list[bytes | str | int]:
+        """The script's ``ARGV``: every item's arguments, item after item."""
+        return [arg for item in self.items for arg in item.args]
+
+    def split(self, slot: Callable[[bytes], int]) -> list[tuple[list[int], BatchCall]]:
+        """Group the items by ``slot(record)``: each group, with its items' positions."""
+        groups: dict[int, list[int]] = {}
+        for index, item in enumerate(self.items):
+            groups.setdefault(slot(item.record), []).append(index)
+        return [
+            (indices, BatchCall(self.script, tuple(self.items[i] for i in indices)))
+            for indices in groups.values()
+        ]
+
+    def merge(self, parts: Sequence[tuple[list[int], list[Any] | StoreError]]) -> list[Any]:
+        """Put the replies of the *parts* (or the error a part failed with) in item order.
+
+        Raises:
+            StoreError: Every part failed (the first part's error): the call failed as a whole.
+        """
+        failures = [reply for _, reply in parts if isinstance(reply, StoreError)]
+        if failures and len(failures) == len(parts):
+            raise failures[0]
+        replies: list[Any] = [None] * len(self.items)
+        for indices, reply in parts:
+            if isinstance(reply, StoreError):
+                for index in indices:
+                    replies[index] = reply
+            else:
+                for index, one in zip(indices, reply, strict=True):
+                    replies[index] = one
+        return replies
+
+
+def _each(decode: Callable[[str, Any], _T], call: BatchCall, replies: Any) -> list[_T | StoreError]:
+    """Decode every item's reply; an item that failed alone is its `StoreError`, in its place."""
+    if not isinstance(replies, list) or len(replies) != len(call.items):
+        raise StoreError(
+            f"unexpected reply from a Redis batch script for {len(call.items)} keys: "
+            f"{replies!r:.200}",
+            backend=_codec.BACKEND,
+        )
+    out: list[_T | StoreError] = []
+    for item, reply in zip(call.items, replies, strict=True):
+        if isinstance(reply, StoreError):  # its cluster slot's call failed (BatchCall.merge)
+            out.append(reply)
+            continue
+        try:
+            out.append(decode(item.key, reply))
+        except StoreError as exc:
+            out.append(exc)
+    return out
+
+
+def claim_many(
+    space: Keyspace, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+) -> Flow[list[ClaimResult | StoreError]]:
+    """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`."""
+    lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+    items = tuple(
+        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms))
+        for key, fingerprint in requests
+    )
+    if not items:
+        return []
+    call = BatchCall("claim_many", items)
+    return _each(_codec.claim_answer, call, (yield call))
+
+
+def complete_many(
+    space: Keyspace, items: Sequence[tuple[str, int, bytes]], ttl: timedelta
+) -> Flow[list[LeaseLost | StoreError | None]]:
+    """Complete each ``(key, token, result)`` in order: see `batch.lua` and `complete.lua`."""
+    ttl_ms = _ms(ttl)
+    calls = tuple(
+        ScriptCall("complete", key, space.name(key), (token, bytes(result), ttl_ms))
+        for key, token, result in items
+    )
+    if not calls:
+        return []
+    call = BatchCall("complete_many", calls)
+    return _each(_codec.settle_answer, call, (yield call))

@@ -7,8 +7,13 @@ Records expire through Redis's own TTL (``PEXPIREAT`` on each record's hash).
 
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
-the same flows (`oncely.stores.redis._scripts`); the two ``_perform`` methods below are the only
-code that differs. Every redis-py exception is translated in `_RedisStoreBase._translate_errors`.
+the same flows (`oncely.stores.redis._scripts`); the ``_run`` methods below are the only code that
+differs. Every redis-py exception is translated in `_RedisStoreBase._translated`.
+
+The batch verbs (`oncely.BatchStore`) run one script over every item: one EVALSHA on a single
+server; on a cluster, one per slot the items fall in (sequential in sync code, concurrent in
+async code), since a script's keys must share a slot and redis-py's cluster pipelines refuse
+EVALSHA.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import asyncio
 import contextlib
 import heapq
 import threading
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from types import ModuleType
@@ -30,11 +35,10 @@ from oncely._core.records import ClaimResult, LeaseLost, Record
 from oncely._deps import require
 from oncely.errors import (
     ConfigurationError,
-    CorruptRecordError,
     StoreError,
     StoreUnavailableError,
 )
-from oncely.stores.redis import _scripts
+from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
 
 __all__ = ["RedisClusterStore", "RedisStore"]
@@ -43,11 +47,6 @@ _S = TypeVar("_S", bound="_RedisStoreBase")
 
 DEFAULT_PREFIX: Final = "oncely:"
 """The prefix of every record's name unless another is given."""
-
-_TRANSIENT_REPLIES: Final = frozenset(
-    {"BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY"}
-)
-"""Error replies that mean "not now" rather than "never": failovers, loading, a busy script."""
 
 
 def _redis() -> ModuleType:
@@ -60,6 +59,7 @@ class _LoopClient:
 
     client: Any
     scripts: Mapping[str, Any]
+    gate: asyncio.Semaphore  # bounds the commands in flight: see _arun
     ready: asyncio.Task[None] | None = None  # the client's start: see _async_scripts
     guard: AsyncGenerator[None, None] | None = None  # see _close_with_loop
     closed: bool = False
@@ -107,7 +107,13 @@ class _RedisStoreBase:
         client_options: dict[str, Any],
     ) -> None:
         del clock  # leases and expiry are judged by the server's clock (TIME)
-        self._redis = _redis()
+        self._redis = redis = _redis()
+        # What _translated turns into oncely's errors; anything else passes through.
+        self._failures: tuple[type[BaseException], ...] = (
+            redis.RedisError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        )
         _check_options(client_options)
         if retries < 0:
             raise ConfigurationError(f"retries must be 0 or more, not {retries}")
@@ -120,6 +126,8 @@ class _RedisStoreBase:
             **client_options,
             "decode_responses": False,
         }
+        self._wait: float | None = socket_timeout  # the longest wait for a free connection
+        self._max_connections: int = client_options.get("max_connections") or 100
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: Mapping[str, Any] | None = None
@@ -157,6 +165,9 @@ class _RedisStoreBase:
         return scripts
 
     async def _async_scripts(self) -> Mapping[str, Any]:
+        return (await self._async_entry()).scripts
+
+    async def _async_entry(self) -> _LoopClient:
         loop = asyncio.get_running_loop()
         entry = self._loops.get(loop)
         if entry is None:
@@ -167,13 +178,19 @@ class _RedisStoreBase:
                     for other in [other for other in self._loops if other.is_closed()]:
                         del self._loops[other]  # closed loops closed their clients already
                     client = self._new_async_client()
-                    entry = self._loops[loop] = _LoopClient(client, self._register(client))
+                    gate = asyncio.Semaphore(self._max_connections)
+                    entry = _LoopClient(client, self._register(client), gate)
+                    self._loops[loop] = entry
                     entry.ready = loop.create_task(self._start(loop, entry))
-        assert entry.ready is not None
-        # Every caller waits for the start; shielded, so that one caller's cancellation
-        # does not cancel it for the others.
-        await asyncio.shield(entry.ready)
-        return entry.scripts
+        ready = entry.ready
+        assert ready is not None
+        if ready.done():
+            ready.result()  # raises if the start failed
+        else:
+            # Every caller waits for the start; shielded, so that one caller's cancellation
+            # does not cancel it for the others.
+            await asyncio.shield(ready)
+        return entry
 
     async def _start(self, loop: asyncio.AbstractEventLoop, entry: _LoopClient) -> None:
         """Tie a new async client to its loop's shutdown, and prepare it before any use."""
@@ -191,40 +208,48 @@ class _RedisStoreBase:
     async def _prepare_async(self, client: Any) -> None:
         """Get a new async client ready before the loop's first command (nothing to do here)."""
 
+    def _use_url_options(self, options: Mapping[str, Any]) -> None:
+        """Let the URL's ``socket_timeout`` and ``max_connections`` win, as in redis-py."""
+        self._wait = options.get("socket_timeout", self._wait)
+        self._max_connections = options.get("max_connections") or self._max_connections
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the store is closed", backend=self.backend)
 
     # -- the one boundary where redis-py exceptions become oncely's -----------------------------
 
+    def _translated(self, key: str, exc: BaseException) -> BaseException:
+        """Return oncely's error for redis-py's (or the socket's) *exc* about *key*."""
+        redis = self._redis
+        if isinstance(exc, redis.ResponseError):
+            if isinstance(exc, (redis.exceptions.ClusterError, redis.exceptions.TryAgainError)):
+                return self._unavailable(key, exc)
+            return _codec.rejected(key, str(exc))
+        if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+            return StoreError(f"Redis refused this client: {exc}", backend=self.backend)
+        if isinstance(
+            exc,
+            (
+                redis.ConnectionError,
+                redis.TimeoutError,
+                redis.exceptions.ClusterError,
+                redis.exceptions.RedisClusterException,
+                OSError,
+            ),
+        ):
+            return self._unavailable(key, exc)
+        if isinstance(exc, redis.RedisError):
+            return StoreError(f"Redis failed on {key!r}: {exc}", backend=self.backend)
+        return exc
+
     @contextlib.contextmanager
     def _translate_errors(self, key: str) -> Iterator[None]:
-        redis = self._redis
+        """Raise oncely's errors for redis-py's (see `_translated`)."""
         try:
             yield
-        except redis.ResponseError as exc:
-            code = str(exc).split(" ", 1)[0]
-            if code == "WRONGTYPE":
-                raise CorruptRecordError(str(exc), backend=self.backend, key=key) from exc
-            if code in _TRANSIENT_REPLIES or isinstance(
-                exc, (redis.exceptions.ClusterError, redis.exceptions.TryAgainError)
-            ):
-                raise self._unavailable(key, exc) from exc
-            raise StoreError(
-                f"Redis rejected an operation on {key!r}: {exc}", backend=self.backend
-            ) from exc
-        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-            raise StoreError(f"Redis refused this client: {exc}", backend=self.backend) from exc
-        except (
-            redis.ConnectionError,
-            redis.TimeoutError,
-            redis.exceptions.ClusterError,
-            redis.exceptions.RedisClusterException,
-            OSError,
-        ) as exc:
-            raise self._unavailable(key, exc) from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis failed on {key!r}: {exc}", backend=self.backend) from exc
+        except self._failures as exc:
+            raise self._translated(key, exc) from exc
 
     def _unavailable(self, key: str, exc: BaseException) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -233,16 +258,65 @@ class _RedisStoreBase:
 
     # -- performing a flow's script call, in each world ----------------------------------------
 
+    def _run(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """Run *script* on *keys* with *args*; *key* names the call in error messages."""
+        try:
+            if self._closed:
+                self._check_open()
+            scripts = self._scripts
+            if scripts is None:
+                scripts = self._sync_scripts()
+            return scripts[script](keys=keys, args=args)
+        except self._failures as exc:
+            raise self._translated(key, exc) from exc
+
+    async def _arun(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """Async `_run`."""
+        try:
+            if self._closed:
+                self._check_open()
+            entry = await self._async_entry()
+            gate = entry.gate
+            if gate.locked():
+                await self._wait_for_connection(key, gate)
+            else:
+                await gate.acquire()  # at once
+            try:
+                return await entry.scripts[script](keys=keys, args=args)
+            finally:
+                gate.release()
+        except self._failures as exc:
+            raise self._translated(key, exc) from exc
+
+    async def _wait_for_connection(self, key: str, gate: asyncio.Semaphore) -> None:
+        """Queue for one of the loop's ``max_connections`` (as long as for a reply at most).
+
+        redis-py's async pools raise MaxConnectionsError at once past ``max_connections``
+        commands in flight (its blocking pool queues, but costs twice the pool's time on every
+        command), so each loop's commands go through a semaphore of that size instead.
+        """
+        try:
+            await asyncio.wait_for(gate.acquire(), self._wait)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailableError(
+                f"Redis could not serve {key!r}: no connection free within {self._wait} s "
+                f"(max_connections={self._max_connections})",
+                backend=self.backend,
+            ) from exc
+
     def _perform(self, call: _scripts.ScriptCall) -> Any:
-        with self._translate_errors(call.key):
-            self._check_open()
-            return self._sync_scripts()[call.script](keys=[call.record], args=call.args)
+        return self._run(call.script, call.key, [call.record], call.args)
 
     async def _aperform(self, call: _scripts.ScriptCall) -> Any:
-        with self._translate_errors(call.key):
-            self._check_open()
-            script = (await self._async_scripts())[call.script]
-            return await script(keys=[call.record], args=call.args)
+        return await self._arun(call.script, call.key, [call.record], call.args)
+
+    def _perform_batch(self, call: _scripts.BatchCall) -> Any:
+        """Run a batch in one EVALSHA (the cluster store overrides this)."""
+        return self._run(call.script, call.key, call.keys, call.args)
+
+    async def _aperform_batch(self, call: _scripts.BatchCall) -> Any:
+        """Async `_perform_batch`."""
+        return await self._arun(call.script, call.key, call.keys, call.args)
 
     # -- sync verbs ----------------------------------------------------------------------------
 
@@ -305,6 +379,34 @@ class _RedisStoreBase:
     async def aget(self, key: str) -> Record | None:
         """See `oncely.AsyncStore.aget`."""
         return await adrive(_scripts.get(self._space, key), self._aperform)
+
+    # -- batch verbs ---------------------------------------------------------------------------
+
+    def claim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.claim_many`. One round trip (per slot on a cluster)."""
+        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        return drive(flow, self._perform_batch)
+
+    def complete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.complete_many`. One round trip (per slot on a cluster)."""
+        return drive(_scripts.complete_many(self._space, items, ttl), self._perform_batch)
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """See `oncely.BatchStore.aclaim_many`."""
+        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        return await adrive(flow, self._aperform_batch)
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """See `oncely.BatchStore.acomplete_many`."""
+        return await adrive(_scripts.complete_many(self._space, items, ttl), self._aperform_batch)
 
     # -- maintenance ---------------------------------------------------------------------------
 
@@ -467,10 +569,12 @@ class RedisStore(_RedisStoreBase):
             client_options=client_options,
         )
         try:
-            _check_options(self._redis.connection.parse_url(url))
+            url_options = self._redis.connection.parse_url(url)
+            _check_options(url_options)
         except ValueError as exc:  # incl. ConfigurationError
             raise ConfigurationError(f"malformed Redis URL {_masked(url)!r}: {exc}") from exc
         self.url = url
+        self._use_url_options(url_options)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
@@ -487,12 +591,22 @@ class RedisStore(_RedisStoreBase):
 
     def _new_client(self) -> Any:
         retry = self._retry(self._redis.retry.Retry)
-        return self._redis.Redis.from_url(self.url, retry=retry, **self._options)
+        pool = self._redis.BlockingConnectionPool.from_url(self.url, retry=retry, **self._pooled())
+        return self._redis.Redis.from_pool(pool)
 
     def _new_async_client(self) -> Any:
         asyncio_redis = require("redis.asyncio", extra="redis")
         retry = self._retry(require("redis.asyncio.retry", extra="redis").Retry)
         return asyncio_redis.Redis.from_url(self.url, retry=retry, **self._options)
+
+    def _pooled(self) -> dict[str, Any]:
+        """The client options, for a sync pool that queues the threads past its size.
+
+        redis-py's default pool raises at once when ``max_connections`` (100) commands are in
+        flight; a blocking pool makes the next thread wait for a free connection, for as long
+        as it would wait for a reply.
+        """
+        return {**self._options, "max_connections": self._max_connections, "timeout": self._wait}
 
     def __repr__(self) -> str:
         return f"RedisStore({_masked(self.url)!r}, namespace={self.namespace!r})"
@@ -545,6 +659,7 @@ class RedisClusterStore(_RedisStoreBase):
         self.url = url
         self.nodes, url_options = _parse_cluster_url(self._redis, url)
         self._options = {**self._options, **url_options}  # the URL wins, as in redis-py
+        self._use_url_options(url_options)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisClusterStore:
@@ -566,6 +681,37 @@ class RedisClusterStore(_RedisStoreBase):
             retry=self._retry(self._redis.retry.Retry),
             **self._options,
         )
+
+    def _perform_batch(self, call: _scripts.BatchCall) -> Any:
+        """Run a batch as one EVALSHA per slot, one after the other, answers in item order.
+
+        A slot's call that fails after another succeeded leaves its error in its items' places
+        (the answers already got are kept: a lease taken is never lost to the caller); a
+        failure before any success fails the whole call.
+        """
+        parts: list[tuple[list[int], list[Any] | StoreError]] = []
+        for indices, part in call.split(self._redis.crc.key_slot):
+            try:
+                parts.append((indices, self._run(part.script, part.key, part.keys, part.args)))
+            except StoreError as exc:
+                if not parts:
+                    raise
+                parts.append((indices, exc))
+        return call.merge(parts)
+
+    async def _aperform_batch(self, call: _scripts.BatchCall) -> Any:
+        """Async `_perform_batch`: the slots' calls run concurrently; if all fail, it raises."""
+
+        async def run(
+            indices: list[int], part: _scripts.BatchCall
+        ) -> tuple[list[int], list[Any] | StoreError]:
+            try:
+                return indices, await self._arun(part.script, part.key, part.keys, part.args)
+            except StoreError as exc:
+                return indices, exc
+
+        parts = call.split(self._redis.crc.key_slot)
+        return call.merge(await asyncio.gather(*(run(*part) for part in parts)))
 
     async def _prepare_async(self, client: Any) -> None:
         # Learn the slot map before the first command: redis-py's async cluster client sends

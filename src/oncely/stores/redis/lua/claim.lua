@@ -9,7 +9,7 @@
 --          | {"replay", status, fp, token, attempt, lease, expires, created, updated, result}
 --          | {"mismatch", stored fingerprint}
 --          | {"corrupt", reason}
-local r, problem = load(KEYS[1])
+local r, problem = load(KEYS[1], true)
 if problem then return {"corrupt", problem} end
 local now = now_ms()
 local fp, lease_ms, ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -29,12 +29,12 @@ if r == nil or now >= r.expires or r.status == "released" then
   redis.call("HSET", KEYS[1], "status", "in_progress", "fp", fp, "token", int(token),
              "attempt", int(attempt), "lease", int(now + lease_ms), "expires", int(expires),
              "created", int(created), "updated", int(now))
-  redis.call("HDEL", KEYS[1], "result")  -- left by an expired record
+  if r ~= nil then redis.call("HDEL", KEYS[1], "result") end  -- left by an expired record
   redis.call("PEXPIREAT", KEYS[1], int(expires))
   return {"acquired", token, attempt, 0}
 end
 if r.fp ~= fp then return {"mismatch", r.fp} end
-if r.status ~= "in_progress" then return {"replay", unpack(with_result(KEYS[1], r))} end
+if r.status ~= "in_progress" then return {"replay", unpack(as_reply(r))} end
 if now < r.lease then return {"in_progress", r.lease - now} end
 
 -- The lease expired without being settled: take it over with the next token.

@@ -4,4 +4,4 @@
 -- ARGV[2]  result bytes
 -- ARGV[3]  ttl of the completed record, milliseconds
 -- returns  1 | 0 (lease lost) | {"corrupt", reason}
-return finish("completed")
+return finish("completed", KEYS[1], ARGV)

@@ -4,4 +4,4 @@
 -- ARGV[2]  error bytes
 -- ARGV[3]  ttl of the failed record, milliseconds
 -- returns  1 | 0 (lease lost) | {"corrupt", reason}
-return finish("failed")
+return finish("failed", KEYS[1], ARGV)

@@ -2,7 +2,7 @@
 -- KEYS[1]  the record hash
 -- returns  {"record", status, fp, token, attempt, lease, expires, created, updated, result}
 --          | {"absent"} | {"corrupt", reason}
-local r, problem = load(KEYS[1])
+local r, problem = load(KEYS[1], true)
 if problem then return {"corrupt", problem} end
 if r == nil or now_ms() >= r.expires then return {"absent"} end
-return {"record", unpack(with_result(KEYS[1], r))}
+return {"record", unpack(as_reply(r))}

@@ -3,7 +3,7 @@
 -- KEYS[1]  the record hash
 -- ARGV[1]  fencing token
 -- returns  1 | 0 (lease lost) | {"corrupt", reason}
-local r, problem = load(KEYS[1])
+local r, problem = load(KEYS[1], false)
 if problem then return {"corrupt", problem} end
 local now = now_ms()
 if not held(r, tonumber(ARGV[1]), now) then return 0 end

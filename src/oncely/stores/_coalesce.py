@@ -1,0 +1,201 @@
+"""Group the claims and completions that many tasks make at once into batch calls.
+
+A consumer that handles many deliveries concurrently (aio-pika runs a task per delivered
+message), or an ASGI server under load, makes one ``aclaim`` and one ``acomplete`` per message
+or request. `CoalescingStore` lets a few calls go to the store at once, as they come; while
+that many are in flight, the calls that arrive wait, and go together as one ``aclaim_many``
+(``acomplete_many``) call as soon as one of those returns: group commit. An idle store adds no
+latency (a call goes out at once, as a single call), and a busy one gets batches as large as
+the load. Each caller still gets exactly the answer (or the exception) its own single call
+would have given: the batch verbs answer every item as the single verb would, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely.errors import StoreError
+
+__all__ = ["CoalescingStore"]
+
+_Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
+
+
+class _LoopState:
+    __slots__ = ("in_flight", "waiting")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
+
+
+class _Coalescer:
+    """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches."""
+
+    def __init__(
+        self,
+        single: Callable[..., Awaitable[Any]],
+        many: Callable[..., Awaitable[list[Any]]],
+        max_in_flight: int,
+        max_batch: int,
+    ) -> None:
+        self._single = single
+        self._many = many
+        self._max_in_flight = max_in_flight
+        self._max_batch = max_batch
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
+        self._sending: set[asyncio.Task[None]] = set()
+
+    def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        state = self._loops.get(loop)
+        if state is None:
+            for other in [other for other in self._loops if other.is_closed()]:
+                self._loops.pop(other, None)
+            state = self._loops[loop] = _LoopState()
+        return state
+
+    async def submit(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        state = self._state(loop)
+        if state.in_flight < self._max_in_flight and not state.waiting:
+            state.in_flight += 1  # the store is not busy: go now, alone
+            try:
+                return await self._single(*item, **options)
+            finally:
+                state.in_flight -= 1
+                self._send_waiting(loop, state)
+        future: asyncio.Future[Any] = loop.create_future()
+        state.waiting.setdefault(tuple(sorted(options.items())), []).append((item, future))
+        return await future
+
+    def _send_waiting(self, loop: asyncio.AbstractEventLoop, state: _LoopState) -> None:
+        while state.waiting and state.in_flight < self._max_in_flight:
+            group = next(iter(state.waiting))
+            waiting = state.waiting[group]
+            batch = [(item, future) for item, future in waiting if not future.done()]
+            batch, rest = batch[: self._max_batch], batch[self._max_batch :]
+            if rest:
+                state.waiting[group] = rest
+            else:
+                del state.waiting[group]
+            if not batch:  # every caller of the group was cancelled while waiting
+                continue
+            state.in_flight += 1
+            task = loop.create_task(self._send(loop, state, batch, dict(group)))
+            self._sending.add(task)  # a reference, so the task is not collected mid-flight
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        state: _LoopState,
+        batch: _Waiting,
+        options: dict[str, Any],
+    ) -> None:
+        try:
+            answers = await self._many([item for item, _ in batch], **options)
+        except BaseException as exc:  # the whole call failed: every caller sees it
+            for _, future in batch:
+                if not future.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        else:
+            for (_, future), answer in zip(batch, answers, strict=True):
+                if future.done():  # its caller was cancelled: as with a single call, the
+                    continue  # answer is lost and a lease it took expires on its own
+                if isinstance(answer, StoreError):
+                    future.set_exception(answer)
+                else:
+                    future.set_result(answer)
+        finally:
+            state.in_flight -= 1
+            self._send_waiting(loop, state)
+
+
+class CoalescingStore:
+    """An async view of a store with the batch verbs that group concurrent claims and
+    completions into batch calls (group commit).
+
+    Args:
+        store: A store with the `oncely.BatchStore` verbs.
+        max_in_flight: Claims (and, separately, completions) sent at once per event loop before
+            later ones wait to go together.
+        max_batch: The most items sent in one batch call.
+    """
+
+    def __init__(self, store: Any, *, max_in_flight: int = 4, max_batch: int = 256) -> None:
+        self.store = store
+        self._claims = _Coalescer(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
+        self._completions = _Coalescer(
+            store.acomplete, store.acomplete_many, max_in_flight, max_batch
+        )
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """`oncely.AsyncStore.aclaim`, batched with other claims while the store is busy."""
+        options = {"lease": lease, "ttl": ttl}
+        answer: ClaimResult = await self._claims.submit((key, fingerprint), options)
+        return answer
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """`oncely.AsyncStore.acomplete`, batched with other completions while it is busy."""
+        answer: LeaseLost | None = await self._completions.submit(
+            (key, token, result), {"ttl": ttl}
+        )
+        return answer
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """`oncely.AsyncStore.afail` (not batched: failures are rare)."""
+        answer: LeaseLost | None = await self.store.afail(key, token, error, ttl=ttl)
+        return answer
+
+    async def arelease(self, key: str, token: int) -> LeaseLost | None:
+        """`oncely.AsyncStore.arelease`."""
+        answer: LeaseLost | None = await self.store.arelease(key, token)
+        return answer
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        """`oncely.AsyncStore.aextend`."""
+        answer: LeaseLost | None = await self.store.aextend(key, token, lease=lease)
+        return answer
+
+    async def aget(self, key: str) -> Record | None:
+        """`oncely.AsyncStore.aget`."""
+        record: Record | None = await self.store.aget(key)
+        return record
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[ClaimResult | StoreError]:
+        """`oncely.BatchStore.aclaim_many`, sent as it is."""
+        answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
+            requests, lease=lease, ttl=ttl
+        )
+        return answers
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        """`oncely.BatchStore.acomplete_many`, sent as it is."""
+        answers: list[LeaseLost | StoreError | None] = await self.store.acomplete_many(
+            items, ttl=ttl
+        )
+        return answers
+
+    async def aclose(self) -> None:
+        """Close the store underneath."""
+        await self.store.aclose()

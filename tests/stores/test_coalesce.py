@@ -1,0 +1,287 @@
+"""CoalescingStore: concurrent single calls become batch calls, each caller its own answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from oncely import Acquired, InProgress, LeaseLost, Replay
+from oncely.errors import CorruptRecordError, StoreUnavailableError
+from oncely.stores._coalesce import CoalescingStore
+from oncely.stores.memory import MemoryStore
+
+LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
+
+
+class CountingStore(MemoryStore):
+    """A memory store whose calls take a loop turn (a round trip), recording each call; it can
+    fail one key or the whole call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, int]] = []
+        self.singles: list[str] = []
+        self.corrupt: set[str] = set()
+        self.down = False
+
+    async def aclaim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> Any:
+        self.singles.append("claim")
+        await asyncio.sleep(0)
+        if self.down:
+            raise StoreUnavailableError("down", backend="memory")
+        if key in self.corrupt:
+            raise CorruptRecordError("bad", backend="memory", key=key)
+        return await super().aclaim(key, fingerprint, lease=lease, ttl=ttl)
+
+    async def acomplete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> Any:
+        self.singles.append("complete")
+        await asyncio.sleep(0)
+        return await super().acomplete(key, token, result, ttl=ttl)
+
+    async def aclaim_many(
+        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+    ) -> list[Any]:
+        self.batches.append(("claim", len(requests)))
+        await asyncio.sleep(0)
+        if self.down:
+            raise StoreUnavailableError("down", backend="memory")
+        answers: list[Any] = await super().aclaim_many(requests, lease=lease, ttl=ttl)
+        return [
+            CorruptRecordError("bad", backend="memory", key=key) if key in self.corrupt else answer
+            for (key, _), answer in zip(requests, answers, strict=True)
+        ]
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[Any]:
+        self.batches.append(("complete", len(items)))
+        await asyncio.sleep(0)
+        answers: list[Any] = await super().acomplete_many(items, ttl=ttl)
+        return answers
+
+
+def calls(store: CountingStore, verb: str) -> int:
+    """Items sent for *verb*, alone or in batches."""
+    return store.singles.count(verb) + sum(n for name, n in store.batches if name == verb)
+
+
+def test_an_idle_store_gets_single_calls_at_once() -> None:
+    """Calls that find the store idle go out alone, as they come: no batching, no wait."""
+    store = CountingStore()
+    view = CoalescingStore(store)
+
+    async def main() -> None:
+        for index in range(3):
+            assert await view.aclaim(f"k{index}", "fp", lease=LEASE, ttl=TTL) == Acquired(
+                1, recovered=False, attempt=1
+            )
+            assert await view.acomplete(f"k{index}", 1, b"r", ttl=TTL) is None
+
+    asyncio.run(main())
+    assert store.singles == ["claim", "complete"] * 3
+    assert store.batches == []
+
+
+def test_calls_made_while_the_store_is_busy_go_together() -> None:
+    """Past max_in_flight, the calls wait and go as one batch; each gets its own answer."""
+    store = CountingStore()
+    view = CoalescingStore(store, max_in_flight=2)
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        keys = [f"k{index % 50}" for index in range(60)]  # ten keys twice
+        claims = await asyncio.gather(*(view.aclaim(k, "fp", lease=LEASE, ttl=TTL) for k in keys))
+        done = await asyncio.gather(
+            *(view.acomplete(f"k{index}", 1, b"r", ttl=TTL) for index in range(50)),
+            view.acomplete("k0", 1, b"again", ttl=TTL),
+        )
+        return claims, done
+
+    claims, done = asyncio.run(main())
+    assert claims[:50] == [Acquired(1, recovered=False, attempt=1)] * 50
+    assert all(isinstance(answer, InProgress) for answer in claims[50:])
+    assert done == [None] * 50 + [LeaseLost()]
+    assert store.singles == ["claim", "claim", "complete", "complete"]
+    assert store.batches == [("claim", 58), ("complete", 49)]
+
+
+def test_an_items_own_error_reaches_only_its_caller() -> None:
+    store = CountingStore()
+    store.corrupt.add("bad")
+    view = CoalescingStore(store, max_in_flight=1)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(view.aclaim(k, "fp", lease=LEASE, ttl=TTL) for k in ("a", "b", "bad", "c")),
+            return_exceptions=True,
+        )
+
+    first, second, bad, last = asyncio.run(main())
+    assert first == second == last == Acquired(1, recovered=False, attempt=1)
+    assert isinstance(bad, CorruptRecordError)
+    assert store.batches == [("claim", 3)]
+
+
+def test_a_failed_call_fails_every_caller_of_the_batch() -> None:
+    store = CountingStore()
+    store.down = True
+    view = CoalescingStore(store, max_in_flight=1)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(view.aclaim(f"k{i}", "fp", lease=LEASE, ttl=TTL) for i in range(5)),
+            return_exceptions=True,
+        )
+
+    answers = asyncio.run(main())
+    assert all(isinstance(answer, StoreUnavailableError) for answer in answers)
+    assert store.batches == [("claim", 4)]
+    assert store.get("k0") is None
+
+
+def test_batches_are_bounded_and_split_by_options() -> None:
+    store = CountingStore()
+    view = CoalescingStore(store, max_in_flight=1, max_batch=4)
+
+    async def main() -> None:
+        await asyncio.gather(
+            *(view.aclaim(f"a{i}", "fp", lease=LEASE, ttl=TTL) for i in range(11)),
+            *(view.aclaim(f"b{i}", "fp", lease=LEASE * 2, ttl=TTL) for i in range(3)),
+        )
+
+    asyncio.run(main())
+    assert store.singles == ["claim"]
+    assert store.batches == [("claim", 4), ("claim", 4), ("claim", 2), ("claim", 3)]
+    record = store.get("b0")
+    assert record is not None
+    assert record.lease_expires_at_ms - record.created_at_ms == 60_000
+
+
+def test_a_cancelled_caller_does_not_disturb_the_others() -> None:
+    store = CountingStore()
+    view = CoalescingStore(store, max_in_flight=1)
+
+    async def main() -> list[Any]:
+        tasks = [
+            asyncio.ensure_future(view.aclaim(f"k{i}", "fp", lease=LEASE, ttl=TTL))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0)  # all four submitted: one sent, three waiting
+        tasks[2].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, second, cancelled, last = asyncio.run(main())
+    assert first == second == last == Acquired(1, recovered=False, attempt=1)
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert store.batches == [("claim", 2)]  # the cancelled caller's claim was never sent
+    assert store.get("k2") is None
+
+
+def test_other_verbs_pass_through() -> None:
+    store = CountingStore()
+    view = CoalescingStore(store)
+
+    async def main() -> Any:
+        assert await view.aclaim("k", "fp", lease=LEASE, ttl=TTL) == Acquired(
+            1, recovered=False, attempt=1
+        )
+        assert await view.aextend("k", 1, lease=LEASE) is None
+        assert await view.afail("k", 1, b"no", ttl=TTL) is None
+        assert await view.arelease("k", 1) == LeaseLost()
+        answers = await view.aclaim_many([("k", "fp")], lease=LEASE, ttl=TTL)
+        assert await view.acomplete_many([], ttl=TTL) == []
+        record = await view.aget("k")
+        await view.aclose()
+        return answers, record
+
+    answers, record = asyncio.run(main())
+    assert isinstance(answers[0], Replay)
+    assert record is not None
+    assert record.result == b"no"
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_consumers_coalesce_concurrent_deliveries(coalesce: bool) -> None:
+    """aprocess of concurrent deliveries: two batch calls in all with coalescing on."""
+    from oncely.consumers import ConsumerPolicy, Delivery, IdempotentConsumer
+
+    store = CountingStore()
+    consumer = IdempotentConsumer(
+        store, scope="test", policy=ConsumerPolicy(coalesce=coalesce), key="content"
+    )
+    effects: list[int] = []
+
+    async def handle(index: int) -> None:
+        effects.append(index)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(
+                consumer.aprocess(Delivery(str(i % 20).encode()), lambda i=i: handle(i))
+                for i in range(30)
+            )
+        )
+
+    verdicts = asyncio.run(main())
+    assert sorted(effects) == list(range(20))
+    # A copy claimed while its original runs waits (a retry); one claimed after it is a replay.
+    reasons = [verdict.reason.value for verdict in verdicts]
+    assert reasons.count("processed") == 20
+    assert reasons.count("duplicate") + reasons.count("in_progress") == 10
+    assert calls(store, "claim") == 30
+    assert calls(store, "complete") == 20
+    if coalesce:  # a few go at once, the rest wait and go together
+        assert store.singles.count("claim") <= 4
+        assert store.batches
+    else:
+        assert store.batches == []
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_http_middleware_coalesces_concurrent_requests(coalesce: bool) -> None:
+    """Concurrent requests: one claim batch and one completion batch with coalescing on."""
+    from oncely.http.asgi import IdempotencyMiddleware
+
+    store = CountingStore()
+    runs: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        runs.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"created"})
+
+    middleware = IdempotencyMiddleware(app, store=store, coalesce=coalesce)
+
+    async def post(key: str) -> int:
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return {"type": "http.request", "body": key.encode(), "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/payments",
+            "query_string": b"",
+            "headers": [(b"idempotency-key", key.encode())],
+        }
+        await middleware(scope, receive, send)
+        return int(sent[0]["status"])
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(post(f"k{i}") for i in range(25)))
+
+    assert asyncio.run(main()) == [201] * 25
+    assert sorted(runs) == sorted(f"k{i}".encode() for i in range(25))
+    assert calls(store, "claim") == calls(store, "complete") == 25
+    if coalesce:
+        assert store.singles.count("claim") <= 4
+        assert store.batches
+    else:
+        assert store.batches == []
