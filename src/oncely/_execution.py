@@ -313,36 +313,43 @@ def rebuild_error(key: str, stored: _codec.Outcome, policy: Policy) -> BaseExcep
 
 def run(flow: Flow[T], store: SyncStore, invoke: Callable[[], Any] | None = None) -> T:
     """Run *flow* against a sync store; *invoke* runs the protected function."""
+    return drive(flow, lambda op: perform(op, store, invoke))
 
-    def perform(op: Any) -> Any:
-        if isinstance(op, StoreCall):
-            return getattr(store, op.verb)(*op.args, **op.kwargs)
-        if isinstance(op, Sleep):
-            time.sleep(op.seconds)
-            return None
-        if isinstance(op, Invoke) and invoke is not None:
-            reset = _CURRENT.set(op.lease.view())
-            try:
-                return invoke()
-            finally:
-                _CURRENT.reset(reset)
-        if isinstance(op, StartHeartbeat):
-            op.state.heartbeat = _SCHEDULER.start(store, op.state)
-            return None
-        if isinstance(op, StopHeartbeat):
-            _SCHEDULER.stop(op.state)
-            return None
-        raise TypeError(f"cannot perform {op!r}")
 
-    return drive(flow, perform)
+def perform(op: Any, store: SyncStore, invoke: Callable[[], Any] | None = None) -> Any:
+    """Perform one operation of a flow against a sync store (what `run` does with each)."""
+    kind = type(op)
+    if kind is StoreCall:
+        return getattr(store, op.verb)(*op.args, **op.kwargs)
+    if kind is Invoke and invoke is not None:
+        return invoke_under(op.lease, invoke)
+    if kind is StartHeartbeat:
+        op.state.heartbeat = _SCHEDULER.start(store, op.state)
+        return None
+    if kind is StopHeartbeat:
+        _SCHEDULER.stop(op.state)
+        return None
+    if kind is Sleep:
+        time.sleep(op.seconds)
+        return None
+    raise TypeError(f"cannot perform {op!r}")
+
+
+def invoke_under(lease: Lease, call: Callable[..., T], *args: Any) -> T:
+    """Call ``call(*args)`` with *lease* as `current_lease`."""
+    reset = _CURRENT.set(lease.view())
+    try:
+        return call(*args)
+    finally:
+        _CURRENT.reset(reset)
 
 
 async def arun(
     flow: Flow[T], store: AsyncStore, invoke: Callable[[], Awaitable[Any]] | None = None
 ) -> T:
     """Run *flow* against an async store; *invoke* runs the protected coroutine function."""
-    # `adrive`'s loop with the operations performed inline: this driver runs three times per
-    # protected HTTP request, so it creates no closure and no coroutine per operation.
+    # `adrive`'s loop, written out: this driver runs three times per protected HTTP request,
+    # so it creates no closure per flow, and store calls (most operations) no coroutine.
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -352,31 +359,48 @@ async def arun(
             return done.value  # type: ignore[no-any-return]
         send, error = None, None
         try:
-            kind = type(op)
-            if kind is StoreCall:
+            if type(op) is StoreCall:
                 send = await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-            elif kind is Invoke and invoke is not None:
-                reset = _CURRENT.set(op.lease.view())
-                try:
-                    send = await invoke()
-                finally:
-                    _CURRENT.reset(reset)
-            elif kind is StartHeartbeat:
-                _start_async_heartbeat(store, op.state)
-            elif kind is StopHeartbeat:
-                beat, op.state.heartbeat = op.state.heartbeat, None
-                if isinstance(beat, asyncio.Future):  # the heartbeat task
-                    beat.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await beat
-                elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
-                    beat.cancel()
-            elif kind is Sleep:
-                await asyncio.sleep(op.seconds)
             else:
-                raise TypeError(f"cannot perform {op!r}")
+                send = await aperform(op, store, invoke)
         except BaseException as exc:  # the flow decides: release the lease, map the error...
             error = exc
+
+
+async def aperform(
+    op: Any, store: AsyncStore, invoke: Callable[[], Awaitable[Any]] | None = None
+) -> Any:
+    """Perform one operation of a flow against an async store (what `arun` does with each)."""
+    kind = type(op)
+    if kind is StoreCall:
+        return await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+    if kind is Invoke and invoke is not None:
+        return await ainvoke_under(op.lease, invoke)
+    if kind is StartHeartbeat:
+        _start_async_heartbeat(store, op.state)
+        return None
+    if kind is StopHeartbeat:
+        beat, op.state.heartbeat = op.state.heartbeat, None
+        if isinstance(beat, asyncio.Future):  # the heartbeat task
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+        elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
+            beat.cancel()
+        return None
+    if kind is Sleep:
+        await asyncio.sleep(op.seconds)
+        return None
+    raise TypeError(f"cannot perform {op!r}")
+
+
+async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Await ``call(*args)`` with *lease* as `current_lease`."""
+    reset = _CURRENT.set(lease.view())
+    try:
+        return await call(*args)
+    finally:
+        _CURRENT.reset(reset)
 
 
 def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:

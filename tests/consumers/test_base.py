@@ -324,6 +324,25 @@ def test_same_key_other_body_is_dead_lettered_as_mismatch(store: Store, process:
     assert process(unchecked, message(body={"n": 2}), handler).reason is Reason.DUPLICATE
 
 
+def test_body_fingerprint_is_canonical_and_exact(store: Store, process: Process) -> None:
+    """The default fingerprint reads JSON bodies canonically (key order, spacing, 1 vs 1.0) and
+    compares numbers exactly: a payload differing in the 20th digit is another payload."""
+    consumer = consumer_for(store)
+    same = [b'{"a": 1, "b": [1.0, 2.50]}', b'{"b":[1,2.5],"a":1.00}', b'{"b":[1e0,2.5],"a":1}']
+    assert len({consumer.fingerprint_for(Delivery(body)) for body in same}) == 1
+    exact = [b'{"x": 0.1}', b'{"x": 0.10000000000000000001}']
+    assert len({consumer.fingerprint_for(Delivery(body)) for body in exact}) == 2
+    raw = [b"not json", b"\xff\xfe binary"]
+    assert len({consumer.fingerprint_for(Delivery(body)) for body in raw}) == 2
+    handler = Calls()
+    verdict = process(consumer, Delivery(b'{"n": NaN}', {"Idempotency-Key": "nan"}), handler)
+    assert (verdict.action, verdict.reason, handler.count) == (
+        Action.DEAD_LETTER,
+        Reason.INVALID_KEY,
+        0,
+    )
+
+
 # -- store outages: nothing acked that was not completed -------------------------------------------
 
 

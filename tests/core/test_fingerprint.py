@@ -5,11 +5,15 @@ from __future__ import annotations
 import datetime
 import decimal
 import enum
+import json
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from oncely._core.fingerprint import canonical_json, digest
+from oncely._core.fingerprint import canonical_document, canonical_json, digest, document_digest
+from oncely.errors import FingerprintError
 
 
 class Color(enum.Enum):
@@ -43,3 +47,34 @@ def test_digest_golden_vector() -> None:
     golden = "v1:3e00be6f585504c399692039370370e660aee51d13e21041e74ee6a461c58d11"
     assert digest([{"a": 1}, "x"]) == golden
     assert digest([{"a": 1.0}, "x"]) == golden
+
+
+# Documents as JSON parsers return them with parse_float=Decimal (the way bodies are read).
+_documents = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text()
+    | st.decimals(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(_documents)
+def test_canonical_document_spells_as_canonical_json(document: object) -> None:
+    """The C-speed path never changes a fingerprint: same text as `canonical_json`, always."""
+    source = json.dumps(document, default=str).encode()
+    assert canonical_document(document, source) == canonical_json(document)
+    assert document_digest(document, source) == digest([document])
+
+
+def test_canonical_document_of_deep_documents_and_non_finite_numbers() -> None:
+    """Past the bracket limit the pure path decides (and may refuse); NaN never fingerprints."""
+    deep: object = 1
+    for _ in range(150):
+        deep = [deep]
+    source = json.dumps(deep).encode()
+    assert canonical_document(deep, source) == canonical_json(deep)
+    with pytest.raises(FingerprintError):
+        canonical_document({"n": float("nan")}, b'{"n": NaN}')

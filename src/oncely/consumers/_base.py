@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import json
 import logging
 import threading
@@ -41,12 +40,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.fingerprint import digest
+from oncely._core.fingerprint import digest, document_digest
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
@@ -84,6 +84,7 @@ __all__ = [
     "KeySource",
     "no_broker",
     "Parallel",
+    "Run",
     "Reason",
     "run_with",
     "seconds",
@@ -305,6 +306,16 @@ def body_value(body: bytes) -> Any:
         return body
 
 
+def _body_fingerprint(body: bytes) -> str:
+    """Return the fingerprint of a message body: its canonical JSON when it is JSON (numbers
+    compared exactly, as decimals), else its bytes."""
+    try:
+        document = json.loads(body, parse_float=Decimal)
+    except (ValueError, UnicodeDecodeError):
+        return digest([body])
+    return document_digest(document, body)
+
+
 def _content_key(delivery: Delivery) -> str:
     return content_hash(body_value(delivery.body))
 
@@ -400,7 +411,7 @@ class IdempotentConsumer:
         if self.fingerprint is None or (self.key == "content" and self.fingerprint == "body"):
             return ""  # the key is the content already
         if self.fingerprint == "body":
-            return digest([body_value(delivery.body)])
+            return _body_fingerprint(delivery.body)
         return digest([self.fingerprint(delivery)])
 
     def _verdict(self, verdict: Verdict) -> Verdict:
@@ -502,11 +513,11 @@ class IdempotentConsumer:
         """The decisions for a fetched batch, as one flow; verdicts come back in order.
 
         With a store that has the batch verbs (`batches`), every key of the batch is claimed in
-        one call and every outcome completed in one call; the handlers run one after the other
-        in between, each with the message of its `Delivery.raw` (via `Handle`), while one
-        heartbeat per lease keeps the whole batch's leases alive. Copies of one key within the
-        batch are claimed once: they are duplicates of the first copy's outcome. Without the
-        batch verbs each delivery runs through `flow` in turn.
+        one call and every outcome completed in one call; in between the handlers run
+        concurrently (async) or one after the other (sync), each with the message of its
+        `Delivery.raw` (via `Run`), while one heartbeat per lease keeps the batch's leases
+        alive. Copies of one key within the batch are claimed once: they are duplicates of the
+        first copy's outcome. Without the batch verbs each delivery runs through `flow` in turn.
 
         With *ordered* (Kafka partitions), nothing runs after a delivery that must be retried:
         the later ones come back as `Reason.BLOCKED` retries, so effects keep the batch's order.
@@ -514,7 +525,8 @@ class IdempotentConsumer:
         and used again when the same keys come back in the next call with the same *held*;
         give what is left back with `release_flow` when the deliveries are abandoned.
 
-        Adapters drive it with `run_with` / `arun_with`, since it yields `Handle` operations.
+        Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
+        operations.
         """
         if not self.batches:
             verdicts: list[Verdict] = []
@@ -731,7 +743,7 @@ class IdempotentConsumer:
     def _guarded(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any] | Verdict]:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
         try:
-            value = yield Handle(message, _invoke(lease))
+            value = yield Run(message, lease)
         except Exception as exc:
             yield from self._release(lease)
             return self._failed(lease.key, lease.attempt, exc)
@@ -848,10 +860,6 @@ class IdempotentConsumer:
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)
 
 
-def _invoke(lease: _execution.Lease) -> Flow[Any]:
-    return (yield _execution.Invoke(lease))
-
-
 def _encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
     """The stored form of *value*; one that cannot be encoded is stored as unavailable."""
     try:
@@ -907,14 +915,18 @@ class Handle(BrokerOp):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Run(BrokerOp):
+    """Run the handler on *message* under *lease* (the batch path's `Invoke`)."""
+
+    message: Any
+    lease: _execution.Lease
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Parallel(BrokerOp):
     """Run *flows* (one per partition, say): concurrently when async, in order when sync."""
 
     flows: Sequence[Flow[Any]]
-
-
-def _one(op: Any) -> Flow[Any]:
-    return (yield op)
 
 
 def run_with(
@@ -925,20 +937,25 @@ def run_with(
 ) -> T:
     """Run an adapter's *flow* against a sync store.
 
-    `Handle` and `Parallel` are performed here; other `BrokerOp` values go to *broker*; the
-    rest (store calls, the handler's invocation, heartbeats, sleeps) to `oncely._execution.run`,
-    with *handler* called on the message of the enclosing `Handle`.
+    `Handle`, `Run` and `Parallel` are performed here; other `BrokerOp` values go to *broker*;
+    the rest (store calls, the handler's invocation, heartbeats, sleeps) to
+    `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
     """
 
     def performer(message: Any) -> Callable[[Any], Any]:
         def perform(op: Any) -> Any:
-            if isinstance(op, Handle):
+            kind = type(op)
+            if kind is Run:
+                return _execution.invoke_under(op.lease, handler, op.message)
+            if kind is Handle:
                 return drive(op.flow, performer(op.message))
-            if isinstance(op, Parallel):
+            if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
             if isinstance(op, BrokerOp):
                 return broker(op)
-            return _execution.run(_one(op), store, functools.partial(handler, message))
+            if kind is _execution.Invoke:
+                return _execution.invoke_under(op.lease, handler, message)
+            return _execution.perform(op, store)
 
         return perform
 
@@ -955,9 +972,12 @@ async def arun_with(
 
     def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
         async def perform(op: Any) -> Any:
-            if isinstance(op, Handle):
+            kind = type(op)
+            if kind is Run:
+                return await _execution.ainvoke_under(op.lease, handler, op.message)
+            if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
-            if isinstance(op, Parallel):
+            if kind is Parallel:
                 tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
                 try:
                     return await asyncio.gather(*tasks)
@@ -968,7 +988,9 @@ async def arun_with(
                     raise
             if isinstance(op, BrokerOp):
                 return await broker(op)
-            return await _execution.arun(_one(op), store, functools.partial(handler, message))
+            if kind is _execution.Invoke:
+                return await _execution.ainvoke_under(op.lease, handler, message)
+            return await _execution.aperform(op, store)
 
         return perform
 

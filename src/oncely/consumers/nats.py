@@ -182,9 +182,10 @@ class IdempotentHandler:
         """Process a fetched batch (a pull subscription's ``fetch``) and settle each message.
 
         With a store that has the batch verbs, the batch's keys are claimed in one call and
-        completed in one call (see `oncely.consumers.IdempotentConsumer.batch_flow`); the
-        handlers run one after the other. Keep ``len(msgs)`` times the handler's duration well
-        below ``ack_wait``: the messages still waiting get no ``in_progress()`` heartbeat.
+        completed in one call (see `oncely.consumers.IdempotentConsumer.batch_flow`), and the
+        handlers run concurrently in between. Without them the messages run one after the
+        other: keep ``len(msgs)`` times the handler's duration well below ``ack_wait`` then,
+        since the messages still waiting get no ``in_progress()`` heartbeat.
 
         Returns:
             One verdict per message, in order.
@@ -195,7 +196,8 @@ class IdempotentHandler:
         deliveries = [self._delivery(msg) for msg in msgs]
         flow = self.consumer.batch_flow(deliveries)
         verdicts = await arun_with(flow, store, self._run, ano_broker)
-        await asyncio.gather(*(self._settle(m, v) for m, v in zip(msgs, verdicts, strict=True)))
+        for msg, verdict in zip(msgs, verdicts, strict=True):
+            await self._settle(msg, verdict)  # acks are buffered publishes: no task each
         return verdicts
 
     def _delivery(self, msg: Msg) -> Delivery:

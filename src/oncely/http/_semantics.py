@@ -40,7 +40,7 @@ from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl
 
-from oncely._core.fingerprint import canonical_json, digest
+from oncely._core.fingerprint import canonical_document, digest
 from oncely._core.keys import MAX_KEY_LENGTH, scope_key
 from oncely.errors import FingerprintError, InvalidKeyError
 from oncely.keys import from_header
@@ -192,15 +192,6 @@ _JSON: Final = json.JSONDecoder(parse_float=Decimal)
 _PLAIN: Final = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 """Compact ASCII JSON, as ``json.dumps(value, ensure_ascii=True, separators=(",", ":"))``."""
 
-_SORTED: Final = json.JSONEncoder(
-    ensure_ascii=True, separators=(",", ":"), sort_keys=True, allow_nan=False
-)
-"""`canonical_json`'s spelling of documents without decimals, at C speed (see `_canonical`)."""
-
-_FAST_BRACKETS: Final = 100
-"""At most this many brackets (so at most this deep), `canonical_json` cannot hit the recursion
-limit, so the C encoder, which nests deeper, cannot succeed where it would fail."""
-
 
 def _body_digest(request: HttpRequest) -> str:
     body = request.body
@@ -208,7 +199,7 @@ def _body_digest(request: HttpRequest) -> str:
     if body and (media == "application/json" or media.endswith("+json")):
         try:
             document = _JSON.decode(body.decode(_json_encoding(body), "surrogatepass"))
-            text = _canonical(document, body)
+            text = canonical_document(document, body)
         except (ValueError, RecursionError, FingerprintError):
             pass  # labelled JSON but it is not: the raw bytes define the request
         else:
@@ -221,23 +212,6 @@ def _json_encoding(body: bytes) -> str:
     if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
         return "utf-8"  # no BOM starts so, and only UTF-16/32 put a zero byte second
     return json.detect_encoding(body)
-
-
-def _canonical(document: Any, body: bytes) -> str:
-    """``canonical_json(document)`` for a parsed JSON document.
-
-    A document holds only dicts, lists, strings, ints, booleans, None, Decimals and (for
-    ``NaN`` and ``Infinity``) floats. Without Decimals or floats, `canonical_json` spells it
-    exactly as the C encoder does with sorted keys and ASCII escapes (same string escapes, keys
-    in code-point order, ints in decimal), so that is tried first; a Decimal (TypeError) or a
-    non-finite float (ValueError) falls back to `canonical_json` itself.
-    """
-    if body.count(b"[") + body.count(b"{") <= _FAST_BRACKETS:
-        try:
-            return _SORTED.encode(document)
-        except (TypeError, ValueError):
-            pass
-    return canonical_json(document)
 
 
 def read_key(values: Sequence[bytes]) -> str | None:
