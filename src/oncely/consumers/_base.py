@@ -40,13 +40,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from decimal import Decimal
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.fingerprint import digest, document_digest
+from oncely._core.fingerprint import digest, document_digest, parse_document
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
@@ -310,8 +309,8 @@ def _body_fingerprint(body: bytes) -> str:
     """Return the fingerprint of a message body: its canonical JSON when it is JSON (numbers
     compared exactly, as decimals), else its bytes."""
     try:
-        document = json.loads(body, parse_float=Decimal)
-    except (ValueError, UnicodeDecodeError):
+        document = parse_document(body)
+    except ValueError:
         return digest([body])
     return document_digest(document, body)
 

@@ -34,13 +34,12 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from decimal import Decimal
 from http import HTTPStatus
 from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl
 
-from oncely._core.fingerprint import canonical_document, digest
+from oncely._core.fingerprint import canonical_document, digest, parse_document
 from oncely._core.keys import MAX_KEY_LENGTH, scope_key
 from oncely.errors import FingerprintError, InvalidKeyError
 from oncely.keys import from_header
@@ -186,9 +185,6 @@ def _sorted_query(request: HttpRequest) -> list[list[str]]:
     return [list(pair) for pair in sorted(pairs)]
 
 
-_JSON: Final = json.JSONDecoder(parse_float=Decimal)
-"""Decimals keep every digit of a number, so 0.10000000000000000001 is not 0.1."""
-
 _PLAIN: Final = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 """Compact ASCII JSON, as ``json.dumps(value, ensure_ascii=True, separators=(",", ":"))``."""
 
@@ -198,20 +194,13 @@ def _body_digest(request: HttpRequest) -> str:
     media = request.content_type
     if body and (media == "application/json" or media.endswith("+json")):
         try:
-            document = _JSON.decode(body.decode(_json_encoding(body), "surrogatepass"))
+            document = parse_document(body)
             text = canonical_document(document, body)
         except (ValueError, RecursionError, FingerprintError):
             pass  # labelled JSON but it is not: the raw bytes define the request
         else:
             return "json:" + hashlib.sha256(text.encode("ascii")).hexdigest()
     return "raw:" + hashlib.sha256(body).hexdigest()
-
-
-def _json_encoding(body: bytes) -> str:
-    """`json.detect_encoding`, answered at once for the usual body (UTF-8, ``{`` or ``[``)."""
-    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
-        return "utf-8"  # no BOM starts so, and only UTF-16/32 put a zero byte second
-    return json.detect_encoding(body)
 
 
 def read_key(values: Sequence[bytes]) -> str | None:
