@@ -356,7 +356,9 @@ class TestSync:
         started, finish = threading.Event(), threading.Event()
         calls = []
 
-        @oncely.idempotent(store=store, key="k", lease=0.2, ttl=60)
+        # A lease of 0.5 s leaves the heartbeat (every third) 330 ms of slack for a SQLite
+        # commit that waits for a busy disk; the probes span two leases.
+        @oncely.idempotent(store=store, key="k", lease=0.5, ttl=60)
         def slow(k: str) -> str:
             calls.append(k)
             started.set()
@@ -367,8 +369,8 @@ class TestSync:
         first.start()
         try:
             assert started.wait(10)
-            for _ in range(4):  # three leases' worth of time, probed along the way
-                finish.wait(0.2)
+            for _ in range(4):  # two leases' worth of time, probed along the way
+                finish.wait(0.25)
                 with pytest.raises(InProgressError):
                     slow("a")
         finally:
@@ -605,16 +607,16 @@ def test_async_heartbeat_keeps_a_slow_coroutine_from_being_taken_over(store: Sto
     """A coroutine slower than its lease is not run twice: the async heartbeat extends it."""
     calls = []
 
-    @oncely.idempotent(store=store, key="k", lease=0.2, ttl=60)
+    @oncely.idempotent(store=store, key="k", lease=0.5, ttl=60)
     async def slow(k: str) -> str:
         calls.append(k)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.2)
         return "done"
 
     async def main() -> None:
         first = asyncio.create_task(slow("a"))
-        for _ in range(4):  # probe over three leases' worth of time
-            await asyncio.sleep(0.2)
+        for _ in range(4):  # probe over two leases' worth of time
+            await asyncio.sleep(0.25)
             with pytest.raises(InProgressError):
                 await slow("a")
         assert await first == "done"

@@ -120,10 +120,10 @@ def test_replayed_guard_has_no_token(store: Store) -> None:
 
 def test_heartbeat_keeps_the_lease_while_the_block_runs(store: Store) -> None:
     """With a lease shorter than the block, others still find it in progress."""
-    with Guard(store, "k", lease=0.2, ttl=60) as guard:
+    with Guard(store, "k", lease=0.5, ttl=60) as guard:  # two leases' worth of probes
         for _ in range(4):
-            threading.Event().wait(0.2)
-            with pytest.raises(InProgressError), Guard(store, "k", lease=0.2, ttl=60):
+            threading.Event().wait(0.25)
+            with pytest.raises(InProgressError), Guard(store, "k", lease=0.5, ttl=60):
                 pass
         assert not guard.lease_lost
 

@@ -308,12 +308,12 @@ class TestFailures:
         """Heartbeats failing while the handler runs do not stop it; the response is stored."""
         api = make_api(HttpPolicy(lease=0.15))
         api.store.inject("extend")
-        first = api.post(key=key, json_body=PAYMENT, params={"delay": 0.12})
+        first = api.post(key=key, json_body=PAYMENT, params={"delay": 0.3})  # outlives it
         api.store.heal()
 
         assert first.status == 201
         assert api.store.calls["extend"] >= 1
-        assert api.post(key=key, json_body=PAYMENT, params={"delay": 0.12}).replayed
+        assert api.post(key=key, json_body=PAYMENT, params={"delay": 0.3}).replayed
         assert api.ledger.count() == 1
 
     def test_store_briefly_unavailable_after_handler_still_stores(self, api: Api, key: str) -> None:
@@ -333,8 +333,9 @@ class TestFailures:
     ) -> None:
         """The handler ran, so its response goes out. Its record stays in progress: repeats
         get 409 until the lease expires, then the request is recovered and runs again (the
-        documented limit of an outage at complete; fencing tokens guard downstream writes)."""
-        api = make_api(HttpPolicy(lease=0.2))
+        documented limit of an outage at complete; fencing tokens guard downstream writes).
+        The lease (0.5 s) outlasts the time the repeat takes to arrive on a busy machine."""
+        api = make_api(HttpPolicy(lease=0.5))
         api.store.inject("complete")
         first = api.post(key=key, json_body=PAYMENT)
         api.store.heal()
