@@ -20,6 +20,7 @@ from oncely import Status
 from oncely.consumers import Delivery, Reason
 from oncely.consumers.nats import IdempotentHandler, idempotent_handler
 from oncely.consumers.producer import nats_headers, stamp
+from oncely.stores.memory import MemoryStore
 from oncely.stores.redis import RedisStore
 from tests.conftest import service_url
 from tests.consumers._effects import FAST, Ledger, Worker
@@ -316,3 +317,53 @@ def test_fetched_batches_take_effect_once(any_store: Any, ledger: Ledger, name: 
     members = asyncio.run(main())
     assert ledger.counts() == {key: 1 for key in keys}
     assert sum(m.stats[Reason.DUPLICATE] for m in members) == 16
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "$JS.ACK.orders.billing.1.42.7.1700000000000000000.3",
+        "$JS.ACK._.ACCHASH.orders.billing.2.42.7.1700000000000000000.3",
+        "$JS.ACK.hub.ACCHASH.orders.billing.2.42.7.1700000000000000000.3.token",
+        "$JS.ACK.orders.billing.1",
+        "_INBOX.reply",
+        "",
+    ],
+)
+def test_message_id_is_what_the_metadata_says(reply: str) -> None:
+    """Without Nats-Msg-Id the id is the stream and its sequence, read from the ack subject as
+    nats-py's own metadata reads it (both subject versions); core NATS messages have none."""
+    msg = Msg(_client=None, subject="s", reply=reply, data=b"{}")  # type: ignore[arg-type]
+    try:
+        expected: str | None = f"{msg.metadata.stream}:{msg.metadata.sequence.stream}"
+    except Exception:
+        expected = None
+
+    async def handler(msg: Msg) -> None:
+        pass
+
+    consumer = IdempotentHandler(handler, MemoryStore(), group="billing")
+    assert consumer._delivery(msg).message_id == expected
+
+
+def test_message_without_a_key_header_is_keyed_by_its_stream_sequence(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A real JetStream delivery with no key header is keyed by ``<stream>:<sequence>``."""
+
+    async def main() -> None:
+        async with jetstream(name) as (_, js):
+            ack = await js.publish(f"{name}.orders", b'{"order": "no-key"}')
+
+            @idempotent_handler(store, group=name, policy=FAST)
+            async def handle(msg: Msg) -> None:
+                await ledger.awrite("no-key")
+
+            sub = await js.pull_subscribe(f"{name}.orders", durable="billing", stream=name)
+            [msg] = await sub.fetch(1, timeout=5)
+            verdict = await handle(msg)
+            assert verdict.reason is Reason.PROCESSED
+            assert verdict.key == f"{name}|{ack.stream}:{ack.seq}"
+
+    asyncio.run(main())
+    assert ledger.counts() == {"no-key": 1}

@@ -83,12 +83,17 @@ DEAD_LETTER_HEADERS = ("Oncely-Dead-Letter-Reason", "Oncely-Source-Subject", "On
 
 
 def _message_id(msg: Msg) -> str | None:
-    headers = msg.headers or {}
-    if headers.get("Nats-Msg-Id"):
+    """``Nats-Msg-Id``, else ``<stream>:<stream sequence>``; ``None`` for a core NATS message."""
+    headers = msg.headers
+    if headers and headers.get("Nats-Msg-Id"):
         return headers["Nats-Msg-Id"]
-    with contextlib.suppress(Exception):  # not a JetStream message: no metadata
-        meta = msg.metadata
-        return f"{meta.stream}:{meta.sequence.stream}"
+    # What `msg.metadata` reads from the ack subject (ADR-15: 9 tokens, or 11 and more with a
+    # domain), without building its timestamp: this runs for every delivery.
+    tokens = (msg.reply or "").split(".")
+    if tokens[:2] == ["$JS", "ACK"] and (len(tokens) == 9 or len(tokens) >= 11):
+        stream, sequence = (tokens[2], tokens[5]) if len(tokens) == 9 else (tokens[4], tokens[7])
+        with contextlib.suppress(ValueError):
+            return f"{stream}:{int(sequence)}"
     return None
 
 
