@@ -528,7 +528,7 @@ def measure(broker: str, keys: list[str], mode: str) -> Clock:
 
             async def run_async() -> None:
                 async with clock:
-                    await runner(keys, mode, name, clock)  # type: ignore[misc]
+                    await runner(keys, mode, name, clock)
 
             asyncio.run(run_async())
         else:
