@@ -40,6 +40,7 @@ from oncely.errors import (
 )
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
+from oncely.stores.redis._packing import use_hiredis
 
 __all__ = ["RedisClusterStore", "RedisStore"]
 
@@ -597,7 +598,9 @@ class RedisStore(_RedisStoreBase):
     def _new_async_client(self) -> Any:
         asyncio_redis = require("redis.asyncio", extra="redis")
         retry = self._retry(require("redis.asyncio.retry", extra="redis").Retry)
-        return asyncio_redis.Redis.from_url(self.url, retry=retry, **self._options)
+        client = asyncio_redis.Redis.from_url(self.url, retry=retry, **self._options)
+        use_hiredis(client.connection_pool)
+        return client
 
     def _pooled(self) -> dict[str, Any]:
         """The client options, for a sync pool that queues the threads past its size.
