@@ -12,7 +12,7 @@ import pytest
 
 from oncely import Status
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
-from oncely.consumers._base import ano_broker, arun_with, no_broker, run_with
+from oncely.consumers._base import no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
 from tests.consumers._batching import BatchingStore, SingleVerbs
@@ -247,83 +247,3 @@ def test_batch_verbs_are_the_batch_store_protocol() -> None:
 
     members = typing._get_protocol_attrs(BatchStore)  # type: ignore[attr-defined]
     assert sorted(members) == sorted(BATCH_VERBS)
-
-
-class GatedStore(BatchingStore):
-    """Async batch calls that each wait until *width* of them are in flight at once."""
-
-    def __init__(self, width: int, **options: Any) -> None:
-        super().__init__(**options)
-        self.width = width
-        self.in_flight = 0
-        self.widest = 0
-
-    async def _gate(self) -> None:
-        self.in_flight += 1
-        self.widest = max(self.widest, self.in_flight)
-        try:
-            for _ in range(200):  # bounded: a lone call goes on after about a second
-                if self.in_flight >= self.width:
-                    break
-                await asyncio.sleep(0.005)
-        finally:
-            await asyncio.sleep(0)
-            self.in_flight -= 1
-
-    async def aclaim_many(self, requests: Any, *, lease: timedelta, ttl: timedelta) -> list[Any]:
-        await self._gate()
-        return self.claim_many(requests, lease=lease, ttl=ttl)
-
-    async def acomplete_many(self, items: Any, *, ttl: timedelta) -> list[Any]:
-        await self._gate()
-        return self.complete_many(items, ttl=ttl)
-
-
-def test_parts_claim_and_complete_key_disjoint_halves_concurrently() -> None:
-    """parts=2: the distinct keys go in two halves whose claims (and completions) are in flight
-    at once; copies stay with their first copy, every key runs once, verdicts keep the order."""
-    store = GatedStore(2, clock=FrozenClock())
-    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
-    seen: list[Any] = []
-
-    async def handler(message: Any) -> str:
-        seen.append(message[1])
-        return str(message[1])
-
-    keys = ("a", "b", "a", "c", "d", "e", "b", "f", "a")
-
-    async def main() -> list[Verdict]:
-        flow = consumer.batch_flow(deliveries(*keys), parts=2)
-        return await arun_with(flow, store, handler, ano_broker)
-
-    verdicts = asyncio.run(main())
-    assert [v.key for v in verdicts] == [f"s|{key}" for key in keys]
-    assert reasons(verdicts) == [
-        "processed", "processed", "duplicate", "processed", "processed",
-        "processed", "duplicate", "processed", "duplicate",
-    ]  # fmt: skip
-    assert verdicts[8].result == "a"
-    assert sorted(seen) == ["a", "b", "c", "d", "e", "f"]
-    assert sorted(store.calls) == ["claim_many"] * 2 + ["complete_many"] * 2
-    assert store.widest == 2  # both halves' calls were in flight together
-    assert all(store.get(f"s|{key}").status is Status.COMPLETED for key in set(keys))  # type: ignore[union-attr]
-
-
-def test_parts_leave_small_and_ordered_batches_whole(store: BatchingStore) -> None:
-    """Fewer than two distinct keys per part, or an ordered batch: one claim, one completion."""
-    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
-
-    async def handler(message: Any) -> None:
-        pass
-
-    async def main(keys: tuple[str, ...], ordered: bool) -> list[Verdict]:
-        flow = consumer.batch_flow(deliveries(*keys), parts=2, ordered=ordered)
-        return await arun_with(flow, store, handler, ano_broker)
-
-    assert reasons(asyncio.run(main(("a", "b", "c", "a"), False))) == [
-        "processed", "processed", "processed", "duplicate",
-    ]  # fmt: skip
-    assert reasons(asyncio.run(main(("d", "e", "f", "g", "h"), True))) == ["processed"] * 5
-    assert store.calls == ["claim_many", "complete_many"] * 2
-    with pytest.raises(ValueError):
-        list(consumer.batch_flow(deliveries("x"), parts=0))

@@ -508,7 +508,6 @@ class IdempotentConsumer:
         *,
         ordered: bool = False,
         held: dict[str, _execution.Lease] | None = None,
-        parts: int = 1,
     ) -> Flow[list[Verdict]]:
         """The decisions for a fetched batch, as one flow; verdicts come back in order.
 
@@ -525,10 +524,6 @@ class IdempotentConsumer:
         and used again when the same keys come back in the next call with the same *held*;
         give what is left back with `release_flow` when the deliveries are abandoned.
 
-        With *parts* above 1 (unordered batches, async adapters), the batch's distinct keys are
-        split into that many groups, each claimed, run and completed as above, the groups
-        concurrently (a `Parallel`): one group's store round trips overlap the others' work.
-
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
         operations.
         """
@@ -540,10 +535,7 @@ class IdempotentConsumer:
                     continue
                 verdicts.append((yield Handle(delivery.raw, self.flow(delivery))))
             return verdicts
-        if parts < 1:
-            raise ValueError(f"parts must be 1 or more, not {parts}")
-        held = {} if held is None else held
-        return (yield from self._batched(deliveries, ordered, held, parts))
+        return (yield from self._batched(deliveries, ordered, {} if held is None else held))
 
     def release_flow(self, held: dict[str, _execution.Lease]) -> Flow[None]:
         """Release the leases `batch_flow` kept in *held* (the deliveries were abandoned)."""
@@ -558,7 +550,6 @@ class IdempotentConsumer:
         deliveries: Sequence[Delivery],
         ordered: bool,
         held: dict[str, _execution.Lease],
-        parts: int,
     ) -> Flow[list[Verdict]]:
         verdicts: list[Verdict | None] = [None] * len(deliveries)
         firsts: dict[str, int] = {}  # key -> index of its first copy in the batch
@@ -584,21 +575,54 @@ class IdempotentConsumer:
                     copies[firsts[key]].append(index)
                 continue
             firsts[key], prints[key], copies[index] = index, fingerprint, []
+        policy = self._policy
         if firsts:
-            if parts > 1 and not ordered and not held and len(firsts) >= 2 * parts:
-                # Key-disjoint parts, claimed, run and completed concurrently: one part's
-                # store round trips overlap the others' work.
-                items = list(firsts.items())
-                size = -(-len(items) // parts)
-                groups = [dict(items[i : i + size]) for i in range(0, len(items), size)]
-                flows = [
-                    self._claim_and_run(deliveries, group, prints, False, {}) for group in groups
-                ]
-                decided = [pair for part in (yield Parallel(flows)) for pair in part]
-            else:
-                decided = yield from self._claim_and_run(deliveries, firsts, prints, ordered, held)
-            for index, verdict in decided:
-                verdicts[index] = verdict
+            leases: list[tuple[int, _execution.Lease]] = []
+            claims = {key: index for key, index in firsts.items() if key not in held}
+            for key, index in firsts.items():
+                if key in held:  # blocked last time: still ours
+                    leases.append((index, held.pop(key)))
+            requests = [(key, prints[key]) for key in claims]
+            answers: list[Any] = []
+            if requests:
+                try:
+                    answers = yield _execution.StoreCall(
+                        "claim_many", (requests,), {"lease": policy.lease, "ttl": policy.ttl}
+                    )
+                except StoreError as exc:
+                    logger.warning("store error claiming a batch; redelivering later: %s", exc)
+                    answers = [exc] * len(requests)
+            for (key, index), answer in zip(claims.items(), answers, strict=True):
+                verdict, lease = self._claimed(key, answer)
+                if lease is not None and lease.attempt > self.policy.max_attempts:
+                    yield from self._release(lease)
+                    logger.error(
+                        "message dead-lettered: key=%s was started %d times without finishing",
+                        key,
+                        lease.attempt - 1,
+                    )
+                    verdict = Verdict(
+                        Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt
+                    )
+                elif lease is not None:
+                    leases.append((index, lease))
+                    continue
+                assert verdict is not None
+                verdicts[index] = self._verdict(verdict)
+            leases.sort(key=lambda pair: pair[0])
+            if ordered:  # leases after the first retry are kept for next time, unused
+                stop = min(
+                    (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
+                    default=len(deliveries),
+                )
+                for index, lease in leases:
+                    if index > stop:
+                        held[lease.key] = lease
+                        verdicts[index] = self._verdict(self._blocked(lease.key))
+                leases = [(i, lease) for i, lease in leases if i < stop]
+            run = yield from self._run_batch(deliveries, leases, held if ordered else None)
+            for index, verdict in run:
+                verdicts[index] = self._verdict(verdict)
         for first, others in copies.items():
             outcome = verdicts[first]
             assert outcome is not None
@@ -614,60 +638,6 @@ class IdempotentConsumer:
         settled = [verdict for verdict in verdicts if verdict is not None]
         assert len(settled) == len(deliveries)
         return settled
-
-    def _claim_and_run(
-        self,
-        deliveries: Sequence[Delivery],
-        firsts: dict[str, int],
-        prints: dict[str, str],
-        ordered: bool,
-        held: dict[str, _execution.Lease],
-    ) -> Flow[list[tuple[int, Verdict]]]:
-        """Claim the keys of *firsts* (key -> delivery index) in one call, run the handlers of
-        those acquired and complete them in one call; return the verdicts by index."""
-        policy = self._policy
-        decided: list[tuple[int, Verdict]] = []
-        leases: list[tuple[int, _execution.Lease]] = []
-        claims = {key: index for key, index in firsts.items() if key not in held}
-        for key, index in firsts.items():
-            if key in held:  # blocked last time: still ours
-                leases.append((index, held.pop(key)))
-        requests = [(key, prints[key]) for key in claims]
-        answers: list[Any] = []
-        if requests:
-            try:
-                answers = yield _execution.StoreCall(
-                    "claim_many", (requests,), {"lease": policy.lease, "ttl": policy.ttl}
-                )
-            except StoreError as exc:
-                logger.warning("store error claiming a batch; redelivering later: %s", exc)
-                answers = [exc] * len(requests)
-        for (key, index), answer in zip(claims.items(), answers, strict=True):
-            verdict, lease = self._claimed(key, answer)
-            if lease is not None and lease.attempt > self.policy.max_attempts:
-                yield from self._release(lease)
-                logger.error(
-                    "message dead-lettered: key=%s was started %d times without finishing",
-                    key,
-                    lease.attempt - 1,
-                )
-                verdict = Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt)
-            elif lease is not None:
-                leases.append((index, lease))
-                continue
-            assert verdict is not None
-            decided.append((index, self._verdict(verdict)))
-        leases.sort(key=lambda pair: pair[0])
-        if ordered:  # leases after the first retry are kept for next time, unused
-            stop = min((i for i, v in decided if v.action is Action.RETRY), default=len(deliveries))
-            for index, lease in leases:
-                if index > stop:
-                    held[lease.key] = lease
-                    decided.append((index, self._verdict(self._blocked(lease.key))))
-            leases = [(i, lease) for i, lease in leases if i < stop]
-        run = yield from self._run_batch(deliveries, leases, held if ordered else None)
-        decided += [(index, self._verdict(verdict)) for index, verdict in run]
-        return decided
 
     def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
         """Translate one claim answer: a verdict, or a lease to run the handler under."""

@@ -188,10 +188,9 @@ class IdempotentHandler:
 
         With a store that has the batch verbs, the batch's keys are claimed in one call and
         completed in one call (see `oncely.consumers.IdempotentConsumer.batch_flow`), and the
-        handlers run concurrently in between; the batch's keys go in two halves, so that one
-        half's store round trips overlap the other's work. Without the batch verbs the messages
-        run one after the other: keep ``len(msgs)`` times the handler's duration well below
-        ``ack_wait`` then, since the messages still waiting get no ``in_progress()`` heartbeat.
+        handlers run concurrently in between. Without them the messages run one after the
+        other: keep ``len(msgs)`` times the handler's duration well below ``ack_wait`` then,
+        since the messages still waiting get no ``in_progress()`` heartbeat.
 
         Returns:
             One verdict per message, in order.
@@ -200,7 +199,7 @@ class IdempotentHandler:
         if not isinstance(store, AsyncStore):
             raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
         deliveries = [self._delivery(msg) for msg in msgs]
-        flow = self.consumer.batch_flow(deliveries, parts=2)
+        flow = self.consumer.batch_flow(deliveries)
         verdicts = await arun_with(flow, store, self._run, ano_broker)
         for msg, verdict in zip(msgs, verdicts, strict=True):
             await self._settle(msg, verdict)  # acks are buffered publishes: no task each
