@@ -100,6 +100,16 @@ def store(base_url: str, schema: str, app: str) -> Iterator[PostgresStore]:
         yield store
 
 
+def _relay(source: socket.socket, sink: socket.socket) -> None:
+    """Copy what *source* sends to *sink*, then pass the end on, as a network would: a client
+    that goes away (mid-handshake too) must not leave its server session open behind a proxy."""
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
 def _backends(admin: psycopg.Connection[Any], app: str) -> list[int]:
     rows = admin.execute(
         "SELECT pid FROM pg_stat_activity WHERE application_name = %s ORDER BY pid", (app,)
@@ -406,12 +416,7 @@ class _ProtocolCounter:
             server = socket.create_connection(self.target)
             self._sockets += [client, server]
             threading.Thread(target=self._frontend, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
+            threading.Thread(target=_relay, args=(server, client), daemon=True).start()
 
     def _frontend(self, client: socket.socket, server: socket.socket) -> None:
         buffer = b""
@@ -834,12 +839,7 @@ class _SlowProxy:
         server = socket.create_connection(self.target)
         self._sockets += [client, server]
         for source, sink in ((client, server), (server, client)):
-            threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
+            threading.Thread(target=_relay, args=(source, sink), daemon=True).start()
 
 
 def test_event_loop_shutdown_closes_a_busy_loop_pool(
