@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import contextvars
 import heapq
-import logging
 import os
 import threading
 import time
@@ -25,6 +24,7 @@ from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
+from oncely._log import get_logger
 from oncely.errors import (
     CorruptRecordError,
     FingerprintMismatchError,
@@ -34,7 +34,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 
-logger = logging.getLogger("oncely")
+logger = get_logger("oncely")
 
 T = TypeVar("T")
 

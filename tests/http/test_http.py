@@ -463,3 +463,23 @@ class TestBodies:
         repeat = api.post(key=key, json_body=PAYMENT, params=params)
         problem(repeat, 500, "response-not-stored")
         assert api.ledger.count() == 1
+
+
+class TestLogInjection:
+    """Keys, scopes and paths from clients are escaped in log lines: one call, one line."""
+
+    FORGED = "/nowhere\nCRITICAL oncely: payment refunded"
+    """A path as the server decodes it from ``/nowhere%0ACRITICAL%20oncely...``."""
+
+    def test_an_unresolved_path_cannot_forge_a_log_line(
+        self, api: Api, key: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        with caplog.at_level(logging.DEBUG, logger="oncely"):
+            first = api.post(self.FORGED, key=key, json_body=PAYMENT)
+            second = api.post(self.FORGED, key=key, json_body=PAYMENT)
+
+        assert second.status == first.status
+        messages = [r.getMessage() for r in caplog.records if r.name.startswith("oncely")]
+        about_it = [m for m in messages if "refunded" in m]
+        assert about_it, messages  # the duplicate is logged, with the path in its key
+        assert not [m for m in messages if "\n" in m or "\r" in m]

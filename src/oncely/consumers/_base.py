@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import logging
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -51,6 +50,7 @@ from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
+from oncely._log import get_logger
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -90,7 +90,7 @@ __all__ = [
     "Verdict",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from oncely._core.codec import Codec
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
+from oncely._log import get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEAD_LETTER_REASON_HEADER", "DeadLetter", "IdempotencyMiddleware", "publish_to"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DeadLetter: TypeAlias = "Callable[[StreamMessage[Any], Verdict], Awaitable[Any]]"
 """Moves one message to a dead-letter destination; raises if it could not."""

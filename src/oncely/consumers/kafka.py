@@ -49,7 +49,6 @@ the new owner's copy waits for its lease.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._deps import require
+from oncely._log import get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -91,7 +91,7 @@ __all__ = [
     "IdempotentKafkaConsumer",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _FIRST_BACKOFF = 0.01
 """Seconds before a record is first run again in place; doubled up to the verdict's delay."""

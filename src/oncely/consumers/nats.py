@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -48,6 +47,7 @@ from oncely._core.codec import Codec
 from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
+from oncely._log import get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEAD_LETTER_HEADERS", "IdempotentHandler", "idempotent_handler", "MessageHandler"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MessageHandler: TypeAlias = "Callable[[Msg], Awaitable[Any]]"
 """A nats-py message callback."""

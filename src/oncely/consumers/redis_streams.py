@@ -38,7 +38,6 @@ stamp keys on entries.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
@@ -54,6 +53,7 @@ from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._deps import require
+from oncely._log import get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -74,7 +74,7 @@ require("redis", extra="redis")
 
 __all__ = ["DEAD_LETTER_FIELDS", "RedisStreamConsumer", "StreamEntry"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEAD_LETTER_FIELDS = ("oncely-dead-letter-reason", "oncely-source-stream", "oncely-source-id")
 """Fields added to a dead-lettered copy: why, and where it came from."""

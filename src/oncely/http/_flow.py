@@ -21,13 +21,13 @@ One request, in order::
 from __future__ import annotations
 
 import enum
-import logging
 from typing import Any, Final
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
 from oncely._core.records import Replay, Status
+from oncely._log import get_logger
 from oncely.errors import (
     CorruptRecordError,
     FingerprintMismatchError,
@@ -41,7 +41,7 @@ from oncely.http._semantics import Plan, Response, ResponseCapture
 
 __all__ = ["PASS_THROUGH", "abort", "begin", "finish", "invoke"]
 
-logger = logging.getLogger("oncely.http")
+logger = get_logger("oncely.http")
 
 
 class _PassThrough(enum.Enum):

@@ -10,7 +10,6 @@ and ``headers.get("retry-after")``.
 from __future__ import annotations
 
 import email.utils
-import logging
 import random
 import time
 from collections.abc import Callable, Collection
@@ -20,11 +19,12 @@ from typing import Any, Final
 
 from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
+from oncely._log import get_logger
 from oncely.errors import ConfigurationError
 
 __all__ = ["CloseOp", "RetryPolicy", "SendOp", "SleepOp", "parse_retry_after", "retry_flow"]
 
-logger = logging.getLogger("oncely.http.client")
+logger = get_logger("oncely.http.client")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
+from urllib.parse import quote
 
 from oncely._core.policy import UNSET, Duration, _Unset
 from oncely.errors import ConfigurationError
@@ -142,6 +143,10 @@ def _endpoint_options(endpoint: Any) -> RouteOptions | None:
     return None
 
 
+_PATH_SAFE = "/:@!$&'()*+,;="
+"""Characters a path segment may hold unencoded (RFC 3986 pchar, besides unreserved ones)."""
+
+
 # -- path patterns --------------------------------------------------------------------------
 
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z]+))?\}|\*\*|\*")
@@ -221,7 +226,9 @@ class RouteTable:
             for options in (match.options, _endpoint_options(match.endpoint)):
                 if options:
                     policy = self._with(policy, options)
-        return policy, template or path
+        # An unresolved route is named by its path, percent-encoded as a client would send it:
+        # the decoded path may hold control characters, and the route becomes part of the key.
+        return policy, template or quote(path, safe=_PATH_SAFE)
 
     def _with(self, policy: HttpPolicy, options: RouteOptions) -> HttpPolicy:
         cache_key = (id(policy), id(options))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import threading
 import weakref
@@ -31,6 +30,7 @@ from oncely._core.clock import Clock
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status
 from oncely._deps import require
+from oncely._log import get_logger
 from oncely.errors import (
     ConfigurationError,
     SchemaMissingError,
@@ -50,7 +50,7 @@ else:
 
 __all__ = ["PostgresStore"]
 
-logger = logging.getLogger("oncely")
+logger = get_logger("oncely")
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
