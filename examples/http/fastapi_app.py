@@ -96,8 +96,8 @@ def create_app(
 
 
 def app_from_environment() -> FastAPI:
-    """For ``uvicorn --factory``: the store and ledger from ONCELY_STORE / PAYMENTS_DB."""
-    store = oncely.open_store(os.environ.get("ONCELY_STORE", "sqlite:///oncely.db"))
+    """For ``uvicorn --factory``: the store and ledger from ONCELY_STORE_URL / PAYMENTS_DB."""
+    store = oncely.open_store(os.environ.get("ONCELY_STORE_URL", "sqlite:///oncely.db"))
     return create_app(store, Ledger(os.environ.get("PAYMENTS_DB", "payments.db")))
 
 

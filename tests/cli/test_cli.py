@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -126,3 +127,48 @@ def test_module_entry_point_runs(url: str) -> None:
         check=True,
     )
     assert json.loads(result.stdout)["completed"] == 2
+
+
+def test_options_after_the_subcommand(url: str) -> None:
+    """--store, --namespace and --json work after the subcommand too, as the README shows."""
+    code, out = run("stats", "--store", url, "--json")
+    assert code == 0
+    assert json.loads(out)["completed"] == 2
+    code, out = run("--store", url, "inspect", "p-1", "--scope", "billing.charge", "--json")
+    assert json.loads(out)["token"] == 1
+    code, out = run("--store", "sqlite:///nowhere.db", "stats", "--store", url, "--json")
+    assert (code, json.loads(out)["completed"]) == (0, 2)  # the later --store wins
+
+
+def test_people_read_iso_times_with_an_age(url: str) -> None:
+    """Plain output shows ISO 8601 UTC times with their age; raw milliseconds only in --json."""
+    code, out = run("--store", url, "inspect", "p-1", "--scope", "billing.charge")
+    assert code == 0
+    assert "_ms" not in out
+    created = next(line for line in out.splitlines() if line.startswith("created_at "))
+    assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \((\d+s ago|now)\)", created)
+    expires = next(line for line in out.splitlines() if line.startswith("expires_at "))
+    assert re.search(r"Z \(in (\d+[dhm] )*\d+[dhms]\)", expires)
+    code, out = run("--store", url, "leases")
+    assert "lease_expires_at=" in out
+    assert "Z (" in out
+    code, out = run("--store", url, "--json", "inspect", "p-1", "--scope", "billing.charge")
+    assert isinstance(json.loads(out)["created_at_ms"], int)
+
+
+def test_release_a_stuck_lease(url: str) -> None:
+    """release KEY --token N gives a lease back; a wrong token is refused with exit 1."""
+    code, out = run("--store", url, "release", "held", "--token", "7")
+    assert code == 1
+    assert "no lease with token 7" in out
+    code, out = run("--store", url, "--json", "release", "held", "--token", "1")
+    assert (code, json.loads(out)["released"]) == (0, True)
+    code, out = run("--store", url, "--json", "stats")
+    assert json.loads(out)["released"] == 1
+
+
+def test_demo_help_lists_the_demo_options() -> None:
+    """oncely demo --help shows the demo's own options, not an empty click page."""
+    code, out = run("demo", "--help")
+    assert code == 0
+    assert "--payments" in out

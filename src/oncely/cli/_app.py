@@ -6,8 +6,9 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from typing import Any, TypeVar
 
 import click
 
@@ -54,7 +55,7 @@ def _translate(exc: oncely.OncelyError) -> click.ClickException:
 def _open(ctx: click.Context) -> Any:
     url = ctx.obj.get("store_url")
     if not url:
-        raise SetupError("no store: pass --store URL or set ONCELY_STORE_URL")
+        raise SetupError(f"no store: pass --store URL or set {ENV_STORE_URL}")
     options: dict[str, Any] = {"namespace": ctx.obj["namespace"]}
     if url.startswith("sqlite") and ctx.info_name != "migrate":
         options["migrate"] = False  # only `oncely migrate` changes a schema
@@ -103,6 +104,39 @@ def _record_dict(record: Record) -> dict[str, Any]:
     return data
 
 
+_TIMES = ("lease_expires_at_ms", "expires_at_ms", "created_at_ms", "updated_at_ms")
+
+
+def _when(ms: int, now_ms: int) -> str:
+    """*ms* as ISO 8601 UTC with its distance from now (``... (in 4m 10s)``, ``(12s ago)``)."""
+    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    text = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    delta = (ms - now_ms) // 1000
+    span = _span(abs(delta))
+    return f"{text} ({'in ' + span if delta > 0 else span + ' ago' if delta < 0 else 'now'})"
+
+
+def _span(seconds: int) -> str:
+    """A duration as its two largest units (``1h 2m``, ``4m 10s``, ``12s``)."""
+    parts: list[str] = []
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60), ("s", 1)):
+        count, seconds = divmod(seconds, size)
+        if count or (unit == "s" and not parts):
+            parts.append(f"{count}{unit}")
+    return " ".join(parts[:2])
+
+
+def _readable(data: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields for people: times as ISO 8601 UTC with an age, not epoch ms."""
+    now_ms = time.time_ns() // 1_000_000
+    return {
+        name.removesuffix("_ms") if name in _TIMES else name: (
+            _when(int(value), now_ms) if name in _TIMES else value
+        )
+        for name, value in data.items()
+    }
+
+
 def _emit(ctx: click.Context, data: Any, lines: list[str]) -> None:
     if ctx.obj["json"]:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
@@ -111,15 +145,58 @@ def _emit(ctx: click.Context, data: Any, lines: list[str]) -> None:
             click.echo(line)
 
 
+ENV_STORE_URL = "ONCELY_STORE_URL"
+"""The environment variable that names the store, for the CLI and the examples alike."""
+
+_STORE_HELP = f"Store URL, e.g. sqlite:///oncely.db or redis://localhost:6379/0 ({ENV_STORE_URL})."
+_NAMESPACE_HELP = "The namespace the application opened it with."
+_JSON_HELP = "Machine-readable output."
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    # An option given after the subcommand overrides the same option given before it.
+    if value is not None and value is not False and param.name is not None:
+        ctx.find_root().ensure_object(dict)[param.name] = value
+
+
+def _common_options(command: F) -> F:
+    """Accept --store, --namespace and --json after the subcommand too (``oncely stats --json``)."""
+    for option in (
+        click.option(
+            "--json",
+            "json",
+            is_flag=True,
+            default=None,
+            expose_value=False,
+            callback=_remember,
+            help=_JSON_HELP,
+        ),
+        click.option(
+            "--namespace",
+            default=None,
+            expose_value=False,
+            callback=_remember,
+            help=_NAMESPACE_HELP,
+        ),
+        click.option(
+            "--store",
+            "store_url",
+            default=None,
+            expose_value=False,
+            callback=_remember,
+            help=_STORE_HELP,
+        ),
+    ):
+        command = option(command)
+    return command
+
+
 @click.group()
-@click.option(
-    "--store",
-    "store_url",
-    envvar="ONCELY_STORE_URL",
-    help="Store URL, e.g. sqlite:///oncely.db or redis://localhost:6379/0 (ONCELY_STORE_URL).",
-)
-@click.option("--namespace", default="", help="The namespace the application opened it with.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--store", "store_url", envvar=ENV_STORE_URL, help=_STORE_HELP)
+@click.option("--namespace", default="", help=_NAMESPACE_HELP)
+@click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 @click.pass_context
 def cli(ctx: click.Context, store_url: str | None, namespace: str, as_json: bool) -> None:
     """Inspect and maintain oncely stores."""
@@ -129,6 +206,7 @@ def cli(ctx: click.Context, store_url: str | None, namespace: str, as_json: bool
 @cli.command()
 @click.argument("key")
 @click.option("--scope", help="The scope the key was used in (a function's module.qualname).")
+@_common_options
 @click.pass_context
 def inspect(ctx: click.Context, key: str, scope: str | None) -> None:
     """Show the record of KEY (the stored key, or KEY within --scope)."""
@@ -138,7 +216,7 @@ def inspect(ctx: click.Context, key: str, scope: str | None) -> None:
     if record is None:
         raise NotFoundError(f"no live record for {stored!r}")
     data = _record_dict(record)
-    _emit(ctx, data, [f"{name:20} {value}" for name, value in data.items()])
+    _emit(ctx, data, [f"{name:20} {value}" for name, value in _readable(data).items()])
 
 
 def _all_records(store: Any, page: int = 500) -> Iterator[Record]:
@@ -155,6 +233,7 @@ def _all_records(store: Any, page: int = 500) -> Iterator[Record]:
 @cli.command()
 @click.option("--stuck", is_flag=True, help="Only leases that expired without settling.")
 @click.option("--limit", default=100, show_default=True, help="At most this many.")
+@_common_options
 @click.pass_context
 def leases(ctx: click.Context, stuck: bool, limit: int) -> None:
     """List in-progress records: held leases, or with --stuck abandoned ones."""
@@ -172,7 +251,7 @@ def leases(ctx: click.Context, stuck: bool, limit: int) -> None:
         rows,
         [
             f"{row['key']}  token={row['token']} attempt={row['attempt']} "
-            f"lease_expires_at_ms={row['lease_expires_at_ms']}"
+            f"lease_expires_at={_readable(row)['lease_expires_at']}"
             for row in rows
         ]
         or ["no leases"],
@@ -185,6 +264,29 @@ def _lease_expired(row: dict[str, Any]) -> bool:
 
 
 @cli.command()
+@click.argument("key")
+@click.option("--token", type=int, required=True, help="The fencing token of the lease to release.")
+@click.option("--scope", help="The scope the key was used in (a function's module.qualname).")
+@_common_options
+@click.pass_context
+def release(ctx: click.Context, key: str, token: int, scope: str | None) -> None:
+    """Release the lease TOKEN of KEY, so the next claim runs the operation again.
+
+    Only for a lease whose worker is known to be gone: a live worker would then run beside
+    the next claimer (its own complete fails with a lost lease).
+    """
+    stored = scope_key(scope, key) if scope else key
+    with _store(ctx) as store:
+        answer = store.release(stored, token)
+    if answer is not None:
+        raise NotFoundError(f"{stored!r} holds no lease with token {token}")
+    _emit(
+        ctx, {"released": True, "key": stored, "token": token}, [f"released {stored} token={token}"]
+    )
+
+
+@cli.command()
+@_common_options
 @click.pass_context
 def stats(ctx: click.Context) -> None:
     """Count live records by status."""
@@ -197,6 +299,7 @@ def stats(ctx: click.Context) -> None:
 
 @cli.command()
 @click.option("--batch", default=1000, show_default=True, help="Records per transaction.")
+@_common_options
 @click.pass_context
 def purge(ctx: click.Context, batch: int) -> None:
     """Delete expired records."""
@@ -206,6 +309,7 @@ def purge(ctx: click.Context, batch: int) -> None:
 
 
 @cli.command()
+@_common_options
 @click.pass_context
 def migrate(ctx: click.Context) -> None:
     """Create or upgrade the store's schema (idempotent)."""
@@ -214,10 +318,13 @@ def migrate(ctx: click.Context) -> None:
     _emit(ctx, {"migrated": True}, ["schema is up to date"])
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,  # --help goes to the demo, which lists its own options
+)
 @click.pass_context
 def demo(ctx: click.Context) -> None:
-    """Run the retry-storm demo (options as for python -m oncely.demo)."""
+    """Run the retry-storm demo (`oncely demo --help` lists its options)."""
     from oncely._demo import main as demo_main
 
     ctx.exit(demo_main(list(ctx.args)))
