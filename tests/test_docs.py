@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -28,9 +30,11 @@ def _examples() -> list[object]:
 
 @pytest.mark.parametrize("code", _examples())
 def test_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The example runs in a fresh namespace and working directory without raising."""
+    """The example runs as a fresh module, in a fresh working directory, without raising."""
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, object] = {"__name__": "__docs__"}
+    module = types.ModuleType("__docs__")  # a real module, as a reader's code would be
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
     exec(compile(code, "<docs>", "exec"), namespace)
     for value in namespace.values():
         close = getattr(value, "close", None)

@@ -294,15 +294,10 @@ def replay(outcome: Replay, codec: _codec.Codec, annotation: Any, policy: Policy
 
 
 def rebuild_error(key: str, stored: _codec.Outcome, policy: Policy) -> BaseException:
-    """Rebuild a stored final error as the declared type it names, and only as such."""
-    for error_type in policy.final_errors:
-        if _codec.qualified_name(error_type) == stored.error_type:
-            try:
-                return error_type(*stored.error_args)
-            except Exception:
-                error = error_type.__new__(error_type)
-                error.args = stored.error_args
-                return error
+    """Rebuild a stored final error as its own declared type (or subclass), and only as such."""
+    error = _codec.rebuild_error(stored, policy.final_errors)
+    if error is not None:
+        return error
     return ResultUnavailableError(
         key, f"it failed with {stored.error_type}, which is not one of the declared final errors"
     )

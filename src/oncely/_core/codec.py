@@ -6,11 +6,20 @@ rebuilt only as one of the types the user declared final.
 
 from __future__ import annotations
 
+import base64
+import collections.abc
+import contextlib
 import dataclasses
+import datetime
+import decimal
+import enum
 import json
+import math
+import sys
 import types
 import typing
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 __all__ = [
@@ -42,34 +51,280 @@ class Codec(Protocol):
 
 
 class JSONCodec:
-    """JSON, with dataclasses and pydantic models stored as their fields.
+    """JSON that describes its own types, so a replay returns what the first call returned.
 
-    Decoding rebuilds a dataclass or pydantic model when the function's return annotation names
-    one (directly, or as ``list[Model]``, ``Model | None`` and the like); other values come back
-    as JSON gives them (tuples as lists). Falsy values (``0``, ``""``, ``[]``, ``None``) replay
-    exactly.
+    Plain JSON values (``str``, ``int``, finite ``float``, ``bool``, ``None``, lists and dicts
+    with string keys) are stored as themselves. Everything else a function commonly returns is
+    stored as a small tagged object (``{"$t": "decimal", "v": "12.50"}``) and rebuilt as the same
+    type: ``tuple``, ``set``, ``frozenset``, dicts with other keys, ``bytes``, ``bytearray``,
+    ``Decimal``, NaN and infinities, ``datetime`` (with its ``ZoneInfo`` zone), ``date``,
+    ``time``, ``timedelta``, ``UUID``, enums, dataclasses, named tuples and pydantic models, at
+    any depth, with or without a return annotation.
+
+    Classes (enums, dataclasses, named tuples, pydantic models) are stored by qualified name and
+    found again only among modules already imported, and only if they are of that kind: decoding
+    never imports a module or builds any other type. Anything else is refused when encoding
+    (`TypeError`), so an unstorable result is known at the first call, not at a replay.
     """
 
     def encode(self, value: Any) -> bytes:
-        """Serialise *value* as compact UTF-8 JSON."""
-        return json.dumps(
-            value, default=_to_json, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode()
+        """Serialise *value* as compact UTF-8 JSON with type tags where JSON has no type."""
+        return _DUMPS(_tagged(value)).encode()
 
     def decode(self, data: bytes, annotation: Any) -> Any:
-        """Parse *data* and rebuild it as *annotation* where that names a known model type."""
-        return _rebuild(json.loads(data), annotation)
+        """Parse *data*, rebuilding tagged values; *annotation* rebuilds untagged older records."""
+        value = _LOADS(data.decode())
+        if annotation is Any or annotation is None:
+            return value
+        return _rebuild(value, annotation)  # records written before the values carried types
+
+    def check(self, annotation: Any) -> None:
+        """Raise `TypeError` if a function annotated to return *annotation* cannot be stored."""
+        _check_annotation(annotation, set())
 
 
-def _to_json(value: Any) -> Any:
+_TAG = "$t"
+_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def _tag(kind: str, value: Any, cls: type | None = None) -> dict[str, Any]:
+    if cls is None:
+        return {_TAG: kind, "v": value}
+    return {_TAG: kind, "c": _class_name(cls), "v": value}
+
+
+def _tagged(value: Any) -> Any:
+    """*value* as plain JSON data, with a tag wherever JSON would lose the type."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else _tag("float", repr(value))
+    if kind is list:
+        return [_tagged(item) for item in value]
+    if kind is dict:
+        if _TAG not in value and all(type(name) is str for name in value):
+            return {name: _tagged(item) for name, item in value.items()}
+        return _tag("map", [[_tagged(name), _tagged(item)] for name, item in value.items()])
+    if kind is tuple:
+        return _tag("tuple", [_tagged(item) for item in value])
+    simple = _SIMPLE_ENCODERS.get(kind)
+    if simple is not None:
+        return simple(value)
+    if isinstance(value, enum.Enum):
+        return _tag("enum", _tagged(value.value), kind)
+    if isinstance(value, tuple) and _is_named_tuple(kind):
+        return _tag("namedtuple", [_tagged(item) for item in value], kind)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    model_dump = getattr(value, "model_dump", None)
-    if callable(model_dump) and not isinstance(value, type):
-        return model_dump(mode="json")
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    raise TypeError(f"values of type {type(value).__qualname__} are not JSON serialisable")
+        fields = {f.name: _tagged(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _tag("dataclass", fields, kind)
+    if _is_pydantic(kind):
+        return _tag("pydantic", _tagged(value.model_dump(mode="python", round_trip=True)), kind)
+    raise TypeError(
+        f"values of type {kind.__module__}.{kind.__qualname__} cannot be stored: return JSON "
+        "data, a standard type (Decimal, datetime, UUID, bytes, set, tuple, ...), an enum, a "
+        "dataclass, a named tuple or a pydantic model, or pass a codec that can store it"
+    )
+
+
+def _datetime(value: datetime.datetime) -> dict[str, Any]:
+    zone = getattr(value.tzinfo, "key", None)
+    tagged = _tag("datetime", value.isoformat())
+    if isinstance(zone, str) and type(value.tzinfo).__name__ == "ZoneInfo":
+        tagged["z"] = zone  # the zone itself; its fold follows from the offset in "v"
+    elif value.fold:
+        tagged["f"] = 1
+    return tagged
+
+
+def _time(value: datetime.time) -> dict[str, Any]:
+    tagged = _tag("time", value.isoformat())
+    if value.fold:
+        tagged["f"] = 1
+    return tagged
+
+
+_SIMPLE_ENCODERS: dict[type, Callable[[Any], Any]] = {
+    set: lambda value: _tag("set", [_tagged(item) for item in value]),
+    frozenset: lambda value: _tag("frozenset", [_tagged(item) for item in value]),
+    bytes: lambda value: _tag("bytes", base64.b64encode(value).decode("ascii")),
+    bytearray: lambda value: _tag("bytearray", base64.b64encode(value).decode("ascii")),
+    decimal.Decimal: lambda value: _tag("decimal", str(value)),
+    datetime.datetime: _datetime,
+    datetime.date: lambda value: _tag("date", value.isoformat()),
+    datetime.time: _time,
+    datetime.timedelta: lambda value: _tag(
+        "timedelta", [value.days, value.seconds, value.microseconds]
+    ),
+    uuid.UUID: lambda value: _tag("uuid", str(value)),
+}
+
+
+def _class_name(cls: type) -> str:
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    if _find_class(name) is not cls:
+        raise TypeError(
+            f"{cls.__module__}.{cls.__qualname__} cannot be stored: a replay finds classes by "
+            "module and name, and this one is not reachable so (define it at module level)"
+        )
+    return name
+
+
+def _find_class(name: str) -> Any:
+    """The class *name* (``module:Qual.Name``) names, among already imported modules only."""
+    cached = _CLASSES.get(name)
+    if cached is not None:
+        return cached
+    module_name, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        if found is None or part.startswith("<"):
+            return None
+        found = getattr(found, part, None)
+    if not isinstance(found, type):
+        return None
+    _CLASSES[name] = found
+    return found
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def _stored_class(data: dict[str, Any], accept: Callable[[type], bool]) -> Any:
+    cls = _find_class(str(data.get("c")))
+    if cls is None or not accept(cls):
+        raise ValueError(f"the stored class {data.get('c')!r} is not a loaded class of its kind")
+    return cls
+
+
+def _is_named_tuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
+
+
+def _is_pydantic(cls: type) -> bool:
+    return callable(getattr(cls, "model_validate", None)) and callable(
+        getattr(cls, "model_dump", None)
+    )
+
+
+def _dataclass(data: dict[str, Any]) -> Any:
+    cls = _stored_class(data, lambda c: dataclasses.is_dataclass(c))
+    values: dict[str, Any] = data["v"]
+    fields = dataclasses.fields(cls)
+    instance = cls(**{f.name: values[f.name] for f in fields if f.init and f.name in values})
+    for f in fields:
+        if not f.init and f.name in values:
+            object.__setattr__(instance, f.name, values[f.name])
+    return instance
+
+
+def _datetime_from(data: dict[str, Any]) -> datetime.datetime:
+    value = datetime.datetime.fromisoformat(data["v"])
+    zone = data.get("z")
+    if zone is not None and value.tzinfo is not None:
+        import zoneinfo
+
+        return value.astimezone(zoneinfo.ZoneInfo(zone))
+    return value.replace(fold=1) if data.get("f") else value
+
+
+_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "map": lambda data: {name: item for name, item in data["v"]},
+    "tuple": lambda data: tuple(data["v"]),
+    "set": lambda data: set(data["v"]),
+    "frozenset": lambda data: frozenset(data["v"]),
+    "float": lambda data: float(data["v"]),
+    "bytes": lambda data: base64.b64decode(data["v"], validate=True),
+    "bytearray": lambda data: bytearray(base64.b64decode(data["v"], validate=True)),
+    "decimal": lambda data: decimal.Decimal(data["v"]),
+    "datetime": _datetime_from,
+    "date": lambda data: datetime.date.fromisoformat(data["v"]),
+    "time": lambda data: datetime.time.fromisoformat(data["v"]).replace(fold=data.get("f", 0)),
+    "timedelta": lambda data: datetime.timedelta(*data["v"]),
+    "uuid": lambda data: uuid.UUID(data["v"]),
+    "enum": lambda data: _stored_class(data, lambda c: issubclass(c, enum.Enum))(data["v"]),
+    "namedtuple": lambda data: _stored_class(data, _is_named_tuple)._make(data["v"]),
+    "dataclass": _dataclass,
+    "pydantic": lambda data: _stored_class(data, _is_pydantic).model_validate(data["v"]),
+}
+
+
+def _untagged(data: dict[str, Any]) -> Any:
+    kind = data.get(_TAG)
+    if kind is None:
+        return data
+    decoder = _DECODERS.get(kind) if type(kind) is str else None
+    if decoder is None:
+        raise ValueError(f"unknown stored type tag {kind!r}")
+    try:
+        return decoder(data)
+    except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+        raise ValueError(f"the stored {kind} cannot be rebuilt: {exc}") from exc
+
+
+_LOADS = json.JSONDecoder(object_hook=_untagged).decode
+
+
+def _check_annotation(annotation: Any, seen: set[int]) -> None:
+    """Raise `TypeError` if *annotation* names a type `JSONCodec` cannot store."""
+    if id(annotation) in seen:
+        return
+    seen.add(id(annotation))
+    if annotation in (Any, None, type(None)) or isinstance(annotation, (str, typing.TypeVar)):
+        return
+    origin = typing.get_origin(annotation)
+    if origin is not None:
+        if origin is typing.Literal:
+            return
+        if origin is typing.Annotated:
+            _check_annotation(typing.get_args(annotation)[0], seen)
+            return
+        if origin in _UNSTORABLE_ORIGINS:
+            raise TypeError(f"a function returning {annotation!r} cannot be made idempotent")
+        for arg in typing.get_args(annotation):
+            if arg is not Ellipsis and not isinstance(arg, list):
+                _check_annotation(arg, seen)
+        return
+    if not isinstance(annotation, type):
+        return  # a NewType, a typing special form: judged at the first call
+    if annotation in _PLAIN_TYPES or annotation in _SIMPLE_ENCODERS:
+        return
+    if issubclass(annotation, enum.Enum) or _is_named_tuple(annotation):
+        _class_name(annotation)
+        return
+    if dataclasses.is_dataclass(annotation):
+        _class_name(annotation)
+        for hint in typing.get_type_hints(annotation).values():
+            _check_annotation(hint, seen)
+        return
+    if _is_pydantic(annotation):
+        _class_name(annotation)
+        return
+    if typing.is_typeddict(annotation):
+        for hint in typing.get_type_hints(annotation).values():
+            _check_annotation(hint, seen)
+        return
+    if annotation in (list, dict, tuple, set, frozenset, object) or issubclass(
+        annotation, (Sequence, collections.abc.Mapping)
+    ):
+        return
+    raise TypeError(
+        f"a function returning {annotation.__module__}.{annotation.__qualname__} cannot be "
+        "made idempotent with the default codec: its results could not be stored"
+    )
+
+
+_PLAIN_TYPES = (str, int, float, bool)
+_UNSTORABLE_ORIGINS = (
+    type,
+    collections.abc.Callable,
+    collections.abc.Iterator,
+    collections.abc.Generator,
+    collections.abc.AsyncIterator,
+    collections.abc.AsyncGenerator,
+    collections.abc.Awaitable,
+    collections.abc.Coroutine,
+)
 
 
 def _rebuild(data: Any, annotation: Any) -> Any:
@@ -125,8 +380,10 @@ class Outcome:
     Attributes:
         body: The codec's bytes for a returned value (``kind == "value"``).
         error_type: The qualified name of the final exception's type (``kind == "error"``).
-        error_args: The exception's JSON-safe arguments (``kind == "error"``).
+        error_args: The exception's arguments (``kind == "error"``).
         reason: Why the value could not be stored (``kind == "unavailable"``).
+        error_class: ``module:QualName`` of the exception's class (``kind == "error"``).
+        error_attrs: The exception's attributes (``kind == "error"``).
     """
 
     kind: typing.Literal["value", "error", "unavailable"]
@@ -134,6 +391,8 @@ class Outcome:
     error_type: str = ""
     error_args: tuple[Any, ...] = ()
     reason: str = ""
+    error_class: str = ""
+    error_attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def encode_value(body: bytes) -> bytes:
@@ -142,16 +401,52 @@ def encode_value(body: bytes) -> bytes:
 
 
 def encode_error(exc: BaseException) -> bytes:
-    """Frame a final exception as data: its type's qualified name and its JSON-safe arguments."""
-    args: list[Any] = []
-    for arg in exc.args:
-        try:
-            json.dumps(arg, allow_nan=False)
-        except (TypeError, ValueError):
-            arg = str(arg)
-        args.append(arg)
-    payload = {"type": qualified_name(type(exc)), "args": args}
-    return _MAGIC + _ERROR + json.dumps(payload, separators=(",", ":")).encode()
+    """Frame a final exception as data: its class, its arguments and its attributes.
+
+    Arguments and attributes are stored with `JSONCodec`'s types; one that cannot be stored is
+    kept as its ``str``.
+    """
+    cls = type(exc)
+    payload = {
+        "type": qualified_name(cls),
+        "class": f"{cls.__module__}:{cls.__qualname__}",
+        "args": [_storable(arg) for arg in exc.args],
+        "attrs": {
+            name: _storable(value)
+            for name, value in getattr(exc, "__dict__", {}).items()
+            if not name.startswith("__")
+        },
+    }
+    return _MAGIC + _ERROR + _DUMPS(payload).encode()
+
+
+def _storable(value: Any) -> Any:
+    try:
+        return _tagged(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def rebuild_error(outcome: Outcome, final: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The stored final error as its own class, if that class is one of *final* or a subclass.
+
+    Returns ``None`` when the stored class is not (or no longer) a declared final error.
+    """
+    cls = _find_class(outcome.error_class) if outcome.error_class else None
+    if not (isinstance(cls, type) and issubclass(cls, final)):
+        named = [c for c in final if qualified_name(c) == outcome.error_type]
+        if not named:
+            return None
+        cls = named[0]
+    try:
+        error = cls(*outcome.error_args)
+    except Exception:
+        error = cls.__new__(cls)
+        error.args = outcome.error_args
+    for name, value in outcome.error_attrs.items():
+        with contextlib.suppress(AttributeError, TypeError):  # read-only: the arguments set it
+            setattr(error, name, value)
+    return error
 
 
 def encode_unavailable(reason: str) -> bytes:
@@ -177,10 +472,14 @@ def decode_outcome(data: bytes | None) -> Outcome:
     if kind == _VALUE:
         return Outcome("value", body=rest)
     try:
-        payload = json.loads(rest)
+        payload = _LOADS(rest.decode())
         if kind == _ERROR:
             return Outcome(
-                "error", error_type=str(payload["type"]), error_args=tuple(payload["args"])
+                "error",
+                error_type=str(payload["type"]),
+                error_args=tuple(payload["args"]),
+                error_class=str(payload.get("class", "")),
+                error_attrs=dict(payload.get("attrs", {})),
             )
         if kind == _UNAVAILABLE:
             return Outcome("unavailable", reason=str(payload["reason"]))
