@@ -37,9 +37,21 @@ def test_frozen() -> None:
         {"ttl": 1, "lease": 2},
         {"on_conflict": "skip"},
         {"final_errors": ("ValueError",)},
+        {"lease": float("nan")},
+        {"ttl": float("inf")},
+        {"wait_timeout": float("-inf")},
+        {"ttl": 1e300},
+        {"lease": 0.01},
     ],
 )
 def test_nonsense_is_rejected(options: dict[str, object]) -> None:
     """Invalid durations, modes and error types raise ConfigurationError."""
     with pytest.raises(ConfigurationError):
         Policy(**options)  # type: ignore[arg-type]
+
+
+def test_a_short_lease_needs_no_heartbeat() -> None:
+    """A lease too short to keep alive is refused, unless the heartbeat is off."""
+    assert Policy(lease=0.01, heartbeat=False).lease == timedelta(milliseconds=10)
+    with pytest.raises(ConfigurationError, match="too short"):
+        Policy(lease=0.01)

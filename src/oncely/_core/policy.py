@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final, Literal, TypeAlias
@@ -15,13 +16,22 @@ Duration: TypeAlias = timedelta | int | float
 """A duration: a `timedelta`, or a number of seconds."""
 
 
+MIN_HEARTBEAT_LEASE: Final = timedelta(milliseconds=30)
+"""The shortest lease a heartbeat can keep alive (it extends every third of the lease)."""
+
+
 def to_timedelta(value: Duration, name: str) -> timedelta:
     """Normalise a duration given as a timedelta or seconds, rejecting nonsense early."""
     if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
         raise ConfigurationError(
             f"{name} must be a timedelta or a number of seconds, not {value!r}"
         )
-    result = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigurationError(f"{name} must be a finite number of seconds, not {value!r}")
+    try:
+        result = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    except OverflowError:
+        raise ConfigurationError(f"{name} is too long: {value!r} seconds") from None
     if result <= timedelta(0):
         raise ConfigurationError(f"{name} must be positive, not {value!r}")
     return result
@@ -57,6 +67,12 @@ class Policy:
             object.__setattr__(self, name, to_timedelta(getattr(self, name), name))
         if self.ttl < self.lease:
             raise ConfigurationError("ttl must not be shorter than the lease")
+        if self.heartbeat and self.lease < MIN_HEARTBEAT_LEASE:
+            raise ConfigurationError(
+                f"a lease of {self.lease.total_seconds() * 1000:g} ms is too short to keep alive "
+                f"with a heartbeat (at least {MIN_HEARTBEAT_LEASE.total_seconds() * 1000:g} ms), "
+                "or pass heartbeat=False"
+            )
         if self.on_conflict not in ("raise", "wait"):
             raise ConfigurationError(
                 f"on_conflict must be 'raise' or 'wait', not {self.on_conflict!r}"
