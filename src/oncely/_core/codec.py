@@ -73,7 +73,8 @@ class JSONCodec:
 
     def decode(self, data: bytes, annotation: Any) -> Any:
         """Parse *data*, rebuilding tagged values; *annotation* rebuilds untagged older records."""
-        value = _LOADS(data.decode())
+        # Every tag spells "$t": without it the document is plain JSON, parsed at C speed.
+        value = _LOADS(data.decode()) if b'"$t"' in data else json.loads(data)
         if annotation is Any or annotation is None:
             return value
         return _rebuild(value, annotation)  # records written before the values carried types
@@ -90,21 +91,30 @@ _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=F
 def _tag(kind: str, value: Any, cls: type | None = None) -> dict[str, Any]:
     if cls is None:
         return {_TAG: kind, "v": value}
-    return {_TAG: kind, "c": _class_name(cls), "v": value}
+    return {_TAG: kind, "c": _NAMES.get(cls) or _class_name(cls), "v": value}
+
+
+_AS_IS = frozenset({str, int, bool, type(None)})
+"""Types stored as themselves, with nothing to look at inside."""
 
 
 def _tagged(value: Any) -> Any:
     """*value* as plain JSON data, with a tag wherever JSON would lose the type."""
     kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind in _AS_IS:
         return value
     if kind is float:
         return value if math.isfinite(value) else _tag("float", repr(value))
     if kind is list:
-        return [_tagged(item) for item in value]
+        return [item if type(item) in _AS_IS else _tagged(item) for item in value]
     if kind is dict:
-        if _TAG not in value and all(type(name) is str for name in value):
-            return {name: _tagged(item) for name, item in value.items()}
+        plain: dict[str, Any] = {}
+        for name, item in value.items():
+            if type(name) is not str or name == _TAG:
+                break
+            plain[name] = item if type(item) in _AS_IS else _tagged(item)
+        else:
+            return plain
         return _tag("map", [[_tagged(name), _tagged(item)] for name, item in value.items()])
     if kind is tuple:
         return _tag("tuple", [_tagged(item) for item in value])
@@ -116,8 +126,8 @@ def _tagged(value: Any) -> Any:
     if isinstance(value, tuple) and _is_named_tuple(kind):
         return _tag("namedtuple", [_tagged(item) for item in value], kind)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _tagged(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return _tag("dataclass", fields, kind)
+        names = _FIELDS.get(kind) or _field_names(kind)
+        return _tag("dataclass", {name: _tagged(getattr(value, name)) for name in names}, kind)
     if _is_pydantic(kind):
         return _tag("pydantic", _tagged(value.model_dump(mode="python", round_trip=True)), kind)
     raise TypeError(
@@ -167,7 +177,20 @@ def _class_name(cls: type) -> str:
             f"{cls.__module__}.{cls.__qualname__} cannot be stored: a replay finds classes by "
             "module and name, and this one is not reachable so (define it at module level)"
         )
+    _NAMES[cls] = name
     return name
+
+
+_NAMES: dict[type, str] = {}
+"""Stored names of the classes encoded so far (each checked once to be found again by name)."""
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _find_class(name: str) -> Any:
@@ -191,10 +214,18 @@ _CLASSES: dict[str, type] = {}
 
 
 def _stored_class(data: dict[str, Any], accept: Callable[[type], bool]) -> Any:
-    cls = _find_class(str(data.get("c")))
+    name = data.get("c")
+    cls = _ACCEPTED.get((name, accept))  # type: ignore[arg-type]  # a bad name misses
+    if cls is not None:
+        return cls
+    cls = _find_class(str(name))
     if cls is None or not accept(cls):
-        raise ValueError(f"the stored class {data.get('c')!r} is not a loaded class of its kind")
+        raise ValueError(f"the stored class {name!r} is not a loaded class of its kind")
+    _ACCEPTED[(str(name), accept)] = cls
     return cls
+
+
+_ACCEPTED: dict[tuple[str, Callable[[type], bool]], type] = {}
 
 
 def _is_named_tuple(cls: type) -> bool:
@@ -208,14 +239,34 @@ def _is_pydantic(cls: type) -> bool:
 
 
 def _dataclass(data: dict[str, Any]) -> Any:
-    cls = _stored_class(data, lambda c: dataclasses.is_dataclass(c))
+    cls = _stored_class(data, _is_dataclass)
     values: dict[str, Any] = data["v"]
-    fields = dataclasses.fields(cls)
-    instance = cls(**{f.name: values[f.name] for f in fields if f.init and f.name in values})
-    for f in fields:
-        if not f.init and f.name in values:
-            object.__setattr__(instance, f.name, values[f.name])
+    init, later = _INIT_FIELDS.get(cls) or _init_fields(cls)
+    instance = cls(**{name: values[name] for name in init if name in values})
+    for name in later:
+        if name in values:
+            object.__setattr__(instance, name, values[name])
     return instance
+
+
+def _is_dataclass(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls)
+
+
+def _is_enum(cls: type) -> bool:
+    return issubclass(cls, enum.Enum)
+
+
+def _init_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    fields = dataclasses.fields(cls)
+    split = _INIT_FIELDS[cls] = (
+        tuple(f.name for f in fields if f.init),
+        tuple(f.name for f in fields if not f.init),
+    )
+    return split
+
+
+_INIT_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
 def _datetime_from(data: dict[str, Any]) -> datetime.datetime:
@@ -242,7 +293,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "time": lambda data: datetime.time.fromisoformat(data["v"]).replace(fold=data.get("f", 0)),
     "timedelta": lambda data: datetime.timedelta(*data["v"]),
     "uuid": lambda data: uuid.UUID(data["v"]),
-    "enum": lambda data: _stored_class(data, lambda c: issubclass(c, enum.Enum))(data["v"]),
+    "enum": lambda data: _stored_class(data, _is_enum)(data["v"]),
     "namedtuple": lambda data: _stored_class(data, _is_named_tuple)._make(data["v"]),
     "dataclass": _dataclass,
     "pydantic": lambda data: _stored_class(data, _is_pydantic).model_validate(data["v"]),
