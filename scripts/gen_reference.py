@@ -17,6 +17,7 @@ SECTIONS = [
     ("oncely.http", None),
     ("oncely.http.asgi", ["IdempotencyMiddleware"]),
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
+    ("oncely.http.flask", ["Idempotency"]),
 ]
 OPTIONAL = [
     ("oncely.stores.postgres", ["PostgresStore"]),
