@@ -11,7 +11,7 @@ from typing import Any
 SECTIONS = [
     ("oncely", None),
     ("oncely.keys", None),
-    ("oncely.testing", ["FrozenClock", "StoreConformance"]),
+    ("oncely.testing", ["override_store", "disabled", "FrozenClock", "StoreConformance"]),
     ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
     ("oncely.stores.tiered", ["TieredStore"]),
     ("oncely.http", None),

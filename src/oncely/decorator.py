@@ -23,12 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
-from oncely import _execution
+from oncely import _execution, _switches
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.keys import scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
+from oncely._log import get_logger
 from oncely.errors import ConfigurationError
 from oncely.stores import open_store
 
@@ -42,6 +43,8 @@ KeyFunc = Callable[..., str]
 """A callable over the function's arguments that returns the idempotency key."""
 
 _IMPLICIT = frozenset({"self", "cls"})
+
+logger = get_logger("oncely")
 
 
 class _AllArguments(enum.Enum):
@@ -82,6 +85,7 @@ class _CallPlan:
     """Everything decided when the decorator is applied, so each call only reads arguments."""
 
     fn: Callable[..., Any]
+    store: Any
     signature: inspect.Signature
     scope: str
     key: str | KeyFunc
@@ -205,6 +209,7 @@ class idempotent:
                 )
         plan = _CallPlan(
             fn=fn,
+            store=self.store,
             signature=signature,
             scope=self.scope or f"{fn.__module__}.{fn.__qualname__}",
             key=self.key,
@@ -218,17 +223,28 @@ class idempotent:
                     f"{type(self.store).__name__} has no async verbs; it cannot serve the "
                     f"coroutine function {fn.__qualname__}()"
                 )
-            return typing.cast(IdempotentFunction[P, R], _async_wrapper(plan, self.store))
+            return typing.cast(IdempotentFunction[P, R], _async_wrapper(plan))
         if not isinstance(self.store, SyncStore):
             raise ConfigurationError(
                 f"{type(self.store).__name__} has no sync verbs; it cannot serve "
                 f"{fn.__qualname__}()"
             )
-        return typing.cast(IdempotentFunction[P, R], _sync_wrapper(plan, self.store))
+        return typing.cast(IdempotentFunction[P, R], _sync_wrapper(plan))
 
 
-def _sync_wrapper(plan: _CallPlan, store: SyncStore) -> Any:
+def _unprotected(plan: _CallPlan) -> None:
+    logger.warning(
+        "oncely is DISABLED (%s): %s runs UNPROTECTED",
+        _switches.DISABLED_VARIABLE,
+        plan.scope,
+    )
+
+
+def _sync_wrapper(plan: _CallPlan) -> Any:
     def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _switches.disabled:
+            _unprotected(plan)
+            return plan.fn(*args, **kwargs)
         bound = plan.bind(args, kwargs)
         flow = _execution.protected_call(
             plan.key_for(bound, explicit_key),
@@ -237,6 +253,7 @@ def _sync_wrapper(plan: _CallPlan, store: SyncStore) -> Any:
             plan.codec,
             plan.annotation,
         )
+        store = plan.store if _switches.store is None else _switches.store
         return _execution.run(flow, store, lambda: plan.fn(*args, **kwargs))
 
     @functools.wraps(plan.fn)
@@ -248,11 +265,15 @@ def _sync_wrapper(plan: _CallPlan, store: SyncStore) -> Any:
 
     wrapper.policy = plan.policy  # type: ignore[attr-defined]
     wrapper.with_key = with_key  # type: ignore[attr-defined]
+    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
     return wrapper
 
 
-def _async_wrapper(plan: _CallPlan, store: AsyncStore) -> Any:
+def _async_wrapper(plan: _CallPlan) -> Any:
     async def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _switches.disabled:
+            _unprotected(plan)
+            return await plan.fn(*args, **kwargs)
         bound = plan.bind(args, kwargs)
         flow = _execution.protected_call(
             plan.key_for(bound, explicit_key),
@@ -261,6 +282,7 @@ def _async_wrapper(plan: _CallPlan, store: AsyncStore) -> Any:
             plan.codec,
             plan.annotation,
         )
+        store = plan.store if _switches.store is None else _switches.store
         return await _execution.arun(flow, store, lambda: plan.fn(*args, **kwargs))
 
     @functools.wraps(plan.fn)
@@ -276,4 +298,5 @@ def _async_wrapper(plan: _CallPlan, store: AsyncStore) -> Any:
 
     wrapper.policy = plan.policy  # type: ignore[attr-defined]
     wrapper.with_key = with_key  # type: ignore[attr-defined]
+    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
     return wrapper

@@ -1,5 +1,8 @@
 """Helpers for testing code that uses oncely, and the store conformance suite.
 
+* `override_store`: route decorated functions to a test store (a fresh ``memory://`` one) inside
+  a ``with`` block; the pytest fixture ``oncely_store`` does it for one test.
+* `disabled`: run decorated functions unprotected inside a block (each call logs a warning).
 * `FrozenClock`: a clock that moves only when told, for deterministic expiry tests.
 * `StoreConformance`: the one test suite every store must pass (DESIGN.md sections 2 and 3).
   Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis.
@@ -17,11 +20,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["FrozenClock", "StoreConformance"]
+from oncely import _switches
+from oncely.errors import ConfigurationError
+
+__all__ = ["FrozenClock", "StoreConformance", "disabled", "override_store"]
+
+S = TypeVar("S")
 
 if TYPE_CHECKING:
     from oncely._conformance import StoreConformance
@@ -50,6 +60,59 @@ class FrozenClock:
             raise ValueError("a clock only moves forward")
         with self._lock:
             self._now_ms += step
+
+
+@contextlib.contextmanager
+def override_store(store: S, *functions: Callable[..., Any]) -> Iterator[S]:
+    """Inside the block, *functions* (decorated with `oncely.idempotent`) use *store*; with no
+    functions given, every decorated function does.
+
+    .. code-block:: python
+
+        with oncely.testing.override_store(oncely.open_store("memory://")) as store:
+            charge("o-1", 500)
+            assert store.get("billing.charge|o-1") is not None
+
+    Raises:
+        ConfigurationError: A function given is not decorated with `oncely.idempotent`.
+
+    .. versionadded:: 0.1.0
+    """
+    plans = []
+    for function in functions:
+        plan = getattr(function, "_oncely_plan", None)
+        if plan is None:
+            raise ConfigurationError(f"{function!r} is not decorated with oncely.idempotent")
+        plans.append(plan)
+    saved = [plan.store for plan in plans]
+    previous = _switches.store
+    if plans:
+        for plan in plans:
+            plan.store = store
+    else:
+        _switches.store = store
+    try:
+        yield store
+    finally:
+        for plan, original in zip(plans, saved, strict=True):
+            plan.store = original
+        _switches.store = previous
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block, decorated functions run unprotected: no store, every call logged.
+
+    The same switch as the ``ONCELY_DISABLED=1`` environment variable, which turns protection
+    off for a whole process in an emergency (each call then logs a WARNING naming it).
+
+    .. versionadded:: 0.1.0
+    """
+    previous, _switches.disabled = _switches.disabled, True
+    try:
+        yield
+    finally:
+        _switches.disabled = previous
 
 
 def __getattr__(name: str) -> Any:

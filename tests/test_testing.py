@@ -1,0 +1,146 @@
+"""Testing code that uses oncely: store overrides, the off switch and the pytest fixture."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import oncely
+from oncely.testing import disabled, override_store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_charge(store: oncely.Store) -> tuple[list[str], object]:
+    calls: list[str] = []
+
+    @oncely.idempotent(store=store, key="order_id", scope="billing.charge")
+    def charge(order_id: str) -> str:
+        calls.append(order_id)
+        return f"charged {order_id}"
+
+    return calls, charge
+
+
+def test_override_every_decorated_function() -> None:
+    real, test = oncely.open_store("memory://"), oncely.open_store("memory://")
+    calls, charge = make_charge(real)
+    with override_store(test) as store:
+        assert charge("o-1") == charge("o-1") == "charged o-1"  # type: ignore[operator]
+        assert store.get("billing.charge|o-1") is not None
+    assert real.get("billing.charge|o-1") is None
+    charge("o-1")  # type: ignore[operator]  # back on the real store: runs again
+    assert calls == ["o-1", "o-1"]
+
+
+def test_override_one_function() -> None:
+    real, test = oncely.open_store("memory://"), oncely.open_store("memory://")
+    _, charge = make_charge(real)
+    _, other = make_charge(real)
+    with override_store(test, charge):  # type: ignore[arg-type]
+        charge("o-1")  # type: ignore[operator]
+        other("o-2")  # type: ignore[operator]
+    assert test.get("billing.charge|o-1") is not None
+    assert real.get("billing.charge|o-2") is not None
+    with pytest.raises(oncely.ConfigurationError), override_store(test, print):
+        pass
+
+
+def test_override_async_functions() -> None:
+    test = oncely.open_store("memory://")
+
+    @oncely.idempotent(store=oncely.open_store("memory://"), key="k", scope="s")
+    async def ship(k: str) -> str:
+        return k
+
+    with override_store(test):
+        assert asyncio.run(ship("a")) == "a"
+    assert test.get("s|a") is not None
+
+
+def test_disabled_runs_unprotected_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    calls, charge = make_charge(oncely.open_store("memory://"))
+    with disabled(), caplog.at_level(logging.WARNING, logger="oncely"):
+        charge("o-1")  # type: ignore[operator]
+        charge("o-1")  # type: ignore[operator]
+    assert calls == ["o-1", "o-1"]
+    warnings = [r.getMessage() for r in caplog.records if "UNPROTECTED" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "billing.charge" in warnings[0]
+    charge("o-1")  # type: ignore[operator]
+    charge("o-1")  # type: ignore[operator]
+    assert calls == ["o-1", "o-1", "o-1"]  # protected again after the block
+
+
+def test_the_environment_variable_turns_protection_off() -> None:
+    code = textwrap.dedent(
+        """
+        import oncely
+        calls = []
+
+        @oncely.idempotent(store="memory://", key="k")
+        def f(k):
+            calls.append(k)
+
+        f("a"); f("a")
+        print(len(calls))
+        """
+    )
+    env = {**os.environ, "ONCELY_DISABLED": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip() == "2"
+    assert "UNPROTECTED" in result.stderr
+
+
+def test_the_pytest_fixture_gives_each_test_a_fresh_store(tmp_path: Path) -> None:
+    (tmp_path / "test_app.py").write_text(
+        textwrap.dedent(
+            """
+            import oncely
+
+            calls = []
+
+            @oncely.idempotent(store="sqlite:///never-used.db", key="k")
+            def charge(k):
+                calls.append(k)
+
+            def test_one(oncely_store):
+                charge("a"); charge("a")
+                assert calls == ["a"]
+
+            def test_two(oncely_store):
+                charge("a")  # a fresh store: runs again
+                assert calls == ["a", "a"]
+                assert oncely_store.get("test_app.charge|a") is not None
+            """
+        )
+    )
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "oncely.pytest_plugin", "test_app.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
+def test_the_plugin_is_registered_with_pytest() -> None:
+    names = {entry.value for entry in importlib.metadata.entry_points(group="pytest11")}
+    if "oncely.pytest_plugin" not in names:  # an editable install from before the entry point
+        text = (ROOT / "pyproject.toml").read_text()
+        assert 'oncely = "oncely.pytest_plugin"' in text
+    else:
+        assert "oncely.pytest_plugin" in names
