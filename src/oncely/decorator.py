@@ -18,9 +18,12 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import sys
 import typing
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 from oncely import _execution, _switches
@@ -105,8 +108,8 @@ class _CallPlan:
             key = bound.arguments[self.key]
         else:
             key = self.key(*bound.args, **bound.kwargs)
-        if isinstance(key, int) and not isinstance(key, bool):
-            key = str(key)
+        if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
+            key = str(key)  # ints and UUIDs name operations too; bools do not
         return scope_key(self.scope, validate_key(key))
 
     def fingerprint_for(self, bound: inspect.BoundArguments) -> str:
@@ -198,6 +201,12 @@ class idempotent:
         """Wrap *fn*."""
         if not callable(fn):
             raise ConfigurationError(f"@idempotent decorates functions, not {fn!r}")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise ConfigurationError(
+                f"{fn.__qualname__}() is a generator function: its results arrive after the call "
+                "returns and cannot be stored; make a function that returns a list instead"
+            )
+        _check_result_type(fn, self.codec)
         signature = inspect.signature(fn)
         for name in ([self.key] if isinstance(self.key, str) else []) + (
             list(self.fingerprint) if isinstance(self.fingerprint, (list, tuple)) else []
@@ -211,7 +220,7 @@ class idempotent:
             fn=fn,
             store=self.store,
             signature=signature,
-            scope=self.scope or f"{fn.__module__}.{fn.__qualname__}",
+            scope=self.scope or default_scope(fn),
             key=self.key,
             fingerprint=self.fingerprint,
             policy=self.policy,
@@ -230,6 +239,50 @@ class idempotent:
                 f"{fn.__qualname__}()"
             )
         return typing.cast(IdempotentFunction[P, R], _sync_wrapper(plan))
+
+
+def default_scope(fn: Callable[..., Any]) -> str:
+    """The default scope of a decorated function: its module's import name and qualified name.
+
+    The module is named as an ``import`` would name it even when the program was started as a
+    script (``python app.py`` or ``python -m app``, where Python calls it ``__main__``), so keys
+    do not depend on how the program was started.
+    """
+    module = fn.__module__
+    if module == "__main__":
+        module = _main_module_name()
+    return f"{module}.{fn.__qualname__}"
+
+
+def _main_module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
+        return str(spec.name).removesuffix(".__main__")
+    path = getattr(main, "__file__", None)
+    if not path:  # an interactive session: there is no module to name
+        return "__main__"
+    file = Path(path).resolve()
+    parts = [file.stem]
+    folder = file.parent
+    while (folder / "__init__.py").is_file():  # python pkg/app.py: still pkg.app
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts)
+
+
+def _check_result_type(fn: Callable[..., Any], codec: Codec) -> None:
+    check = getattr(codec, "check", None)
+    if check is None:
+        return
+    try:
+        annotation = typing.get_type_hints(fn).get("return", Any)
+    except Exception:  # a forward reference not defined yet: judged at the first call
+        return
+    try:
+        check(annotation)
+    except TypeError as exc:
+        raise ConfigurationError(f"{fn.__qualname__}(): {exc}") from None
 
 
 def _unprotected(plan: _CallPlan) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import pydantic
@@ -638,3 +642,76 @@ def test_short_async_calls_leave_no_heartbeat_behind(store: Store) -> None:
         assert pending == []
 
     asyncio.run(main())
+
+
+class TestDecorationChecks:
+    """What cannot be stored is refused when the function is decorated, not at a replay."""
+
+    def test_generator_functions_are_refused(self) -> None:
+        store = oncely.open_store("memory://")
+        with pytest.raises(oncely.ConfigurationError, match="generator"):
+
+            @oncely.idempotent(store=store, key="k")
+            def numbers(k: str) -> Iterator[int]:
+                yield 1
+
+        with pytest.raises(oncely.ConfigurationError, match="generator"):
+
+            @oncely.idempotent(store=store, key="k")
+            async def anumbers(k: str) -> AsyncIterator[int]:
+                yield 1
+
+    def test_a_return_type_the_codec_cannot_store_is_refused(self) -> None:
+        store = oncely.open_store("memory://")
+        with pytest.raises(oncely.ConfigurationError, match="PurePath"):
+
+            @oncely.idempotent(store=store, key="k")
+            def where(k: str) -> PurePath:
+                return PurePath(k)
+
+    def test_uuid_and_int_keys(self) -> None:
+        store = oncely.open_store("memory://")
+        calls: list[object] = []
+
+        @oncely.idempotent(store=store, key="k", scope="s")
+        def f(k: object) -> None:
+            calls.append(k)
+
+        key = uuid.UUID(int=5)
+        f(key)
+        f(key)
+        f(7)
+        assert calls == [key, 7]
+        assert store.get(f"s|{key}") is not None
+        with pytest.raises(oncely.InvalidKeyError):
+            f(True)
+
+
+SCRIPT = """
+import oncely
+
+@oncely.idempotent(store="memory://", key="k")
+def charge(k):
+    return k
+
+print(charge._oncely_plan.scope)
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module", "import"])
+def test_default_scope_does_not_depend_on_how_the_program_started(tmp_path: Path, how: str) -> None:
+    """python pkg/app.py, python -m pkg.app and import pkg.app give the same scope."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "app.py").write_text(SCRIPT)
+    command = {
+        "script": [sys.executable, str(package / "app.py")],
+        "module": [sys.executable, "-m", "pkg.app"],
+        "import": [sys.executable, "-c", "import pkg.app"],
+    }[how]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, check=True, env=env
+    )
+    assert result.stdout.strip() == "pkg.app.charge"
