@@ -714,6 +714,8 @@ class IdempotentConsumer:
                     finished.append((index, lease, ran[0]))
             outcomes: list[Any] = []
             if finished:
+                for _, lease, _ in finished:  # an extend landing after this answers LeaseLost
+                    lease.settling = True
                 items = [
                     (lease.key, lease.token, _encoded(lease, value, self.codec))
                     for _, lease, value in finished
