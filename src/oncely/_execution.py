@@ -479,11 +479,10 @@ def _beat_timeout(interval: float, expires: float, now: float) -> float:
 
 def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
     """Record an extend's answer; return whether the heartbeat should go on."""
-    if lease.settling:  # the settle's own answer decides; this one may predate or follow it
-        return False
     if isinstance(answer, LeaseLost):
-        lease.lost = True
-        logger.error("lease lost key=%s token=%d during heartbeat", lease.key, lease.token)
+        if not lease.settling:  # else the settle's own answer decides: this one may follow it
+            lease.lost = True
+            logger.error("lease lost key=%s token=%d during heartbeat", lease.key, lease.token)
         return False
     return True
 
@@ -505,7 +504,7 @@ async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
     interval = _interval(lease)
     expires = loop.time() + lease.lease.total_seconds() - interval
     this = asyncio.current_task()
-    while lease.heartbeat is this and not lease.settling:  # stopped, even if a cancel was lost
+    while lease.heartbeat is this:  # it goes on while a settle is retried; stopped after it
         sent = loop.time()
         timeout = _beat_timeout(interval, expires, sent)
         try:
@@ -672,12 +671,13 @@ class _HeartbeatScheduler:
         with self._lock:
             extend.answered = True
             beating.in_flight -= 1
-            if not beating.active or lease.settling:
+            if not beating.active:
                 return
             if error is None and answer is None:
                 beating.expires = max(beating.expires, extend.sent + lease.lease.total_seconds())
         if error is not None:  # the next beat may succeed; the lease is not lost yet
-            logger.warning("heartbeat failed key=%s: %s", lease.key, error)
+            if not lease.settling:
+                logger.warning("heartbeat failed key=%s: %s", lease.key, error)
         elif not _beat_answered(lease, answer):
             with self._lock:
                 beating.active = False

@@ -113,6 +113,72 @@ def test_a_stalled_extend_holds_up_no_other_lease(redis_store: RedisStore) -> No
     assert all(isinstance(error, LeaseLostError) for error in errors.values())
 
 
+class _FirstExtendHangs(_Wrapped):
+    """A store whose first extend hangs (until the test ends); counts the successful ones."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.hanging = threading.Event()
+        self.gate = threading.Event()
+        self.extended = 0
+
+    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        if not self.hanging.is_set():
+            self.hanging.set()
+            self.gate.wait(60)
+        answer = self.inner.extend(key, token, lease=lease)
+        self.extended += answer is None
+        return answer
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        if not self.hanging.is_set():
+            self.hanging.set()
+            await asyncio.Event().wait()  # only a cancellation ends it
+        answer = await self.inner.aextend(key, token, lease=lease)
+        self.extended += answer is None
+        return answer
+
+
+def _probe_until_extended(store: _FirstExtendHangs, key: str, lease: timedelta) -> None:
+    """Claim *key* every 0.1 s until it has been extended five times (over two leases)."""
+    deadline = time.monotonic() + 30
+    while store.extended < 5:
+        assert time.monotonic() < deadline, "the lease was not extended"
+        answer = store.inner.claim(key, "", lease=lease, ttl=timedelta(seconds=60))
+        assert isinstance(answer, InProgress), f"{key} was taken over: {answer!r}"
+        time.sleep(0.1)
+
+
+@pytest.mark.redis
+def test_the_next_beat_retries_a_hung_sync_extend(redis_store: RedisStore) -> None:
+    """A sync extend that never answers is a failed beat: the next one keeps the lease."""
+    lease = timedelta(seconds=1.5)
+    store = _FirstExtendHangs(redis_store)
+    try:
+        with Guard(store, "k", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
+            _probe_until_extended(store, "guard|k", lease)
+        assert store.hanging.is_set()
+        assert not guard.lease_lost
+    finally:
+        store.gate.set()
+
+
+@pytest.mark.redis
+def test_the_next_beat_retries_a_hung_async_extend(redis_store: RedisStore) -> None:
+    """An async extend that never answers is cancelled at its timeout and sent again."""
+    lease = timedelta(seconds=1.5)
+    store = _FirstExtendHangs(redis_store)
+
+    async def main() -> Guard:
+        async with Guard(store, "k", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
+            await asyncio.to_thread(_probe_until_extended, store, "guard|k", lease)
+        return guard
+
+    guard = asyncio.run(main())
+    assert store.hanging.is_set()
+    assert not guard.lease_lost
+
+
 class _ExtendLandsAfterComplete(_Wrapped):
     """A store whose first extend reaches the record only after complete has been applied."""
 
