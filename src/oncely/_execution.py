@@ -582,6 +582,9 @@ class _HeartbeatScheduler:
                     target=self._run_timers, name="oncely-heartbeat", daemon=True
                 )
                 self._timer.start()
+            earlier = self._active.get(id(lease))
+            if earlier is not None:  # started again without a stop: one heartbeat per lease
+                earlier.active = False
             self._active[id(lease)] = beating
             if self._at(now + interval, beating):
                 self._timer_wakeup.notify()
