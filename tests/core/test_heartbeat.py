@@ -15,7 +15,16 @@ from typing import Any
 
 import pytest
 
-from oncely import Guard, InProgress, LeaseLost, LeaseLostError, Status, Store, _execution
+from oncely import (
+    Guard,
+    InProgress,
+    LeaseLost,
+    LeaseLostError,
+    Status,
+    Store,
+    StoreUnavailableError,
+    _execution,
+)
 from oncely.stores.memory import MemoryStore
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
@@ -300,3 +309,50 @@ def test_a_forked_child_beats_on_its_own(tmp_path: Any) -> None:
 def _extended(store: MemoryStore, key: str) -> bool:
     record = store.get(key)
     return record is not None and record.updated_at_ms > record.created_at_ms
+
+
+class _CompleteDownFourTimes(_Wrapped):
+    """A store unreachable for the first four completes; each attempt probes the lease."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.attempts = 0
+        self.probes: list[object] = []
+
+    def _attempt(self, key: str) -> None:
+        self.attempts += 1
+        if self.attempts <= 4:  # the retries span over 1.7 s: longer than the lease
+            probe = self.inner.claim(key, "", lease=timedelta(seconds=1), ttl=timedelta(1))
+            self.probes.append(probe)
+            raise StoreUnavailableError("down", backend="test")
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        self._attempt(key)
+        return self.inner.complete(key, token, result, ttl=ttl)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        self._attempt(key)
+        return await self.inner.acomplete(key, token, result, ttl=ttl)
+
+
+def test_the_heartbeat_goes_on_while_complete_is_retried() -> None:
+    """Sync and async: retrying a complete for longer than the lease does not lose it."""
+    store = _CompleteDownFourTimes(MemoryStore())
+    with Guard(store, "k", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
+        guard.complete(1)
+    assert not guard.lease_lost
+    assert len(store.probes) == 4
+    assert all(isinstance(p, InProgress) for p in store.probes), store.probes
+
+    astore = _CompleteDownFourTimes(MemoryStore())
+
+    async def main() -> Guard:
+        async with Guard(astore, "k", lease=0.6, ttl=60) as aguard:  # type: ignore[arg-type]
+            await aguard.acomplete(1)
+        return aguard
+
+    assert not asyncio.run(main()).lease_lost
+    assert len(astore.probes) == 4
+    assert all(isinstance(p, InProgress) for p in astore.probes), astore.probes
