@@ -2,18 +2,20 @@
 
 Each step (acquire, settle, replay) is written once as a sans-I/O flow that yields operations;
 `run` and `arun` perform them against a sync or an async store. Heartbeats are the one place
-that needs a worker of each kind: a single shared thread for sync callers, a task for async ones.
+that needs a worker of each kind: a shared timer thread and a small pool of extending threads for
+sync callers, a task for async ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import heapq
 import os
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -53,11 +55,16 @@ _SETTLED_STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class StoreCall:
-    """Call store verb *verb* (``aclaim`` for async callers) with these arguments."""
+    """Call store verb *verb* (``aclaim`` for async callers) with these arguments.
+
+    With *shield*, an async caller cancelled while the call is in flight lets it finish first
+    (then the flow gets the cancellation): a result that must be recorded is not dropped.
+    """
 
     verb: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    shield: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,9 @@ class Lease:
     attempt: int = 1
     lost: bool = False
     heartbeat: Any = None
+    settling: bool = False
+    """Set once a settle call may have been sent: from then on only the settle's answer counts
+    (an extend that lands after a complete answers `LeaseLost`, and means nothing)."""
 
     def view(self) -> CurrentLease:
         """The public, read-only view of this lease."""
@@ -189,8 +199,9 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
     """
     if verb == "release":
         call = StoreCall("release", (lease.key, lease.token))
-    else:
-        call = StoreCall(verb, (lease.key, lease.token, payload), {"ttl": policy.ttl})
+    else:  # the operation ran: a cancelled caller still records its outcome
+        call = StoreCall(verb, (lease.key, lease.token, payload), {"ttl": policy.ttl}, shield=True)
+    lease.settling = True
     retried = False
     try:
         for delay in (*SETTLE_RETRY_DELAYS, None):
@@ -246,16 +257,32 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
 
 
 def settle_error(lease: Lease, exc: BaseException, policy: Policy) -> Flow[None]:
-    """Store a final error, or release the lease for any other; never mask *exc*."""
+    """Store a final error, or release the lease for any other; never mask *exc*.
+
+    Whatever settling raises (an `Exception`: a cancellation still propagates) is logged and
+    chained to *exc*, which the caller sees; the lease recovers on expiry.
+    """
     final = isinstance(exc, policy.final_errors)
     try:
         if final:
             yield from settle(lease, "fail", _codec.encode_error(exc), policy)
         else:
             yield from settle(lease, "release", None, policy)
-    except (StoreUnavailableError, LeaseLostError) as settle_exc:
-        # The caller sees the operation's own exception; the lease recovers on expiry.
+    except Exception as settle_exc:
         logger.error("could not record the failure of key=%s: %s", lease.key, settle_exc)
+        _chain(exc, settle_exc)
+
+
+def _chain(exc: BaseException, settle_exc: BaseException) -> None:
+    """Attach *settle_exc* to *exc* (as its context when it has none, and as a note)."""
+    if settle_exc is exc:
+        return
+    if settle_exc.__context__ is exc:  # raised while *exc* was handled: no cycle
+        settle_exc.__context__ = None
+    if exc.__context__ is None:
+        exc.__context__ = settle_exc
+    if sys.version_info >= (3, 11):
+        exc.add_note(f"oncely could not record this failure: {settle_exc!r}")
 
 
 def protected_call(
@@ -355,7 +382,8 @@ async def arun(
         send, error = None, None
         try:
             if type(op) is StoreCall:
-                send = await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+                call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+                send = await (_shielded(call) if op.shield else call)
             else:
                 send = await aperform(op, store, invoke)
         except BaseException as exc:  # the flow decides: release the lease, map the error...
@@ -368,7 +396,8 @@ async def aperform(
     """Perform one operation of a flow against an async store (what `arun` does with each)."""
     kind = type(op)
     if kind is StoreCall:
-        return await getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+        call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+        return await (_shielded(call) if op.shield else call)
     if kind is Invoke and invoke is not None:
         return await ainvoke_under(op.lease, invoke)
     if kind is StartHeartbeat:
@@ -378,8 +407,9 @@ async def aperform(
         beat, op.state.heartbeat = op.state.heartbeat, None
         if isinstance(beat, asyncio.Future):  # the heartbeat task
             beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            # Not `await beat` under suppress(CancelledError): that would also swallow a
+            # cancellation of this task landing meanwhile. wait() raises only that one.
+            await asyncio.wait((beat,))
         elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
             beat.cancel()
         return None
@@ -387,6 +417,22 @@ async def aperform(
         await asyncio.sleep(op.seconds)
         return None
     raise TypeError(f"cannot perform {op!r}")
+
+
+async def _shielded(call: Awaitable[T]) -> T:
+    """Await *call* to its end even if this task is cancelled meanwhile, then be cancelled."""
+    task = asyncio.ensure_future(call)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is None:
+        return task.result()
+    if not task.cancelled():
+        task.exception()  # retrieved: what the caller sees is its cancellation
+    raise cancelled
 
 
 async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -412,104 +458,236 @@ def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
 # -- heartbeats -------------------------------------------------------------------------------
 
 
+_MAX_IN_FLIGHT = 2
+"""Extends of one sync lease sent at a time at most: one stuck on a slow connection, its retry."""
+
+
 def _interval(lease: Lease) -> float:
     return max(lease.lease.total_seconds() / 3, 0.001)
+
+
+def _beat_timeout(interval: float, expires: float, now: float) -> float:
+    """How long an extend sent *now* may take: one interval, and no longer than the lease lasts."""
+    left = expires - now
+    return min(interval, left) if left > 0 else interval
 
 
 def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
     """Record an extend's answer; return whether the heartbeat should go on."""
     if isinstance(answer, LeaseLost):
-        lease.lost = True
-        logger.error("lease lost key=%s token=%d during heartbeat", lease.key, lease.token)
+        if not lease.settling:  # else the settle's own answer decides: this one may follow it
+            lease.lost = True
+            logger.error("lease lost key=%s token=%d during heartbeat", lease.key, lease.token)
         return False
     return True
 
 
+def _no_answer(lease: Lease, timeout: float) -> None:
+    logger.warning(
+        "heartbeat failed key=%s: %s",
+        lease.key,
+        f"no answer within {timeout:.3f}s; the next beat tries again",
+    )
+
+
 async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
-    """Extend at once (a third of the lease has passed when this starts), then every third."""
-    while True:
+    """Extend at once (a third of the lease has passed when this starts), then every third.
+
+    An extend that has not answered within its `_beat_timeout` is cancelled: a failed beat.
+    """
+    loop = asyncio.get_running_loop()
+    interval = _interval(lease)
+    expires = loop.time() + lease.lease.total_seconds() - interval
+    this = asyncio.current_task()
+    while lease.heartbeat is this:  # it goes on while a settle is retried; stopped after it
+        sent = loop.time()
+        timeout = _beat_timeout(interval, expires, sent)
         try:
-            answer = await store.aextend(lease.key, lease.token, lease=lease.lease)
+            answer = await asyncio.wait_for(
+                store.aextend(lease.key, lease.token, lease=lease.lease), timeout
+            )
+        except asyncio.TimeoutError:
+            if not lease.settling:
+                _no_answer(lease, timeout)
         except Exception as exc:  # the next beat may succeed; the lease is not lost yet
-            logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
+            if not lease.settling:
+                logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
         else:
             if not _beat_answered(lease, answer):
                 return
-        await asyncio.sleep(_interval(lease))
+            expires = sent + lease.lease.total_seconds()
+        await asyncio.sleep(max(sent + interval - loop.time(), 0))
+
+
+@dataclass(slots=True, eq=False)
+class _Beating:
+    """A sync lease whose heartbeat is on, as the scheduler sees it."""
+
+    lease: Lease
+    store: SyncStore
+    interval: float
+    expires: float  # when the lease ends by this process's clock, as far as it knows
+    in_flight: int = 0
+    active: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class _Extend:
+    """One extend handed to the workers."""
+
+    beating: _Beating
+    sent: float
+    timeout: float
+    answered: bool = False
 
 
 class _HeartbeatScheduler:
-    """One daemon thread extends the leases of every sync operation in this process."""
+    """Extends the leases of every sync operation in this process.
+
+    One timer thread knows when each lease is due, and hands its extend to a pool of worker
+    threads, started as due extends need them (up to `max_workers`) and ended when idle, so a
+    slow extend holds up no other lease. An extend that has not answered within its
+    `_beat_timeout` is a failed beat: logged, and the next beat sends another whatever the first
+    one does (the operation learns the truth at complete). Starting and stopping the heartbeat
+    of a call shorter than a third of its lease (most calls) takes a lock and no thread.
+    """
+
+    max_workers = 32
+    idle_seconds = 30.0
 
     def __init__(self) -> None:
-        self._queue: list[tuple[float, int, Lease, SyncStore]] = []
-        self._active: dict[int, Lease] = {}
-        self._condition = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._busy: Lease | None = None  # the lease being extended right now
+        self._lock = threading.Lock()
+        self._timer_wakeup = threading.Condition(self._lock)
+        self._work_ready = threading.Condition(self._lock)
+        self._timers: list[tuple[float, int, _Beating | _Extend]] = []
+        self._ready: deque[_Extend] = deque()
+        self._active: dict[int, _Beating] = {}
+        self._timer: threading.Thread | None = None
+        self._workers = 0
+        self._idle = 0
         self._sequence = 0
 
-    def _schedule(self, store: SyncStore, lease: Lease) -> None:
-        self._sequence += 1
-        due = time.monotonic() + _interval(lease)
-        heapq.heappush(self._queue, (due, self._sequence, lease, store))
-
-    def _is_active(self, lease: Lease) -> bool:
-        return self._active.get(id(lease)) is lease
-
     def start(self, store: SyncStore, lease: Lease) -> int:
-        with self._condition:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="oncely-heartbeat", daemon=True
+        now = time.monotonic()
+        interval = _interval(lease)
+        beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
+        with self._lock:
+            if self._timer is None or not self._timer.is_alive():
+                self._timer = threading.Thread(
+                    target=self._run_timers, name="oncely-heartbeat", daemon=True
                 )
-                self._thread.start()
-            self._active[id(lease)] = lease
-            self._schedule(store, lease)
-            self._condition.notify()
+                self._timer.start()
+            earlier = self._active.get(id(lease))
+            if earlier is not None:  # started again without a stop: one heartbeat per lease
+                earlier.active = False
+            self._active[id(lease)] = beating
+            if self._at(now + interval, beating):
+                self._timer_wakeup.notify()
         return id(lease)
 
     def stop(self, lease: Lease) -> None:
-        with self._condition:
-            if self._is_active(lease):
+        """Send no more extends for *lease*; one in flight is not waited for (see `settling`)."""
+        with self._lock:
+            beating = self._active.get(id(lease))
+            if beating is not None and beating.lease is lease:
                 del self._active[id(lease)]
-            lease.heartbeat = None
-            while self._busy is lease:  # let an extend in flight finish first
-                self._condition.wait()
+                beating.active = False
+        lease.heartbeat = None
 
-    def _loop(self) -> None:
+    def idle(self) -> bool:
+        """Whether no extend is queued or in flight (for tests)."""
+        with self._lock:
+            return not self._ready and self._idle == self._workers
+
+    def _at(self, when: float, item: _Beating | _Extend) -> bool:
+        """Schedule *item*; return whether it is the next one due."""
+        self._sequence += 1
+        entry = (when, self._sequence, item)
+        heapq.heappush(self._timers, entry)
+        return self._timers[0] is entry
+
+    def _run_timers(self) -> None:
         while True:
-            with self._condition:
+            with self._lock:
                 while True:
-                    while self._queue and not self._is_active(self._queue[0][2]):
-                        heapq.heappop(self._queue)
-                    if self._queue and self._queue[0][0] <= time.monotonic():
-                        _, _, lease, store = heapq.heappop(self._queue)
-                        self._busy = lease
+                    now = time.monotonic()
+                    if self._timers and self._timers[0][0] <= now:
+                        due, _, item = heapq.heappop(self._timers)
                         break
-                    timeout = self._queue[0][0] - time.monotonic() if self._queue else None
-                    self._condition.wait(timeout)
-            go_on = True
-            try:
-                go_on = _beat_answered(
-                    lease, store.extend(lease.key, lease.token, lease=lease.lease)
+                    self._timer_wakeup.wait(self._timers[0][0] - now if self._timers else None)
+                if isinstance(item, _Beating):
+                    self._beat(item, due, now)
+                    continue
+                late = not item.answered and item.beating.active
+            if late and not item.beating.lease.settling:
+                _no_answer(item.beating.lease, item.timeout)
+
+    def _beat(self, beating: _Beating, due: float, now: float) -> None:
+        """Hand the extend of *beating* to a worker and schedule the next beat (lock held)."""
+        if not beating.active:
+            return
+        if beating.in_flight < _MAX_IN_FLIGHT:
+            beating.in_flight += 1
+            timeout = _beat_timeout(beating.interval, beating.expires, now)
+            extend = _Extend(beating, now, timeout)
+            self._ready.append(extend)
+            self._at(now + timeout, extend)
+            if self._idle >= len(self._ready):
+                self._work_ready.notify()
+            elif self._workers < self.max_workers:
+                self._workers += 1
+                worker = threading.Thread(
+                    target=self._run_extends, name="oncely-heartbeat-extend", daemon=True
                 )
+                worker.start()
+        following = due + beating.interval
+        self._at(following if following > now else now + beating.interval, beating)
+
+    def _run_extends(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+                while not self._ready:
+                    if not self._work_ready.wait(self.idle_seconds) and not self._ready:
+                        self._idle -= 1
+                        self._workers -= 1
+                        return
+                self._idle -= 1
+                extend = self._ready.popleft()
+            self._extend(extend)
+
+    def _extend(self, extend: _Extend) -> None:
+        beating = extend.beating
+        lease = beating.lease
+        answer: LeaseLost | None = None
+        error: Exception | None = None
+        if beating.active:
+            try:
+                answer = beating.store.extend(lease.key, lease.token, lease=lease.lease)
             except Exception as exc:
-                logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
-            with self._condition:
-                self._busy = None
-                if go_on and self._is_active(lease):
-                    self._schedule(store, lease)
-                elif self._is_active(lease):
+                error = exc
+        with self._lock:
+            extend.answered = True
+            beating.in_flight -= 1
+            if not beating.active:
+                return
+            if error is None and answer is None:
+                beating.expires = max(beating.expires, extend.sent + lease.lease.total_seconds())
+        if error is not None:  # the next beat may succeed; the lease is not lost yet
+            if not lease.settling:
+                logger.warning("heartbeat failed key=%s: %s", lease.key, error)
+        elif not _beat_answered(lease, answer):
+            with self._lock:
+                beating.active = False
+                if self._active.get(id(lease)) is beating:
                     del self._active[id(lease)]
-                self._condition.notify_all()
 
 
 _SCHEDULER = _HeartbeatScheduler()
 
 
 def _reset_scheduler_after_fork() -> None:
-    # A forked child has no heartbeat thread and must not inherit the parent's leases or locks.
+    # A forked child has no heartbeat threads and must not inherit the parent's leases or locks.
     global _SCHEDULER
     _SCHEDULER = _HeartbeatScheduler()
 

@@ -247,3 +247,41 @@ def test_batch_verbs_are_the_batch_store_protocol() -> None:
 
     members = typing._get_protocol_attrs(BatchStore)  # type: ignore[attr-defined]
     assert sorted(members) == sorted(BATCH_VERBS)
+
+
+def test_a_cancellation_during_the_batch_completion_still_records_it() -> None:
+    """The handlers ran: cancelling during complete_many must not leave them to run again."""
+    clock = FrozenClock()
+
+    class CompletionHangs(BatchingStore):
+        def __init__(self) -> None:
+            super().__init__(clock=clock)
+            self.completing = asyncio.Event()
+            self.go = asyncio.Event()
+
+        async def acomplete_many(self, items: Any, *, ttl: timedelta) -> list[Any]:
+            self.completing.set()
+            await self.go.wait()
+            return self.complete_many(items, ttl=ttl)
+
+    store = CompletionHangs()
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    ran: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        ran.append(message)
+
+    async def main() -> list[Verdict]:
+        task = asyncio.create_task(consumer.aprocess_batch(deliveries("a", "b"), handler))
+        await store.completing.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        store.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        clock.advance(timedelta(minutes=1))  # the leases are long gone
+        store.go.set()
+        return await consumer.aprocess_batch(deliveries("a", "b"), handler)
+
+    assert reasons(asyncio.run(main())) == ["duplicate", "duplicate"]
+    assert len(ran) == 2

@@ -367,3 +367,45 @@ def test_message_without_a_key_header_is_keyed_by_its_stream_sequence(
 
     asyncio.run(main())
     assert ledger.counts() == {"no-key": 1}
+
+
+def test_a_cancellation_while_the_progress_beat_stops_is_not_swallowed(
+    store: RedisStore, name: str
+) -> None:
+    """Cancelling the handler's task while its in_progress beat is drained raises there."""
+
+    async def main() -> IdempotentHandler:
+        async with jetstream(name) as (_, js):
+            beating, stopping, let_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+            @idempotent_handler(store, group=name, policy=FAST, progress_interval=0.05)
+            async def handle(msg: Msg) -> None:
+                await beating.wait()
+
+            sub = await js.pull_subscribe(f"{name}.orders", durable="billing", stream=name)
+            await publish(js, name, "order-1", stamp("order-1"))
+            (msg,) = await sub.fetch(1, timeout=10)
+            real_in_progress = msg.in_progress
+
+            async def in_progress() -> None:  # sent, then slow to end once cancelled
+                await real_in_progress()
+                beating.set()
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    stopping.set()
+                    await let_go.wait()
+                    raise
+
+            msg.in_progress = in_progress  # type: ignore[method-assign]
+            task = asyncio.create_task(handle(msg))
+            await stopping.wait()  # the handler returned; its beat is being stopped
+            task.cancel()
+            await asyncio.sleep(0)
+            let_go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return handle
+
+    handle = asyncio.run(main())
+    assert handle.stats[Reason.PROCESSED] == 0

@@ -715,3 +715,152 @@ def test_default_scope_does_not_depend_on_how_the_program_started(tmp_path: Path
         command, cwd=tmp_path, capture_output=True, text=True, check=True, env=env
     )
     assert result.stdout.strip() == "pkg.app.charge"
+
+
+class _SettlingFails:
+    """A store whose release and fail raise a StoreError that is neither unavailable nor lost."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _refuse(self) -> None:
+        raise oncely.StoreError("the store answered nonsense", backend="test")
+
+    def release(self, key: str, token: int) -> Any:
+        self._refuse()
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> Any:
+        self._refuse()
+
+    async def arelease(self, key: str, token: int) -> Any:
+        self._refuse()
+
+    async def afail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> Any:
+        self._refuse()
+
+
+def _chained_store_error(exc: BaseException) -> bool:
+    return isinstance(exc.__context__, oncely.StoreError) and "nonsense" in str(exc.__context__)
+
+
+def test_a_settling_error_never_hides_the_functions_own_exception(store: Store) -> None:
+    """The caller sees what the function raised; the store's error is chained to it."""
+    failing = _SettlingFails(store)
+
+    def effect(k: str) -> None:
+        if k == "final":
+            raise CardDeclined("no", 5)
+        raise ConnectionError("bank timed out")
+
+    @oncely.idempotent(store=failing, key="k", final_errors=(CardDeclined,))  # type: ignore[arg-type]
+    def op(k: str) -> None:
+        effect(k)
+
+    @oncely.idempotent(store=failing, key="k", final_errors=(CardDeclined,))  # type: ignore[arg-type]
+    async def aop(k: str) -> None:
+        effect(k)
+
+    for key, error in (("retry", ConnectionError), ("final", CardDeclined)):
+        with pytest.raises(error) as info:
+            op(key)
+        assert _chained_store_error(info.value)
+        with pytest.raises(error) as ainfo:
+            asyncio.run(aop(key))
+        assert _chained_store_error(ainfo.value)
+
+
+class _SlowToStop:
+    """A store whose first extend hangs, and when cancelled takes until `let_go` to end."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.extending = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.let_go = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> Any:
+        if self.extending.is_set():
+            return await self.inner.aextend(key, token, lease=lease)
+        self.extending.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.stopping.set()
+            await self.let_go.wait()
+            raise
+
+
+def test_cancelling_the_caller_while_its_heartbeat_stops_is_not_swallowed(store: Store) -> None:
+    """A cancellation landing while the heartbeat is drained reaches the caller."""
+    calls = []
+
+    async def main() -> None:
+        slow = _SlowToStop(store)
+
+        @oncely.idempotent(store=slow, key="k", lease=0.6, ttl=60)  # type: ignore[arg-type]
+        async def op(k: str) -> str:
+            calls.append(k)
+            await slow.extending.wait()  # the heartbeat task has an extend in flight
+            return "done"
+
+        task = asyncio.create_task(op("a"))
+        await slow.stopping.wait()  # completed; the heartbeat is being stopped
+        task.cancel()
+        await asyncio.sleep(0)
+        slow.let_go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await op("a") == "done"  # it was completed before the cancellation
+
+    asyncio.run(main())
+    assert calls == ["a"]
+
+
+class _CompleteHangs:
+    """A store whose first complete waits for `go` before it reaches the store."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.completing = asyncio.Event()
+        self.go = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def acomplete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> Any:
+        self.completing.set()
+        await self.go.wait()
+        return await self.inner.acomplete(key, token, result, ttl=ttl)
+
+
+def test_cancelling_the_caller_during_complete_still_records_the_result() -> None:
+    """The function returned: a cancellation during complete must not leave it to run again."""
+    clock = FrozenClock()
+    calls = []
+
+    async def main() -> None:
+        hangs = _CompleteHangs(MemoryStore(clock=clock))
+
+        @oncely.idempotent(store=hangs, key="k", lease=1, ttl=60)  # type: ignore[arg-type]
+        async def charge(k: str) -> str:
+            calls.append(k)
+            return "charged"
+
+        task = asyncio.create_task(charge("a"))
+        await hangs.completing.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        hangs.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        clock.advance(timedelta(seconds=5))  # the lease is long gone
+        assert await charge("a") == "charged"
+
+    asyncio.run(main())
+    assert calls == ["a"]

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +178,76 @@ def test_invalid_key_never_reaches_the_store() -> None:
     """Guard validates its key up front."""
     with pytest.raises(oncely.InvalidKeyError):
         Guard(MemoryStore(), "bad\nkey")
+
+
+class _ReleaseFails:
+    """A store whose release raises a StoreError that is neither unavailable nor lease lost."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def release(self, key: str, token: int) -> Any:
+        raise oncely.StoreError("the store answered nonsense", backend="test")
+
+    async def arelease(self, key: str, token: int) -> Any:
+        raise oncely.StoreError("the store answered nonsense", backend="test")
+
+
+def test_a_release_error_never_hides_the_blocks_own_exception(store: Store) -> None:
+    """Leaving by an exception: the caller sees it, with the store's error chained."""
+    failing = _ReleaseFails(store)
+    with pytest.raises(KeyError) as info, Guard(failing, "k"):  # type: ignore[arg-type]
+        raise KeyError("x")
+    assert isinstance(info.value.__context__, oncely.StoreError)
+
+    async def main() -> None:
+        async with Guard(failing, "a"):  # type: ignore[arg-type]
+            raise KeyError("y")
+
+    with pytest.raises(KeyError) as ainfo:
+        asyncio.run(main())
+    assert isinstance(ainfo.value.__context__, oncely.StoreError)
+
+
+def test_cancelling_during_guard_exit_reaches_the_caller(store: Store) -> None:
+    """async with: a cancellation while the heartbeat is stopped is raised, not swallowed."""
+
+    class SlowToStop:
+        def __init__(self) -> None:
+            self.extending = asyncio.Event()
+            self.stopping = asyncio.Event()
+            self.let_go = asyncio.Event()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        async def aextend(self, key: str, token: int, *, lease: timedelta) -> Any:
+            self.extending.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.stopping.set()
+                await self.let_go.wait()
+                raise
+
+    async def main() -> None:
+        slow = SlowToStop()
+
+        async def block() -> None:
+            async with Guard(slow, "k", lease=0.6, ttl=60):  # type: ignore[arg-type]
+                await slow.extending.wait()
+
+        task = asyncio.create_task(block())
+        await slow.stopping.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        slow.let_go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with Guard(store, "k") as again:
+            assert again.replayed
+
+    asyncio.run(main())

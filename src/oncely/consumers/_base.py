@@ -714,6 +714,8 @@ class IdempotentConsumer:
                     finished.append((index, lease, ran[0]))
             outcomes: list[Any] = []
             if finished:
+                for _, lease, _ in finished:  # an extend landing after this answers LeaseLost
+                    lease.settling = True
                 items = [
                     (lease.key, lease.token, _encoded(lease, value, self.codec))
                     for _, lease, value in finished
@@ -755,8 +757,8 @@ class IdempotentConsumer:
         """Complete every item in one call, retrying while the store is briefly unavailable."""
         for delay in (*_execution.SETTLE_RETRY_DELAYS, None):
             try:
-                answers: list[Any] = yield _execution.StoreCall(
-                    "complete_many", (items,), {"ttl": self._policy.ttl}
+                answers: list[Any] = yield _execution.StoreCall(  # the handlers ran: shielded
+                    "complete_many", (items,), {"ttl": self._policy.ttl}, shield=True
                 )
             except StoreUnavailableError as exc:
                 if delay is None:

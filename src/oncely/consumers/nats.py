@@ -233,8 +233,7 @@ class IdempotentHandler:
             timer.cancel()
             if beat is not None:
                 beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beat
+                await asyncio.wait((beat,))  # raises only a cancellation of this task
 
     async def _progress(self, msg: Msg) -> None:
         interval = seconds(self.progress_interval)
