@@ -32,6 +32,7 @@ loop of their own (Kafka, Redis Streams) write it as a flow too, yielding `Broke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import json
 import logging
@@ -495,11 +496,11 @@ class IdempotentConsumer:
             Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
         )
 
-    # -- batches: one claim and one completion round trip per fetched batch ------------------
+    # -- batches: one claim round trip per fetched batch, completions grouped --------------------
 
     @property
     def batches(self) -> bool:
-        """Whether the store is a `oncely.BatchStore`: then a batch costs two store round trips."""
+        """Whether the store is a `oncely.BatchStore`: then a batch is claimed in one call."""
         return isinstance(self.store, BatchStore)
 
     def batch_flow(
@@ -512,16 +513,19 @@ class IdempotentConsumer:
         """The decisions for a fetched batch, as one flow; verdicts come back in order.
 
         With a store that has the batch verbs (`batches`), every key of the batch is claimed in
-        one call and every outcome completed in one call; in between the handlers run
-        concurrently (async) or one after the other (sync), each with the message of its
-        `Delivery.raw` (via `Run`), while one heartbeat per lease keeps the batch's leases
-        alive. Copies of one key within the batch are claimed once: they are duplicates of the
-        first copy's outcome. Without the batch verbs each delivery runs through `flow` in turn.
+        one call; the handlers run concurrently (async) or one after the other (sync), each
+        with the message of its `Delivery.raw` (via `Run`), while one heartbeat per lease keeps
+        the batch's leases alive. Each outcome is completed as soon as its handler returns,
+        while the next handlers run; those finishing while a completion is in flight go
+        together as one batch call. Copies of one key within the batch are claimed once: they
+        are duplicates of the first copy's outcome. Without the batch verbs each delivery runs
+        through `flow` in turn.
 
         With *ordered* (Kafka partitions), nothing runs after a delivery that must be retried:
         the later ones come back as `Reason.BLOCKED` retries, so effects keep the batch's order.
         Their leases are kept in *held* (not released: a release would count as an attempt)
-        and used again when the same keys come back in the next call with the same *held*;
+        and used again when the same keys come back in the next call with the same *held*,
+        once an extend shows they are still ours (one taken over meanwhile is claimed again);
         give what is left back with `release_flow` when the deliveries are abandoned.
 
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
@@ -580,8 +584,31 @@ class IdempotentConsumer:
             leases: list[tuple[int, _execution.Lease]] = []
             claims = {key: index for key, index in firsts.items() if key not in held}
             for key, index in firsts.items():
-                if key in held:  # blocked last time: still ours
-                    leases.append((index, held.pop(key)))
+                if key not in held:
+                    continue
+                # Blocked last time and not kept alive since: still ours unless it lapsed and
+                # another worker took the key over (and maybe ran it). Extending tells which.
+                kept = held[key]
+                try:
+                    renewed = yield _execution.StoreCall(
+                        "extend", (key, kept.token), {"lease": policy.lease}
+                    )
+                except StoreError as exc:  # kept: the next round asks again
+                    logger.warning("store error renewing key=%s; redelivering later: %s", key, exc)
+                    delay = self._retry_delay()
+                    verdicts[index] = self._verdict(
+                        Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=exc)
+                    )
+                    continue
+                del held[key]
+                if isinstance(renewed, LeaseLost):
+                    kept.lost = True
+                    logger.warning(
+                        "held lease lost key=%s token=%d; claiming again", key, kept.token
+                    )
+                    claims[key] = index
+                else:
+                    leases.append((index, kept))
             requests = [(key, prints[key]) for key in claims]
             answers: list[Any] = []
             if requests:
@@ -674,20 +701,23 @@ class IdempotentConsumer:
         leases: list[tuple[int, _execution.Lease]],
         held: dict[str, _execution.Lease] | None,
     ) -> Flow[list[tuple[int, Verdict]]]:
-        """Run the handlers of the acquired leases, then complete them all at once.
+        """Run the handlers of the acquired leases, each completed as soon as it returns.
 
-        Ordered batches (*held* given) run their handlers one after the other and stop at the
-        first one to retry; others run them as a `Parallel` (concurrently when async).
+        A completion goes to the store at once, while the next handlers run, and those that
+        finish meanwhile go together as one batch call (`_Complete`): a worker killed in one
+        handler leaves the earlier ones completed, never to run again. Ordered batches (*held*
+        given) run their handlers one after the other and stop at the first one to retry;
+        others run them as a `Parallel` (concurrently when async).
         """
         policy = self._policy
         if policy.heartbeat:
             for _, lease in leases:
                 yield _execution.StartHeartbeat(lease)
         verdicts: list[tuple[int, Verdict]] = []
-        finished: list[tuple[int, _execution.Lease, Any]] = []
+        finished: list[tuple[int, _execution.Lease, Any, Any]] = []
         try:
             if held is None:
-                runs = [self._guarded(deliveries[index].raw, lease) for index, lease in leases]
+                runs = [self._run_one(deliveries[index].raw, lease) for index, lease in leases]
                 outcomes_of_runs = yield Parallel(runs)
             else:
                 outcomes_of_runs = []
@@ -698,7 +728,7 @@ class IdempotentConsumer:
                         outcomes_of_runs.append(None)
                         continue
                     try:
-                        ran = yield from self._guarded(deliveries[index].raw, lease)
+                        ran = yield from self._run_one(deliveries[index].raw, lease)
                     except BaseException:
                         for _, left in leases[position + 1 :]:
                             yield from self._release(left)
@@ -711,19 +741,15 @@ class IdempotentConsumer:
                 elif isinstance(ran, Verdict):
                     verdicts.append((index, ran))
                 else:
-                    finished.append((index, lease, ran[0]))
+                    finished.append((index, lease, *ran))
             outcomes: list[Any] = []
             if finished:
-                items = [
-                    (lease.key, lease.token, _encoded(lease, value, self.codec))
-                    for _, lease, value in finished
-                ]
-                outcomes = yield from self._complete_many(items)
+                outcomes = yield _Completed([sent for *_, sent in finished])
         finally:
             for _, lease in leases:
                 if lease.heartbeat is not None:
                     yield _execution.StopHeartbeat(lease)
-        for (index, lease, value), outcome in zip(finished, outcomes, strict=True):
+        for (index, lease, value, _), outcome in zip(finished, outcomes, strict=True):
             key, delay = lease.key, self._retry_delay()
             if outcome is None:
                 done = Verdict(
@@ -738,6 +764,18 @@ class IdempotentConsumer:
                 failed = Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=outcome)
                 verdicts.append((index, failed))
         return verdicts
+
+    def _run_one(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any, Any] | Verdict]:
+        """Run one handler and send its completion off at once: ``(value, handle)`` (the
+        handle answers the completion, see `_Completed`), or the verdict of its failure."""
+        ran = yield from self._guarded(message, lease)
+        if isinstance(ran, Verdict):
+            return ran
+        if lease.heartbeat is not None:  # before the completion: an extend after it is refused
+            yield _execution.StopHeartbeat(lease)
+        item = (lease.key, lease.token, _encoded(lease, ran[0], self.codec))
+        sent = yield _Complete(item, self._complete_many)
+        return ran[0], sent
 
     def _guarded(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any] | Verdict]:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
@@ -928,6 +966,105 @@ class Parallel(BrokerOp):
     flows: Sequence[Flow[Any]]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Complete:
+    """Send the completion *item* now, without waiting for its answer: answers a handle.
+
+    *many* is the flow that completes a list of items (`IdempotentConsumer._complete_many`).
+    """
+
+    item: tuple[str, int, bytes]
+    many: Callable[[list[tuple[str, int, bytes]]], Flow[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Completed:
+    """Wait for the completions of these `_Complete` handles; answers theirs, in order."""
+
+    handles: Sequence[Any]
+
+
+class _Completions:
+    """The completions of one `run_with`, sent from a thread of their own while the next
+    handlers run: one goes at once; those queued while it is in flight go together, as one
+    batch call (group commit)."""
+
+    def __init__(self, perform: Callable[[Any], Any]) -> None:
+        self._perform = perform
+        self._lock = threading.Lock()
+        self._queue: list[tuple[_Complete, concurrent.futures.Future[Any]]] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, op: _Complete) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._queue.append((op, future))
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="oncely-complete"
+                )
+        self._pool.submit(self._send)
+        return future
+
+    def _send(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue, []
+        if not batch:  # sent with an earlier one
+            return
+        try:
+            flow = batch[0][0].many([op.item for op, _ in batch])
+            answers: list[Any] = drive(flow, self._perform)
+        except BaseException as exc:  # answered to each waiter, as a failed batch call
+            answers = [exc] * len(batch)
+        for (_, future), answer in zip(batch, answers, strict=True):
+            future.set_result(answer)
+
+    def close(self) -> None:
+        """Wait for the completions sent: the handlers ran, their records must say so."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class _AsyncCompletions:
+    """Async `_Completions`: a task sends them; it is never cancelled with its caller, since
+    the handlers have run."""
+
+    def __init__(self, perform: Callable[[Any], Awaitable[Any]]) -> None:
+        self._perform = perform
+        self._queue: list[tuple[_Complete, asyncio.Future[Any]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, op: _Complete) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((op, future))
+        if self._task is None:
+            self._task = loop.create_task(self._send())
+            _SENDING.add(self._task)  # a reference, so the task is not collected mid-flight
+            self._task.add_done_callback(_SENDING.discard)
+        return future
+
+    async def _send(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    flow = batch[0][0].many([op.item for op, _ in batch])
+                    answers: list[Any] = await adrive(flow, self._perform)
+                except Exception as exc:
+                    answers = [exc] * len(batch)
+                for (_, future), answer in zip(batch, answers, strict=True):
+                    if not future.done():
+                        future.set_result(answer)
+        finally:
+            self._task = None
+            for _, future in self._queue:  # only if cancelled (the loop is closing)
+                future.cancel()
+
+
+_SENDING: set[asyncio.Task[None]] = set()
+
+
 def run_with(
     flow: Flow[T],
     store: SyncStore,
@@ -940,12 +1077,17 @@ def run_with(
     the rest (store calls, the handler's invocation, heartbeats, sleeps) to
     `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
     """
+    completions = _Completions(lambda op: _execution.perform(op, store))
 
     def performer(message: Any) -> Callable[[Any], Any]:
         def perform(op: Any) -> Any:
             kind = type(op)
             if kind is Run:
                 return _execution.invoke_under(op.lease, handler, op.message)
+            if kind is _Complete:
+                return completions.submit(op)
+            if kind is _Completed:
+                return [handle.result() for handle in op.handles]
             if kind is Handle:
                 return drive(op.flow, performer(op.message))
             if kind is Parallel:
@@ -958,7 +1100,10 @@ def run_with(
 
         return perform
 
-    return drive(flow, performer(None))
+    try:
+        return drive(flow, performer(None))
+    finally:
+        completions.close()
 
 
 async def arun_with(
@@ -969,11 +1114,17 @@ async def arun_with(
 ) -> T:
     """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
 
+    completions = _AsyncCompletions(lambda op: _execution.aperform(op, store))
+
     def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
         async def perform(op: Any) -> Any:
             kind = type(op)
             if kind is Run:
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
+            if kind is _Complete:
+                return completions.submit(op)
+            if kind is _Completed:  # shielded: a cancelled caller leaves them to finish
+                return [await asyncio.shield(handle) for handle in op.handles]
             if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
             if kind is Parallel:
