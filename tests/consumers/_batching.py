@@ -12,12 +12,14 @@ from oncely.stores.memory import MemoryStore
 
 class BatchingStore(MemoryStore):
     """A memory store (which has the batch verbs) counting the batch calls; a verb named in
-    ``down`` fails as an unreachable store would."""
+    ``down`` fails as an unreachable store would; one named in ``lost`` is applied once with
+    its reply lost (it raises as a timeout would)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.calls: list[str] = []
         self.down: set[str] = set()
+        self.lost: set[str] = set()
 
     def _enter(self, verb: str) -> None:
         self.calls.append(verb)
@@ -34,7 +36,11 @@ class BatchingStore(MemoryStore):
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
     ) -> list[Any]:
         self._enter("complete_many")
-        return super().complete_many(items, ttl=ttl)
+        answers = super().complete_many(items, ttl=ttl)
+        if "complete_many" in self.lost:
+            self.lost.discard("complete_many")
+            raise StoreUnavailableError("timed out", backend="test")
+        return answers
 
     async def aclaim_many(
         self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta

@@ -167,6 +167,20 @@ def test_store_down_nothing_acked(
     assert len(seen) == (0 if down == "claim_many" else 2)
 
 
+def test_a_completion_applied_with_its_reply_lost_is_processed(
+    store: BatchingStore, batch: Batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """complete_many applied but its reply lost: sent again it answers LeaseLost, and the
+    record shows the completion was ours: processed and acked, not a lost lease."""
+    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.0,))
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.lost.add("complete_many")
+    verdicts = batch(consumer, deliveries("a"), lambda m: m[1])
+    assert reasons(verdicts) == ["processed"]
+    assert verdicts[0].action is Action.ACK
+    assert store.calls == ["claim_many", "complete_many", "complete_many"]
+
+
 def test_stores_without_batch_verbs_go_one_by_one(batch: Batch) -> None:
     """A store without the batch verbs gets the same verdicts, one delivery at a time."""
     consumer = IdempotentConsumer(SingleVerbs(MemoryStore()), scope="s", policy=POLICY)

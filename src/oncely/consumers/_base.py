@@ -51,7 +51,7 @@ from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
-from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
+from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -791,6 +791,7 @@ class IdempotentConsumer:
 
     def _complete_many(self, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
         """Complete every item in one call, retrying while the store is briefly unavailable."""
+        retried = False
         for delay in (*_execution.SETTLE_RETRY_DELAYS, None):
             try:
                 answers: list[Any] = yield _execution.StoreCall(
@@ -800,13 +801,36 @@ class IdempotentConsumer:
                 if delay is None:
                     logger.error("could not complete a batch: the store is unavailable: %s", exc)
                     return [exc] * len(items)
+                retried = True
                 yield _execution.Sleep(delay)
             except StoreError as exc:
                 logger.error("could not complete a batch: %s", exc)
                 return [exc] * len(items)
             else:
+                if retried:
+                    answers = yield from self._applied(items, answers)
                 return answers
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _applied(self, items: list[tuple[str, int, bytes]], answers: list[Any]) -> Flow[list[Any]]:
+        """A completion sent again after a call whose reply was lost answers LeaseLost when
+        that call was applied: the record then shows this token completed with this result."""
+        answers = list(answers)
+        for i, ((key, token, result), answer) in enumerate(zip(items, answers, strict=True)):
+            if not isinstance(answer, LeaseLost):
+                continue
+            try:
+                record = yield _execution.StoreCall("get", (key,))
+            except StoreError:
+                continue
+            if (
+                record is not None
+                and record.token == token
+                and record.status is Status.COMPLETED
+                and record.result == result
+            ):
+                answers[i] = None
+        return answers
 
     def _replayed(self, outcome: Replay) -> Any:
         """What the first run returned (for adapters that pass results on), else ``None``."""
@@ -865,14 +889,15 @@ class IdempotentConsumer:
         return await _execution.arun(self.flow(delivery), store, handler)
 
     def _async_store(self) -> Any:
-        """The store `aprocess` calls, checked once: the store, or its coalescing view."""
+        """The store `aprocess` calls, checked once: the store, or its coalescing view, with
+        completions that finish even if their caller is cancelled (`_Settling`)."""
         store = _require(self.store, AsyncStore)
         if self.policy.coalesce and self.batches:
             # One claim in flight at a time; the rest queue and go together when it returns:
             # the largest batches, and a round trip is short next to a handler.
             store = CoalescingStore(store, max_in_flight=1)
-        self._async_calls = store
-        return store
+        self._async_calls = _Settling(store)
+        return self._async_calls
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Any]
@@ -895,6 +920,40 @@ class IdempotentConsumer:
         """Async `process_batch`: *handler* returns an awaitable."""
         store = _require(self.store, AsyncStore)
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)
+
+
+class _Settling:
+    """An async store whose completions go on when their caller is cancelled (a consumer
+    shutting down): the handler has returned, and a completion cut short would leave the
+    record in progress, for the message to run again after the lease."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        answer: LeaseLost | None = await _finishing(
+            self.store.acomplete(key, token, result, ttl=ttl)
+        )
+        return answer
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[Any]:
+        answers: list[Any] = await _finishing(self.store.acomplete_many(items, ttl=ttl))
+        return answers
+
+
+async def _finishing(call: Awaitable[T]) -> T:
+    """Await *call*, which goes on to its end if the caller is cancelled meanwhile."""
+    task = asyncio.ensure_future(call)
+    _SENDING.add(task)  # a reference, so the task is not collected mid-flight
+    task.add_done_callback(_SENDING.discard)
+    return await asyncio.shield(task)
 
 
 def _encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
@@ -1053,6 +1112,10 @@ class _AsyncCompletions:
                     answers: list[Any] = await adrive(flow, self._perform)
                 except Exception as exc:
                     answers = [exc] * len(batch)
+                except BaseException:
+                    for _, future in batch:
+                        future.cancel()
+                    raise
                 for (_, future), answer in zip(batch, answers, strict=True):
                     if not future.done():
                         future.set_result(answer)
@@ -1062,7 +1125,7 @@ class _AsyncCompletions:
                 future.cancel()
 
 
-_SENDING: set[asyncio.Task[None]] = set()
+_SENDING: set[asyncio.Future[Any]] = set()
 
 
 def run_with(
@@ -1114,6 +1177,7 @@ async def arun_with(
 ) -> T:
     """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
 
+    store = _Settling(store)
     completions = _AsyncCompletions(lambda op: _execution.aperform(op, store))
 
     def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
