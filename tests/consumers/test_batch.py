@@ -14,7 +14,7 @@ import redis
 import oncely
 from oncely import Acquired, Status
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
-from oncely.consumers._base import ano_broker, arun_with, no_broker, run_with
+from oncely.consumers._base import Parallel, ano_broker, arun_with, no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
@@ -368,3 +368,34 @@ def test_a_held_lease_that_lapsed_unclaimed_is_still_used(redis_store: Any, redi
     record = redis_store.get("s|x")
     assert record.status is Status.COMPLETED
     assert record.attempt == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_completions_of_two_consumers_in_one_driver_keep_their_own_ttl(mode: str) -> None:
+    """Two consumers' batches driven together (a `Parallel`): their completions are grouped
+    per consumer, each with its own ttl."""
+    clock = FrozenClock()
+    store = BatchingStore(clock=clock)
+    short = IdempotentConsumer(store, scope="short", policy=ConsumerPolicy(ttl=3600))
+    long = IdempotentConsumer(store, scope="long", policy=ConsumerPolicy(ttl=7200))
+
+    def both() -> Any:
+        return (
+            yield Parallel(
+                [short.batch_flow(deliveries("a", "b")), long.batch_flow(deliveries("a", "b"))]
+            )
+        )
+
+    async def ahandler(message: Any) -> None:
+        return None
+
+    if mode == "sync":
+        run_with(both(), store, lambda m: None, no_broker)
+    else:
+        asyncio.run(arun_with(both(), store, ahandler, ano_broker))
+    for scope, ttl in (("short", 3600), ("long", 7200)):
+        for key in "ab":
+            record = store.get(f"{scope}|{key}")
+            assert record is not None
+            assert record.status is Status.COMPLETED
+            assert record.expires_at_ms == record.updated_at_ms + ttl * 1000

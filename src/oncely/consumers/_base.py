@@ -1067,16 +1067,15 @@ class _Completions:
 
     def _send(self) -> None:
         with self._lock:
-            batch, self._queue = self._queue, []
-        if not batch:  # sent with an earlier one
-            return
-        try:
-            flow = batch[0][0].many([op.item for op, _ in batch])
-            answers: list[Any] = drive(flow, self._perform)
-        except BaseException as exc:  # answered to each waiter, as a failed batch call
-            answers = [exc] * len(batch)
-        for (_, future), answer in zip(batch, answers, strict=True):
-            future.set_result(answer)
+            queued, self._queue = self._queue, []
+        for batch in _by_flow(queued):  # none: sent with an earlier one
+            try:
+                flow = batch[0][0].many([op.item for op, _ in batch])
+                answers: list[Any] = drive(flow, self._perform)
+            except BaseException as exc:  # answered to each waiter, as a failed batch call
+                answers = [exc] * len(batch)
+            for (_, future), answer in zip(batch, answers, strict=True):
+                future.set_result(answer)
 
     def close(self) -> None:
         """Wait for the completions sent: the handlers ran, their records must say so."""
@@ -1106,19 +1105,20 @@ class _AsyncCompletions:
     async def _send(self) -> None:
         try:
             while self._queue:
-                batch, self._queue = self._queue, []
-                try:
-                    flow = batch[0][0].many([op.item for op, _ in batch])
-                    answers: list[Any] = await adrive(flow, self._perform)
-                except Exception as exc:
-                    answers = [exc] * len(batch)
-                except BaseException:
-                    for _, future in batch:
-                        future.cancel()
-                    raise
-                for (_, future), answer in zip(batch, answers, strict=True):
-                    if not future.done():
-                        future.set_result(answer)
+                queued, self._queue = self._queue, []
+                for batch in _by_flow(queued):
+                    try:
+                        flow = batch[0][0].many([op.item for op, _ in batch])
+                        answers: list[Any] = await adrive(flow, self._perform)
+                    except Exception as exc:
+                        answers = [exc] * len(batch)
+                    except BaseException:
+                        for _, future in queued:
+                            future.cancel()
+                        raise
+                    for (_, future), answer in zip(batch, answers, strict=True):
+                        if not future.done():
+                            future.set_result(answer)
         finally:
             self._task = None
             for _, future in self._queue:  # only if cancelled (the loop is closing)
@@ -1126,6 +1126,16 @@ class _AsyncCompletions:
 
 
 _SENDING: set[asyncio.Future[Any]] = set()
+
+_F = TypeVar("_F")
+
+
+def _by_flow(queued: list[tuple[_Complete, _F]]) -> list[list[tuple[_Complete, _F]]]:
+    """*queued* in batches of one completion flow each (one consumer's, with its ttl)."""
+    batches: dict[Any, list[tuple[_Complete, _F]]] = {}
+    for entry in queued:
+        batches.setdefault(entry[0].many, []).append(entry)
+    return list(batches.values())
 
 
 def run_with(
