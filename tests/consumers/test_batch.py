@@ -181,6 +181,30 @@ def test_a_completion_applied_with_its_reply_lost_is_processed(
     assert store.calls == ["claim_many", "complete_many", "complete_many"]
 
 
+def test_a_claim_call_that_never_arrived_is_sent_again(store: BatchingStore, batch: Batch) -> None:
+    """claim_many failed before it reached the store: sent once more, the batch runs now
+    instead of waiting for its redelivery."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.once.add("claim_many")
+    seen: list[Any] = []
+    verdicts = batch(consumer, deliveries("a", "b"), seen.append)
+    assert reasons(verdicts) == ["processed", "processed"]
+    assert len(seen) == 2
+    assert store.calls[:2] == ["claim_many", "claim_many"]
+
+
+def test_a_claim_applied_with_its_reply_lost_never_runs(store: BatchingStore, batch: Batch) -> None:
+    """claim_many applied but its reply lost: sent again, its own claims answer InProgress,
+    which cannot be told from another worker's: not run, redelivered (never twice at once)."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.lost.add("claim_many")
+    seen: list[Any] = []
+    verdicts = batch(consumer, deliveries("a", "b"), seen.append)
+    assert reasons(verdicts) == ["store_unavailable", "store_unavailable"]
+    assert {v.action for v in verdicts} == {Action.RETRY}
+    assert seen == []
+
+
 def test_stores_without_batch_verbs_go_one_by_one(batch: Batch) -> None:
     """A store without the batch verbs gets the same verdicts, one delivery at a time."""
     consumer = IdempotentConsumer(SingleVerbs(MemoryStore()), scope="s", policy=POLICY)

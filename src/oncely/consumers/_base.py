@@ -612,13 +612,7 @@ class IdempotentConsumer:
             requests = [(key, prints[key]) for key in claims]
             answers: list[Any] = []
             if requests:
-                try:
-                    answers = yield _execution.StoreCall(
-                        "claim_many", (requests,), {"lease": policy.lease, "ttl": policy.ttl}
-                    )
-                except StoreError as exc:
-                    logger.warning("store error claiming a batch; redelivering later: %s", exc)
-                    answers = [exc] * len(requests)
+                answers = yield from self._claim_many(requests)
             for (key, index), answer in zip(claims.items(), answers, strict=True):
                 verdict, lease = self._claimed(key, answer)
                 if lease is not None and lease.attempt > self.policy.max_attempts:
@@ -665,6 +659,47 @@ class IdempotentConsumer:
         settled = [verdict for verdict in verdicts if verdict is not None]
         assert len(settled) == len(deliveries)
         return settled
+
+    def _claim_many(self, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
+        """Claim every request in one call. A call whose outcome is unknown (it timed out, or
+        its connection broke) is sent once more to learn each item's: an item answered
+        `InProgress` then may hold its own first claim, applied with the reply lost, and keeps
+        the error (never run: its lease, if it is ours, expires on its own); the others get
+        their answers."""
+        call = _execution.StoreCall(
+            "claim_many", (requests,), {"lease": self._policy.lease, "ttl": self._policy.ttl}
+        )
+        try:
+            answers: list[Any] = yield call
+        except StoreUnavailableError as exc:
+            answers = [exc] * len(requests)
+        except StoreError as exc:
+            logger.warning("store error claiming a batch; redelivering later: %s", exc)
+            return [exc] * len(requests)
+        unknown = [
+            i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
+        ]
+        if not unknown:
+            return answers
+        try:
+            again: list[Any] = yield _execution.StoreCall(
+                "claim_many", ([requests[i] for i in unknown],), call.kwargs
+            )
+        except StoreError:
+            again = [answers[i] for i in unknown]
+        answers = list(answers)
+        for i, answer in zip(unknown, again, strict=True):
+            if not isinstance(answer, (InProgress, StoreError)):
+                answers[i] = answer
+            elif isinstance(answer, InProgress):
+                logger.warning(
+                    "claim of key=%s may have been applied; it recovers after its lease",
+                    requests[i][0],
+                )
+        errors = [answer for answer in answers if isinstance(answer, StoreError)]
+        if errors:
+            logger.warning("store error claiming a batch; redelivering later: %s", errors[0])
+        return answers
 
     def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
         """Translate one claim answer: a verdict, or a lease to run the handler under."""
