@@ -660,10 +660,11 @@ def write_report(
         "its batch verbs, as a store of your own may be: claim, run, complete per message (two "
         "store round trips each), then the same acks.",
         "- *oncely*: the same adapter with the Redis store as shipped: a fetched batch (Kafka, "
-        "Redis Streams, NATS `batch`) is claimed and completed with one Lua call each "
-        "(`claim_many`, `complete_many`); for messages pushed one per callback (RabbitMQ), one "
-        "claim (completion) goes to the store at a time and those that arrive meanwhile go "
-        "together in one such call (group commit).",
+        "Redis Streams, NATS `batch`) is claimed with one Lua call (`claim_many`), and each "
+        "message is completed as its handler returns, the completions made meanwhile going "
+        "together in one `complete_many` call; for messages pushed one per callback "
+        "(RabbitMQ), one claim (completion) goes to the store at a time and those that arrive "
+        "meanwhile go together in one such call (group commit).",
         "",
         "Rate: deliveries / (last settled - first handled), connection and group-join time "
         f"excluded. Each figure is the median of {args.rounds} round(s), modes alternating in "

@@ -383,7 +383,7 @@ async def arun(
         try:
             if type(op) is StoreCall:
                 call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-                send = await (_shielded(call) if op.shield else call)
+                send = await (shielded(call) if op.shield else call)
             else:
                 send = await aperform(op, store, invoke)
         except BaseException as exc:  # the flow decides: release the lease, map the error...
@@ -397,7 +397,7 @@ async def aperform(
     kind = type(op)
     if kind is StoreCall:
         call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-        return await (_shielded(call) if op.shield else call)
+        return await (shielded(call) if op.shield else call)
     if kind is Invoke and invoke is not None:
         return await ainvoke_under(op.lease, invoke)
     if kind is StartHeartbeat:
@@ -419,7 +419,7 @@ async def aperform(
     raise TypeError(f"cannot perform {op!r}")
 
 
-async def _shielded(call: Awaitable[T]) -> T:
+async def shielded(call: Awaitable[T]) -> T:
     """Await *call* to its end even if this task is cancelled meanwhile, then be cancelled."""
     task = asyncio.ensure_future(call)
     cancelled: asyncio.CancelledError | None = None

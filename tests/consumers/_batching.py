@@ -12,29 +12,41 @@ from oncely.stores.memory import MemoryStore
 
 class BatchingStore(MemoryStore):
     """A memory store (which has the batch verbs) counting the batch calls; a verb named in
-    ``down`` fails as an unreachable store would."""
+    ``down`` fails as an unreachable store would, one in ``once`` likewise but once; one named
+    in ``lost`` is applied once with its reply lost (it raises as a timeout would)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.calls: list[str] = []
         self.down: set[str] = set()
+        self.lost: set[str] = set()
+        self.once: set[str] = set()
 
     def _enter(self, verb: str) -> None:
         self.calls.append(verb)
+        if verb in self.once:
+            self.once.discard(verb)
+            raise StoreUnavailableError("connection reset", backend="test")
         if verb in self.down:
             raise StoreUnavailableError("down", backend="test")
+
+    def _reply(self, verb: str, answers: list[Any]) -> list[Any]:
+        if verb in self.lost:
+            self.lost.discard(verb)
+            raise StoreUnavailableError("timed out", backend="test")
+        return answers
 
     def claim_many(
         self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
     ) -> list[Any]:
         self._enter("claim_many")
-        return super().claim_many(requests, lease=lease, ttl=ttl)
+        return self._reply("claim_many", super().claim_many(requests, lease=lease, ttl=ttl))
 
     def complete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
     ) -> list[Any]:
         self._enter("complete_many")
-        return super().complete_many(items, ttl=ttl)
+        return self._reply("complete_many", super().complete_many(items, ttl=ttl))
 
     async def aclaim_many(
         self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta

@@ -39,6 +39,15 @@ def _doomed_write_sync(ledger: Ledger, key: str) -> None:
         threading.Event().wait()
 
 
+def _effect_sync(config: dict[str, Any], ledger: Ledger, key: str) -> None:
+    """The doomed write for the key ``config["doomed"]`` (every key without one); a write that
+    commits for the others, so that a batch's earlier messages take effect before the kill."""
+    if config.get("doomed", key) == key:
+        _doomed_write_sync(ledger, key)
+    else:
+        ledger.write(key, "first")
+
+
 async def rabbitmq(config: dict[str, Any], store: Any, ledger: Ledger) -> None:
     import aio_pika
 
@@ -67,7 +76,7 @@ def redis_streams(config: dict[str, Any], store: Any, ledger: Ledger) -> None:
     client = redis.Redis.from_url(env("ONCELY_TEST_REDIS_URL"))
 
     def handle(entry: StreamEntry) -> None:
-        _doomed_write_sync(ledger, entry.fields[b"Idempotency-Key"].decode())
+        _effect_sync(config, ledger, entry.fields[b"Idempotency-Key"].decode())
 
     consumer = RedisStreamConsumer(
         client, config["stream"], config["group"], handle, store=store, policy=FAST, block=0.1
@@ -103,7 +112,7 @@ def kafka(config: dict[str, Any], store: Any, ledger: Ledger) -> None:
     from oncely.consumers.kafka import IdempotentKafkaConsumer
 
     def handle(message: Any) -> None:
-        _doomed_write_sync(ledger, dict(message.headers())["Idempotency-Key"].decode())
+        _effect_sync(config, ledger, dict(message.headers())["Idempotency-Key"].decode())
 
     consumer = IdempotentKafkaConsumer(
         {

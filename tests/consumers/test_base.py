@@ -27,6 +27,7 @@ from oncely.errors import ConfigurationError
 from oncely.stores.memory import MemoryStore
 from oncely.stores.sqlite import SQLiteStore
 from oncely.testing import FrozenClock
+from tests.consumers._batching import SingleVerbs
 
 LEASE = timedelta(seconds=10)
 POLICY = ConsumerPolicy(lease=LEASE, max_attempts=3, retry_delay=timedelta(seconds=2))
@@ -408,6 +409,61 @@ def test_cancellation_releases_and_propagates(store: Store) -> None:
     record = store.get(consumer.key_for(message()))
     assert record is not None
     assert record.status is Status.RELEASED
+
+
+class _GatedCompletions(MemoryStore):
+    """A memory store whose completions wait for ``gate`` (a slow reply), after ``sent``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def acomplete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> Any:
+        self.sent.set()
+        await self.gate.wait()
+        return await super().acomplete(key, token, result, ttl=ttl)
+
+    async def acomplete_many(self, items: Any, *, ttl: timedelta) -> Any:
+        self.sent.set()
+        await self.gate.wait()
+        return await super().acomplete_many(items, ttl=ttl)
+
+
+@pytest.mark.parametrize("path", ["one", "coalesced", "batch", "batch-one-by-one"])
+def test_cancelled_after_the_handler_returned_the_completion_still_lands(path: str) -> None:
+    """Cancelled (a consumer shutting down) while its completion is on the way: the handler
+    has run, so the completion goes on; the record does not stay in progress to run again."""
+
+    async def main() -> tuple[Any, Any]:
+        store = _GatedCompletions()
+        seen = store if path != "batch-one-by-one" else SingleVerbs(store)
+        policy = ConsumerPolicy(lease=LEASE, coalesce=path == "coalesced")
+        consumer = IdempotentConsumer(seen, scope="s", policy=policy)
+
+        async def handler(*_: Any) -> str:
+            return "done"
+
+        if path.startswith("batch"):
+            call = consumer.aprocess_batch([message()], handler)
+        else:
+            call = consumer.aprocess(message(), handler)
+        task = asyncio.ensure_future(call)
+        await store.sent.wait()
+        task.cancel()
+        # The gate opens on its own: the caller may wait for the shielded completion to land
+        # before its cancellation propagates, or propagate it at once and leave it to land.
+        asyncio.get_running_loop().call_later(0.05, store.gate.set)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        key = consumer.key_for(message())
+        for _ in range(100):  # a few loop turns for the completion to land
+            await asyncio.sleep(0)
+        return store.get(key), consumer.stats.snapshot()
+
+    record, _ = asyncio.run(main())
+    assert record is not None
+    assert record.status is Status.COMPLETED
 
 
 def test_current_lease_is_visible_to_the_handler(store: Store, process: Process) -> None:

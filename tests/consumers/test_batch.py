@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import redis
 
-from oncely import Status
+import oncely
+from oncely import Acquired, Status
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
-from oncely.consumers._base import no_broker, run_with
+from oncely.consumers._base import Parallel, ano_broker, arun_with, no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
+from tests._helpers import eventually
 from tests.consumers._batching import BatchingStore, SingleVerbs
+from tests.consumers.conftest import delete_namespace
 
 POLICY = ConsumerPolicy(lease=timedelta(seconds=10), max_attempts=2, retry_delay=0.5)
 
@@ -54,8 +58,9 @@ def reasons(verdicts: list[Verdict]) -> list[str]:
     return [str(v.reason) for v in verdicts]
 
 
-def test_one_claim_and_one_completion_per_batch(store: BatchingStore, batch: Batch) -> None:
-    """Five new keys: two store calls in all; handlers run in order with their messages."""
+def test_one_claim_per_batch(store: BatchingStore, batch: Batch) -> None:
+    """Five new keys: one claim call; handlers run in order with their messages; completions
+    go in batch calls (those finishing while one is in flight go together)."""
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
     assert consumer.batches
     seen: list[Any] = []
@@ -63,24 +68,46 @@ def test_one_claim_and_one_completion_per_batch(store: BatchingStore, batch: Bat
     assert reasons(verdicts) == ["processed"] * 5
     assert [v.action for v in verdicts] == [Action.ACK] * 5
     assert seen == [(0, "a"), (1, "b"), (2, "c"), (3, "d"), (4, "e")]
-    assert store.calls == ["claim_many", "complete_many"]
-    record = store.get("s|c")
-    assert record is not None
-    assert record.status is Status.COMPLETED
+    assert store.calls[0] == "claim_many"
+    assert set(store.calls[1:]) == {"complete_many"}
+    assert len(store.calls) <= 6
+    for key in "abcde":
+        record = store.get(f"s|{key}")
+        assert record is not None
+        assert record.status is Status.COMPLETED
 
 
-def test_copies_in_a_batch_run_once(store: BatchingStore, batch: Batch) -> None:
-    """Copies of a key within the batch are duplicates of its first copy; later batches replay."""
+@pytest.mark.parametrize("mode", ["sync", "ordered", "async"])
+def test_each_message_is_completed_as_its_handler_returns(store: BatchingStore, mode: str) -> None:
+    """A later handler of the batch finds the earlier messages completed already: a worker
+    killed there does not run them again after their leases expire."""
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
-    seen: list[Any] = []
-    first = batch(consumer, deliveries("a", "b", "a", "a"), lambda m: seen.append(m) or m[1])
-    assert reasons(first) == ["processed", "processed", "duplicate", "duplicate"]
-    assert first[2].result == "a"
-    later = batch(consumer, deliveries("b", "c"), lambda m: seen.append(m) or m[1])
-    assert reasons(later) == ["duplicate", "processed"]
-    assert later[0].result == "b"  # the stored result of the first run
-    assert [m[1] for m in seen] == ["a", "b", "c"]
-    assert consumer.stats[Reason.DUPLICATE] == 3
+    found: list[Any] = []
+
+    def completed() -> bool:
+        records = [store.get(f"s|{key}") for key in "ab"]
+        return all(r is not None and r.status is Status.COMPLETED for r in records)
+
+    def handler(message: Any) -> None:
+        if message[1] == "c":
+            found.append(eventually(completed))
+
+    async def ahandler(message: Any) -> None:
+        if message[1] == "c":
+            for _ in range(500):  # bounded: 10 s
+                if completed():
+                    found.append(True)
+                    break
+                await asyncio.sleep(0.02)
+
+    ordered = mode == "ordered"
+    flow = consumer.batch_flow(deliveries("a", "b", "c"), ordered=ordered, held={})
+    if mode == "async":
+        verdicts = asyncio.run(arun_with(flow, store, ahandler, ano_broker))
+    else:
+        verdicts = run_with(flow, store, handler, no_broker)
+    assert reasons(verdicts) == ["processed"] * 3
+    assert found == [True]
 
 
 def test_a_failing_handler_fails_alone(store: BatchingStore, batch: Batch) -> None:
@@ -138,6 +165,44 @@ def test_store_down_nothing_acked(
     assert {v.action for v in verdicts} == {Action.RETRY}
     assert reasons(verdicts)[:2] == ["store_unavailable"] * 2
     assert len(seen) == (0 if down == "claim_many" else 2)
+
+
+def test_a_completion_applied_with_its_reply_lost_is_processed(
+    store: BatchingStore, batch: Batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """complete_many applied but its reply lost: sent again it answers LeaseLost, and the
+    record shows the completion was ours: processed and acked, not a lost lease."""
+    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.0,))
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.lost.add("complete_many")
+    verdicts = batch(consumer, deliveries("a"), lambda m: m[1])
+    assert reasons(verdicts) == ["processed"]
+    assert verdicts[0].action is Action.ACK
+    assert store.calls == ["claim_many", "complete_many", "complete_many"]
+
+
+def test_a_claim_call_that_never_arrived_is_sent_again(store: BatchingStore, batch: Batch) -> None:
+    """claim_many failed before it reached the store: sent once more, the batch runs now
+    instead of waiting for its redelivery."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.once.add("claim_many")
+    seen: list[Any] = []
+    verdicts = batch(consumer, deliveries("a", "b"), seen.append)
+    assert reasons(verdicts) == ["processed", "processed"]
+    assert len(seen) == 2
+    assert store.calls[:2] == ["claim_many", "claim_many"]
+
+
+def test_a_claim_applied_with_its_reply_lost_never_runs(store: BatchingStore, batch: Batch) -> None:
+    """claim_many applied but its reply lost: sent again, its own claims answer InProgress,
+    which cannot be told from another worker's: not run, redelivered (never twice at once)."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.lost.add("claim_many")
+    seen: list[Any] = []
+    verdicts = batch(consumer, deliveries("a", "b"), seen.append)
+    assert reasons(verdicts) == ["store_unavailable", "store_unavailable"]
+    assert {v.action for v in verdicts} == {Action.RETRY}
+    assert seen == []
 
 
 def test_stores_without_batch_verbs_go_one_by_one(batch: Batch) -> None:
@@ -285,3 +350,114 @@ def test_a_cancellation_during_the_batch_completion_still_records_it() -> None:
 
     assert reasons(asyncio.run(main())) == ["duplicate", "duplicate"]
     assert len(ran) == 2
+
+
+@pytest.fixture
+def redis_store(redis_url: str, name: str) -> Iterator[Any]:
+    """The shared Redis, in a namespace of this test's own."""
+    made = oncely.open_store(redis_url, namespace=name)
+    yield made
+    made.close()
+    delete_namespace(redis_url, name)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("other", ["completed", "running"])
+def test_a_held_lease_taken_over_meanwhile_is_not_used(redis_store: Any, other: str) -> None:
+    """An ordered batch holds the lease of a blocked key; it lapses, another worker recovers
+    the key (and completes it, or is still running it): the held lease must not run it again."""
+    policy = ConsumerPolicy(lease=timedelta(seconds=1), max_attempts=5, retry_delay=0.1)
+    consumer = IdempotentConsumer(redis_store, scope="s", policy=policy)
+    assert consumer.batches
+    busy, blocked = deliveries("busy", "x")
+    print_of = consumer.fingerprint_for
+    lease, ttl = timedelta(seconds=30), policy.ttl
+    assert isinstance(redis_store.claim("s|busy", print_of(busy), lease=lease, ttl=ttl), Acquired)
+    held: dict[str, Any] = {}
+    seen: list[str] = []
+
+    def run() -> list[str]:
+        flow = consumer.batch_flow([busy, blocked], ordered=True, held=held)
+        return reasons(run_with(flow, redis_store, lambda m: seen.append(m[1]), no_broker))
+
+    assert run() == ["in_progress", "blocked"]
+    assert set(held) == {"s|x"}
+
+    def take_over() -> Acquired | None:  # another worker, once the held lease has lapsed
+        answer = redis_store.claim("s|x", print_of(blocked), lease=lease, ttl=ttl)
+        return answer if isinstance(answer, Acquired) else None
+
+    taken = eventually(take_over, timeout=15, interval=0.1)
+    assert taken.recovered
+    if other == "completed":
+        assert redis_store.complete("s|x", taken.token, b'{"v":"other"}', ttl=ttl) is None
+    stored = redis_store.get("s|busy")
+    assert redis_store.release("s|busy", stored.token) is None
+    verdicts = run()
+    assert seen == ["busy"]  # x ran once, in the other worker
+    assert verdicts == ["processed", "duplicate" if other == "completed" else "in_progress"]
+    assert held == {}
+
+
+@pytest.mark.redis
+def test_a_held_lease_that_lapsed_unclaimed_is_still_used(redis_store: Any, redis_url: str) -> None:
+    """A held lease that lapsed with nobody taking the key over is still ours: it runs, as
+    the first attempt (being held is not a start)."""
+    policy = ConsumerPolicy(lease=timedelta(milliseconds=300), heartbeat=False, retry_delay=0.1)
+    consumer = IdempotentConsumer(redis_store, scope="s", policy=policy)
+    busy, blocked = deliveries("busy", "x")
+    lease, ttl = timedelta(seconds=30), policy.ttl
+    redis_store.claim("s|busy", consumer.fingerprint_for(busy), lease=lease, ttl=ttl)
+    held: dict[str, Any] = {}
+    seen: list[str] = []
+
+    def run() -> list[str]:
+        flow = consumer.batch_flow([busy, blocked], ordered=True, held=held)
+        return reasons(run_with(flow, redis_store, lambda m: seen.append(m[1]), no_broker))
+
+    assert run() == ["in_progress", "blocked"]
+    client = redis.Redis.from_url(redis_url)
+
+    def lapsed() -> bool:
+        seconds, micros = client.time()  # the server's clock, which judges leases
+        return bool(redis_store.get("s|x").lease_expires_at_ms < seconds * 1000 + micros // 1000)
+
+    eventually(lapsed)
+    client.close()
+    redis_store.release("s|busy", redis_store.get("s|busy").token)
+    assert run() == ["processed", "processed"]
+    assert seen == ["busy", "x"]
+    record = redis_store.get("s|x")
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_completions_of_two_consumers_in_one_driver_keep_their_own_ttl(mode: str) -> None:
+    """Two consumers' batches driven together (a `Parallel`): their completions are grouped
+    per consumer, each with its own ttl."""
+    clock = FrozenClock()
+    store = BatchingStore(clock=clock)
+    short = IdempotentConsumer(store, scope="short", policy=ConsumerPolicy(ttl=3600))
+    long = IdempotentConsumer(store, scope="long", policy=ConsumerPolicy(ttl=7200))
+
+    def both() -> Any:
+        return (
+            yield Parallel(
+                [short.batch_flow(deliveries("a", "b")), long.batch_flow(deliveries("a", "b"))]
+            )
+        )
+
+    async def ahandler(message: Any) -> None:
+        return None
+
+    if mode == "sync":
+        run_with(both(), store, lambda m: None, no_broker)
+    else:
+        asyncio.run(arun_with(both(), store, ahandler, ano_broker))
+    for scope, ttl in (("short", 3600), ("long", 7200)):
+        for key in "ab":
+            record = store.get(f"{scope}|{key}")
+            assert record is not None
+            assert record.status is Status.COMPLETED
+            assert record.expires_at_ms == record.updated_at_ms + ttl * 1000

@@ -15,7 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from oncely import Status
-from oncely.consumers import Delivery, Reason
+from oncely.consumers import Delivery, IdempotentConsumer, Reason
 from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer, IdempotentKafkaConsumer
 from oncely.consumers.producer import kafka_headers
 from oncely.stores.redis import RedisStore
@@ -56,8 +56,11 @@ def config(bootstrap: str, group: str) -> dict[str, Any]:
     }
 
 
-def produce(bootstrap: str, topic: str, keys: list[str]) -> dict[int, int]:
-    """Produce one record per key (spread over the partitions); return the end offset of each."""
+def produce(
+    bootstrap: str, topic: str, keys: list[str], partition: int | None = None
+) -> dict[int, int]:
+    """Produce one record per key (spread over the partitions, or all to *partition*); return
+    the end offset of each partition."""
     producer = Producer({"bootstrap.servers": bootstrap})
     ends: dict[int, int] = {}
 
@@ -70,7 +73,7 @@ def produce(bootstrap: str, topic: str, keys: list[str]) -> dict[int, int]:
             topic,
             value=json.dumps({"order": key}).encode(),
             headers=kafka_headers(key),
-            partition=number % PARTITIONS,
+            partition=number % PARTITIONS if partition is None else partition,
             on_delivery=delivered,
         )
     assert producer.flush(10) == 0
@@ -242,6 +245,49 @@ def test_consumer_killed_mid_handler_is_redelivered_and_applied_once(
     assert record.status is Status.COMPLETED
     assert record.attempt == 2
     assert committed(bootstrap, topic, topic) == {0: 1}
+
+
+def test_consumer_killed_mid_batch_applies_each_record_once(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """SIGKILL in the third handler of a partition's batch of four: the first two were
+    completed as their handlers returned, so the survivor finds them duplicates."""
+    keys = [f"order-{number}" for number in range(1, 5)]
+    produce(bootstrap, topic, keys, partition=0)
+    probe = IdempotentConsumer(store, scope=f"kafka:{topic}")  # the keys' scope
+
+    def status(key: str) -> Status | None:
+        record = store.get(probe.key_for(Delivery(b"", {"Idempotency-Key": key})))
+        return None if record is None else record.status
+
+    worker = Worker(
+        "kafka",
+        {
+            "topic": topic,
+            "group": topic,
+            "namespace": name,
+            "table": ledger.table,
+            "doomed": "order-3",
+        },
+    )
+    try:
+        assert worker.wait_ready() == "order-3"
+        assert ledger.counts() == {"order-1": 1, "order-2": 1}
+        eventually(lambda: [status(key) for key in keys[:2]] == [Status.COMPLETED] * 2)
+    finally:
+        worker.kill()
+
+    def handle(message: Any) -> None:
+        ledger.write(header_key(message), "survivor")
+
+    survivor = IdempotentKafkaConsumer(
+        config(bootstrap, topic), [topic], handle, store=store, policy=FAST, poll_timeout=0.1
+    )
+    with Running([survivor]):
+        eventually(lambda: committed(bootstrap, topic, topic) == {0: 4}, timeout=30)
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert survivor.stats[Reason.DUPLICATE] == 2
+    assert [status(key) for key in keys] == [Status.COMPLETED] * 4
 
 
 def test_handler_that_raises_is_retried_then_dead_lettered(

@@ -162,6 +162,50 @@ def test_consumer_killed_mid_handler_is_reclaimed_and_applied_once(
     assert client.xpending(name, "billing")["pending"] == 0
 
 
+def test_consumer_killed_mid_batch_applies_each_entry_once(
+    client: redis.Redis, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """SIGKILL in the third handler of a batch of four: the first two were completed as their
+    handlers returned, so after the lease recovers they are duplicates, not run again."""
+    probe = RedisStreamConsumer(client, name, "billing", lambda e: None, store=store)
+    probe.create_group()
+    keys = [f"order-{number}" for number in range(1, 5)]
+    for key in keys:
+        add(client, name, key)
+
+    def status(key: str) -> Status | None:
+        record = store.get(probe.consumer.key_for(Delivery(b"", {"Idempotency-Key": key})))
+        return None if record is None else record.status
+
+    worker = Worker(
+        "redis_streams",
+        {
+            "stream": name,
+            "group": "billing",
+            "namespace": name,
+            "table": ledger.table,
+            "doomed": "order-3",
+        },
+    )
+    try:
+        assert worker.wait_ready() == "order-3"  # one batch: the first two have taken effect
+        assert ledger.counts() == {"order-1": 1, "order-2": 1}
+        eventually(lambda: [status(key) for key in keys[:2]] == [Status.COMPLETED] * 2)
+    finally:
+        worker.kill()
+
+    def handle(entry: StreamEntry) -> None:
+        ledger.write(key_of(entry), "survivor")
+
+    survivor = RedisStreamConsumer(
+        client, name, "billing", handle, store=store, policy=FAST, block=0.05, claim_idle=0.1
+    )
+    eventually(lambda: survivor.poll() >= 0 and done(client, name, [survivor], len(keys)))
+    assert ledger.counts() == {key: 1 for key in keys}
+    assert survivor.stats[Reason.DUPLICATE] == 2
+    assert [status(key) for key in keys] == [Status.COMPLETED] * 4
+
+
 def test_handler_that_raises_is_reclaimed_then_dead_lettered(
     client: redis.Redis, store: RedisStore, ledger: Ledger, name: str
 ) -> None:

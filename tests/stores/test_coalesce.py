@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import socket
+import struct
+import threading
+import uuid
+from collections.abc import Awaitable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
-from oncely import Acquired, InProgress, LeaseLost, Replay
+import oncely
+from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely.errors import CorruptRecordError, StoreUnavailableError
 from oncely.stores._coalesce import CoalescingStore
 from oncely.stores.memory import MemoryStore
+from tests.conftest import service_url
 
 LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
 
@@ -126,6 +134,7 @@ def test_an_items_own_error_reaches_only_its_caller() -> None:
 
 
 def test_a_failed_call_fails_every_caller_of_the_batch() -> None:
+    """The store down: the batch, sent again once to learn each item's outcome, fails again."""
     store = CountingStore()
     store.down = True
     view = CoalescingStore(store, max_in_flight=1)
@@ -138,7 +147,7 @@ def test_a_failed_call_fails_every_caller_of_the_batch() -> None:
 
     answers = asyncio.run(main())
     assert all(isinstance(answer, StoreUnavailableError) for answer in answers)
-    assert store.batches == [("claim", 4)]
+    assert store.batches == [("claim", 4), ("claim", 4)]
     assert store.get("k0") is None
 
 
@@ -285,3 +294,149 @@ def test_http_middleware_coalesces_concurrent_requests(coalesce: bool) -> None:
         assert store.batches
     else:
         assert store.batches == []
+
+
+# -- a batch call whose reply is lost, against the real Redis ----------------------------------
+
+
+class _CuttingProxy:
+    """Forwards loopback connections to the shared Redis. Armed with *marker* and a *mode*, the
+    first request carrying *marker* is either forwarded with its reply swallowed (``"reply"``:
+    the command ran, the client times out) or dropped with the connection reset (``"request"``:
+    the command never ran); then it disarms."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.mode = "reply"
+        self.cut = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, marker: bytes, mode: str) -> None:
+        with self._lock:
+            self.marker, self.mode = marker, mode
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, server]
+            swallow = threading.Event()
+            threading.Thread(target=self._requests, args=(client, server, swallow)).start()
+            threading.Thread(target=self._replies, args=(server, client, swallow)).start()
+
+    def _requests(
+        self, client: socket.socket, server: socket.socket, swallow: threading.Event
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    hit = self.marker is not None and self.marker in data
+                    if hit:
+                        self.marker = None
+                if hit and self.mode == "request":
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    client.close()
+                    self.cut.set()
+                    break
+                if hit:
+                    swallow.set()
+                    self.cut.set()
+                server.sendall(data)
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_WR)
+
+    @staticmethod
+    def _replies(server: socket.socket, client: socket.socket, swallow: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if not swallow.is_set():
+                    client.sendall(data)
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture
+def cutting() -> Iterator[tuple[_CuttingProxy, Any, Any]]:
+    """A proxy to the shared Redis, a store through it (0.5 s timeouts, no re-sends of its
+    own) and one that goes straight to the server, in a namespace of this test's own."""
+    from tests.consumers.conftest import delete_namespace
+
+    url = service_url("ONCELY_TEST_REDIS_URL")
+    namespace = f"oncely-t-{uuid.uuid4().hex[:12]}"
+    proxy = _CuttingProxy(urlsplit(url).port or 6379)
+    through = oncely.open_store(
+        f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5", namespace=namespace, retries=0
+    )
+    direct = oncely.open_store(url, namespace=namespace)
+    yield proxy, through, direct
+    asyncio.run(through.aclose())
+    through.close()
+    direct.close()
+    proxy.close()
+    delete_namespace(url, namespace)
+
+
+async def _one_then_batch(first: Awaitable[Any], rest: list[Awaitable[Any]]) -> list[Any]:
+    """*first* goes alone (the store is idle); *rest*, made while it is in flight, go as one
+    batch call when it returns."""
+    return await asyncio.gather(first, *rest, return_exceptions=True)
+
+
+@pytest.mark.redis
+def test_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
+    cutting: tuple[_CuttingProxy, Any, Any],
+) -> None:
+    """The completions ran but their reply never came: each caller learns its completion
+    succeeded (the record shows its token and result), none gets the batch's timeout."""
+    proxy, through, direct = cutting
+    keys = ["plain", "cut-1", "cut-2", "cut-3"]
+    tokens = {key: direct.claim(key, "fp", lease=LEASE, ttl=TTL).token for key in keys}
+    view = CoalescingStore(through, max_in_flight=1)
+    proxy.arm(b"cut-1", "reply")
+
+    async def main() -> list[Any]:
+        complete = [view.acomplete(key, tokens[key], key.encode(), ttl=TTL) for key in keys]
+        return await _one_then_batch(complete[0], complete[1:])
+
+    assert asyncio.run(main()) == [None] * 4
+    assert proxy.cut.is_set()
+    for key in keys:
+        record = direct.get(key)
+        assert record is not None
+        assert record.status is Status.COMPLETED
+
+
+@pytest.mark.redis
+def test_a_batch_of_claims_never_applied_is_answered_per_caller(
+    cutting: tuple[_CuttingProxy, Any, Any],
+) -> None:
+    """The claims' connection broke before they reached the server: they are sent again and
+    each caller gets its own answer, not the batch's error."""
+    proxy, through, direct = cutting
+    done = direct.claim("done-2", "fp", lease=LEASE, ttl=TTL).token
+    assert direct.complete("done-2", done, b"r", ttl=TTL) is None
+    view = CoalescingStore(through, max_in_flight=1)
+    proxy.arm(b"cut-1", "request")
+
+    async def main() -> list[Any]:
+        keys = ["plain", "cut-1", "done-2", "cut-3"]
+        claims = [view.aclaim(key, "fp", lease=LEASE, ttl=TTL) for key in keys]
+        return await _one_then_batch(claims[0], claims[1:])
+
+    plain, first, done, last = asyncio.run(main())
+    assert proxy.cut.is_set()
+    assert plain == first == last == Acquired(1, recovered=False, attempt=1)
+    assert isinstance(done, Replay)

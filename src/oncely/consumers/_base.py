@@ -32,6 +32,7 @@ loop of their own (Kafka, Redis Streams) write it as a flow too, yielding `Broke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import json
 import threading
@@ -49,7 +50,7 @@ from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
-from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
+from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
 from oncely._log import get_logger
 from oncely.errors import (
     ConfigurationError,
@@ -495,11 +496,11 @@ class IdempotentConsumer:
             Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
         )
 
-    # -- batches: one claim and one completion round trip per fetched batch ------------------
+    # -- batches: one claim round trip per fetched batch, completions grouped --------------------
 
     @property
     def batches(self) -> bool:
-        """Whether the store is a `oncely.BatchStore`: then a batch costs two store round trips."""
+        """Whether the store is a `oncely.BatchStore`: then a batch is claimed in one call."""
         return isinstance(self.store, BatchStore)
 
     def batch_flow(
@@ -512,16 +513,19 @@ class IdempotentConsumer:
         """The decisions for a fetched batch, as one flow; verdicts come back in order.
 
         With a store that has the batch verbs (`batches`), every key of the batch is claimed in
-        one call and every outcome completed in one call; in between the handlers run
-        concurrently (async) or one after the other (sync), each with the message of its
-        `Delivery.raw` (via `Run`), while one heartbeat per lease keeps the batch's leases
-        alive. Copies of one key within the batch are claimed once: they are duplicates of the
-        first copy's outcome. Without the batch verbs each delivery runs through `flow` in turn.
+        one call; the handlers run concurrently (async) or one after the other (sync), each
+        with the message of its `Delivery.raw` (via `Run`), while one heartbeat per lease keeps
+        the batch's leases alive. Each outcome is completed as soon as its handler returns,
+        while the next handlers run; those finishing while a completion is in flight go
+        together as one batch call. Copies of one key within the batch are claimed once: they
+        are duplicates of the first copy's outcome. Without the batch verbs each delivery runs
+        through `flow` in turn.
 
         With *ordered* (Kafka partitions), nothing runs after a delivery that must be retried:
         the later ones come back as `Reason.BLOCKED` retries, so effects keep the batch's order.
         Their leases are kept in *held* (not released: a release would count as an attempt)
-        and used again when the same keys come back in the next call with the same *held*;
+        and used again when the same keys come back in the next call with the same *held*,
+        once an extend shows they are still ours (one taken over meanwhile is claimed again);
         give what is left back with `release_flow` when the deliveries are abandoned.
 
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
@@ -580,18 +584,35 @@ class IdempotentConsumer:
             leases: list[tuple[int, _execution.Lease]] = []
             claims = {key: index for key, index in firsts.items() if key not in held}
             for key, index in firsts.items():
-                if key in held:  # blocked last time: still ours
-                    leases.append((index, held.pop(key)))
+                if key not in held:
+                    continue
+                # Blocked last time and not kept alive since: still ours unless it lapsed and
+                # another worker took the key over (and maybe ran it). Extending tells which.
+                kept = held[key]
+                try:
+                    renewed = yield _execution.StoreCall(
+                        "extend", (key, kept.token), {"lease": policy.lease}
+                    )
+                except StoreError as exc:  # kept: the next round asks again
+                    logger.warning("store error renewing key=%s; redelivering later: %s", key, exc)
+                    delay = self._retry_delay()
+                    verdicts[index] = self._verdict(
+                        Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=exc)
+                    )
+                    continue
+                del held[key]
+                if isinstance(renewed, LeaseLost):
+                    kept.lost = True
+                    logger.warning(
+                        "held lease lost key=%s token=%d; claiming again", key, kept.token
+                    )
+                    claims[key] = index
+                else:
+                    leases.append((index, kept))
             requests = [(key, prints[key]) for key in claims]
             answers: list[Any] = []
             if requests:
-                try:
-                    answers = yield _execution.StoreCall(
-                        "claim_many", (requests,), {"lease": policy.lease, "ttl": policy.ttl}
-                    )
-                except StoreError as exc:
-                    logger.warning("store error claiming a batch; redelivering later: %s", exc)
-                    answers = [exc] * len(requests)
+                answers = yield from self._claim_many(requests)
             for (key, index), answer in zip(claims.items(), answers, strict=True):
                 verdict, lease = self._claimed(key, answer)
                 if lease is not None and lease.attempt > self.policy.max_attempts:
@@ -639,6 +660,47 @@ class IdempotentConsumer:
         assert len(settled) == len(deliveries)
         return settled
 
+    def _claim_many(self, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
+        """Claim every request in one call. A call whose outcome is unknown (it timed out, or
+        its connection broke) is sent once more to learn each item's: an item answered
+        `InProgress` then may hold its own first claim, applied with the reply lost, and keeps
+        the error (never run: its lease, if it is ours, expires on its own); the others get
+        their answers."""
+        call = _execution.StoreCall(
+            "claim_many", (requests,), {"lease": self._policy.lease, "ttl": self._policy.ttl}
+        )
+        try:
+            answers: list[Any] = yield call
+        except StoreUnavailableError as exc:
+            answers = [exc] * len(requests)
+        except StoreError as exc:
+            logger.warning("store error claiming a batch; redelivering later: %s", exc)
+            return [exc] * len(requests)
+        unknown = [
+            i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
+        ]
+        if not unknown:
+            return answers
+        try:
+            again: list[Any] = yield _execution.StoreCall(
+                "claim_many", ([requests[i] for i in unknown],), call.kwargs
+            )
+        except StoreError:
+            again = [answers[i] for i in unknown]
+        answers = list(answers)
+        for i, answer in zip(unknown, again, strict=True):
+            if not isinstance(answer, (InProgress, StoreError)):
+                answers[i] = answer
+            elif isinstance(answer, InProgress):
+                logger.warning(
+                    "claim of key=%s may have been applied; it recovers after its lease",
+                    requests[i][0],
+                )
+        errors = [answer for answer in answers if isinstance(answer, StoreError)]
+        if errors:
+            logger.warning("store error claiming a batch; redelivering later: %s", errors[0])
+        return answers
+
     def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
         """Translate one claim answer: a verdict, or a lease to run the handler under."""
         if isinstance(answer, Acquired):
@@ -674,20 +736,23 @@ class IdempotentConsumer:
         leases: list[tuple[int, _execution.Lease]],
         held: dict[str, _execution.Lease] | None,
     ) -> Flow[list[tuple[int, Verdict]]]:
-        """Run the handlers of the acquired leases, then complete them all at once.
+        """Run the handlers of the acquired leases, each completed as soon as it returns.
 
-        Ordered batches (*held* given) run their handlers one after the other and stop at the
-        first one to retry; others run them as a `Parallel` (concurrently when async).
+        A completion goes to the store at once, while the next handlers run, and those that
+        finish meanwhile go together as one batch call (`_Complete`): a worker killed in one
+        handler leaves the earlier ones completed, never to run again. Ordered batches (*held*
+        given) run their handlers one after the other and stop at the first one to retry;
+        others run them as a `Parallel` (concurrently when async).
         """
         policy = self._policy
         if policy.heartbeat:
             for _, lease in leases:
                 yield _execution.StartHeartbeat(lease)
         verdicts: list[tuple[int, Verdict]] = []
-        finished: list[tuple[int, _execution.Lease, Any]] = []
+        finished: list[tuple[int, _execution.Lease, Any, Any]] = []
         try:
             if held is None:
-                runs = [self._guarded(deliveries[index].raw, lease) for index, lease in leases]
+                runs = [self._run_one(deliveries[index].raw, lease) for index, lease in leases]
                 outcomes_of_runs = yield Parallel(runs)
             else:
                 outcomes_of_runs = []
@@ -698,7 +763,7 @@ class IdempotentConsumer:
                         outcomes_of_runs.append(None)
                         continue
                     try:
-                        ran = yield from self._guarded(deliveries[index].raw, lease)
+                        ran = yield from self._run_one(deliveries[index].raw, lease)
                     except BaseException:
                         for _, left in leases[position + 1 :]:
                             yield from self._release(left)
@@ -711,21 +776,15 @@ class IdempotentConsumer:
                 elif isinstance(ran, Verdict):
                     verdicts.append((index, ran))
                 else:
-                    finished.append((index, lease, ran[0]))
+                    finished.append((index, lease, *ran))
             outcomes: list[Any] = []
             if finished:
-                for _, lease, _ in finished:  # an extend landing after this answers LeaseLost
-                    lease.settling = True
-                items = [
-                    (lease.key, lease.token, _encoded(lease, value, self.codec))
-                    for _, lease, value in finished
-                ]
-                outcomes = yield from self._complete_many(items)
+                outcomes = yield _Completed([sent for *_, sent in finished])
         finally:
             for _, lease in leases:
                 if lease.heartbeat is not None:
                     yield _execution.StopHeartbeat(lease)
-        for (index, lease, value), outcome in zip(finished, outcomes, strict=True):
+        for (index, lease, value, _), outcome in zip(finished, outcomes, strict=True):
             key, delay = lease.key, self._retry_delay()
             if outcome is None:
                 done = Verdict(
@@ -741,6 +800,19 @@ class IdempotentConsumer:
                 verdicts.append((index, failed))
         return verdicts
 
+    def _run_one(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any, Any] | Verdict]:
+        """Run one handler and send its completion off at once: ``(value, handle)`` (the
+        handle answers the completion, see `_Completed`), or the verdict of its failure."""
+        ran = yield from self._guarded(message, lease)
+        if isinstance(ran, Verdict):
+            return ran
+        lease.settling = True  # an extend landing after the completion answers LeaseLost
+        if lease.heartbeat is not None:  # before the completion: an extend after it is refused
+            yield _execution.StopHeartbeat(lease)
+        item = (lease.key, lease.token, _encoded(lease, ran[0], self.codec))
+        sent = yield _Complete(item, self._complete_many)
+        return ran[0], sent
+
     def _guarded(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any] | Verdict]:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
         try:
@@ -755,6 +827,7 @@ class IdempotentConsumer:
 
     def _complete_many(self, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
         """Complete every item in one call, retrying while the store is briefly unavailable."""
+        retried = False
         for delay in (*_execution.SETTLE_RETRY_DELAYS, None):
             try:
                 answers: list[Any] = yield _execution.StoreCall(  # the handlers ran: shielded
@@ -764,13 +837,36 @@ class IdempotentConsumer:
                 if delay is None:
                     logger.error("could not complete a batch: the store is unavailable: %s", exc)
                     return [exc] * len(items)
+                retried = True
                 yield _execution.Sleep(delay)
             except StoreError as exc:
                 logger.error("could not complete a batch: %s", exc)
                 return [exc] * len(items)
             else:
+                if retried:
+                    answers = yield from self._applied(items, answers)
                 return answers
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _applied(self, items: list[tuple[str, int, bytes]], answers: list[Any]) -> Flow[list[Any]]:
+        """A completion sent again after a call whose reply was lost answers LeaseLost when
+        that call was applied: the record then shows this token completed with this result."""
+        answers = list(answers)
+        for i, ((key, token, result), answer) in enumerate(zip(items, answers, strict=True)):
+            if not isinstance(answer, LeaseLost):
+                continue
+            try:
+                record = yield _execution.StoreCall("get", (key,))
+            except StoreError:
+                continue
+            if (
+                record is not None
+                and record.token == token
+                and record.status is Status.COMPLETED
+                and record.result == result
+            ):
+                answers[i] = None
+        return answers
 
     def _replayed(self, outcome: Replay) -> Any:
         """What the first run returned (for adapters that pass results on), else ``None``."""
@@ -829,14 +925,15 @@ class IdempotentConsumer:
         return await _execution.arun(self.flow(delivery), store, handler)
 
     def _async_store(self) -> Any:
-        """The store `aprocess` calls, checked once: the store, or its coalescing view."""
+        """The store `aprocess` calls, checked once: the store, or its coalescing view, with
+        completions that finish even if their caller is cancelled (`_Settling`)."""
         store = _require(self.store, AsyncStore)
         if self.policy.coalesce and self.batches:
             # One claim in flight at a time; the rest queue and go together when it returns:
             # the largest batches, and a round trip is short next to a handler.
             store = CoalescingStore(store, max_in_flight=1)
-        self._async_calls = store
-        return store
+        self._async_calls = _Settling(store)
+        return self._async_calls
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Any]
@@ -859,6 +956,40 @@ class IdempotentConsumer:
         """Async `process_batch`: *handler* returns an awaitable."""
         store = _require(self.store, AsyncStore)
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)
+
+
+class _Settling:
+    """An async store whose completions go on when their caller is cancelled (a consumer
+    shutting down): the handler has returned, and a completion cut short would leave the
+    record in progress, for the message to run again after the lease."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        answer: LeaseLost | None = await _finishing(
+            self.store.acomplete(key, token, result, ttl=ttl)
+        )
+        return answer
+
+    async def acomplete_many(
+        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
+    ) -> list[Any]:
+        answers: list[Any] = await _finishing(self.store.acomplete_many(items, ttl=ttl))
+        return answers
+
+
+async def _finishing(call: Awaitable[T]) -> T:
+    """Await *call*, which goes on to its end if the caller is cancelled meanwhile."""
+    task = asyncio.ensure_future(call)
+    _SENDING.add(task)  # a reference, so the task is not collected mid-flight
+    task.add_done_callback(_SENDING.discard)
+    return await asyncio.shield(task)
 
 
 def _encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
@@ -930,6 +1061,119 @@ class Parallel(BrokerOp):
     flows: Sequence[Flow[Any]]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Complete:
+    """Send the completion *item* now, without waiting for its answer: answers a handle.
+
+    *many* is the flow that completes a list of items (`IdempotentConsumer._complete_many`).
+    """
+
+    item: tuple[str, int, bytes]
+    many: Callable[[list[tuple[str, int, bytes]]], Flow[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Completed:
+    """Wait for the completions of these `_Complete` handles; answers theirs, in order."""
+
+    handles: Sequence[Any]
+
+
+class _Completions:
+    """The completions of one `run_with`, sent from a thread of their own while the next
+    handlers run: one goes at once; those queued while it is in flight go together, as one
+    batch call (group commit)."""
+
+    def __init__(self, perform: Callable[[Any], Any]) -> None:
+        self._perform = perform
+        self._lock = threading.Lock()
+        self._queue: list[tuple[_Complete, concurrent.futures.Future[Any]]] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, op: _Complete) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._queue.append((op, future))
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="oncely-complete"
+                )
+        self._pool.submit(self._send)
+        return future
+
+    def _send(self) -> None:
+        with self._lock:
+            queued, self._queue = self._queue, []
+        for batch in _by_flow(queued):  # none: sent with an earlier one
+            try:
+                flow = batch[0][0].many([op.item for op, _ in batch])
+                answers: list[Any] = drive(flow, self._perform)
+            except BaseException as exc:  # answered to each waiter, as a failed batch call
+                answers = [exc] * len(batch)
+            for (_, future), answer in zip(batch, answers, strict=True):
+                future.set_result(answer)
+
+    def close(self) -> None:
+        """Wait for the completions sent: the handlers ran, their records must say so."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class _AsyncCompletions:
+    """Async `_Completions`: a task sends them; it is never cancelled with its caller, since
+    the handlers have run."""
+
+    def __init__(self, perform: Callable[[Any], Awaitable[Any]]) -> None:
+        self._perform = perform
+        self._queue: list[tuple[_Complete, asyncio.Future[Any]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, op: _Complete) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((op, future))
+        if self._task is None:
+            self._task = loop.create_task(self._send())
+            _SENDING.add(self._task)  # a reference, so the task is not collected mid-flight
+            self._task.add_done_callback(_SENDING.discard)
+        return future
+
+    async def _send(self) -> None:
+        try:
+            while self._queue:
+                queued, self._queue = self._queue, []
+                for batch in _by_flow(queued):
+                    try:
+                        flow = batch[0][0].many([op.item for op, _ in batch])
+                        answers: list[Any] = await adrive(flow, self._perform)
+                    except Exception as exc:
+                        answers = [exc] * len(batch)
+                    except BaseException:
+                        for _, future in queued:
+                            future.cancel()
+                        raise
+                    for (_, future), answer in zip(batch, answers, strict=True):
+                        if not future.done():
+                            future.set_result(answer)
+        finally:
+            self._task = None
+            for _, future in self._queue:  # only if cancelled (the loop is closing)
+                future.cancel()
+
+
+_SENDING: set[asyncio.Future[Any]] = set()
+
+_F = TypeVar("_F")
+
+
+def _by_flow(queued: list[tuple[_Complete, _F]]) -> list[list[tuple[_Complete, _F]]]:
+    """*queued* in batches of one completion flow each (one consumer's, with its ttl)."""
+    batches: dict[Any, list[tuple[_Complete, _F]]] = {}
+    for entry in queued:
+        batches.setdefault(entry[0].many, []).append(entry)
+    return list(batches.values())
+
+
 def run_with(
     flow: Flow[T],
     store: SyncStore,
@@ -942,12 +1186,17 @@ def run_with(
     the rest (store calls, the handler's invocation, heartbeats, sleeps) to
     `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
     """
+    completions = _Completions(lambda op: _execution.perform(op, store))
 
     def performer(message: Any) -> Callable[[Any], Any]:
         def perform(op: Any) -> Any:
             kind = type(op)
             if kind is Run:
                 return _execution.invoke_under(op.lease, handler, op.message)
+            if kind is _Complete:
+                return completions.submit(op)
+            if kind is _Completed:
+                return [handle.result() for handle in op.handles]
             if kind is Handle:
                 return drive(op.flow, performer(op.message))
             if kind is Parallel:
@@ -960,7 +1209,10 @@ def run_with(
 
         return perform
 
-    return drive(flow, performer(None))
+    try:
+        return drive(flow, performer(None))
+    finally:
+        completions.close()
 
 
 async def arun_with(
@@ -971,11 +1223,18 @@ async def arun_with(
 ) -> T:
     """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
 
+    store = _Settling(store)
+    completions = _AsyncCompletions(lambda op: _execution.aperform(op, store))
+
     def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
         async def perform(op: Any) -> Any:
             kind = type(op)
             if kind is Run:
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
+            if kind is _Complete:
+                return completions.submit(op)
+            if kind is _Completed:  # a cancelled caller waits for them to land, then goes on
+                return [await _execution.shielded(handle) for handle in op.handles]
             if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
             if kind is Parallel:

@@ -24,13 +24,15 @@ runner's verdicts (DESIGN.md section 6) become:
   aiokafka), and the offset after the last record of its settled prefix is committed,
   synchronously. A commit never passes a record that is not done, so a crash or a rebalance
   re-delivers from the first unfinished one. With a store that has the batch verbs, the
-  partition's records are claimed in one call and completed in one call;
+  partition's records are claimed in one call and each is completed as its handler returns
+  (completions grouped into batch calls);
 * retry: Kafka cannot redeliver one record, so the records from the first one to retry on
   are run again in place, while the partition is still assigned to this member: after a
   backoff growing from 10 ms when the key is busy with another copy, after the verdict's delay
   otherwise. Nothing after that record runs meanwhile (effects keep the partition's order);
   leases already taken for those records are kept, not released, so waiting does not count
-  as an attempt. A revoked partition is left to its new owner, from the committed offset;
+  as an attempt (and extended before use: one taken over meanwhile is claimed again). A
+  revoked partition is left to its new owner, from the committed offset;
 * dead-letter: the record (value, key, headers, plus ``oncely-dead-letter-reason`` and its
   source ``topic``/``partition``/``offset`` headers) is produced to the dead-letter topic and
   the delivery confirmed before its offset can be committed. If producing fails, the record is

@@ -11,7 +11,7 @@
     await js.subscribe("orders.*", durable="billing", cb=on_order, manual_ack=True,
                        config=ConsumerConfig(max_deliver=10, ack_wait=30))
     # or, pulling: for msg in await sub.fetch(10): await on_order(msg)
-    # or, a fetched batch at once (two store round trips with a batching store):
+    # or, a fetched batch at once (one claim round trip with a batching store):
     #     await on_order.batch(await sub.fetch(100))
 
 How the runner's verdicts reach the broker (DESIGN.md section 6):
@@ -186,11 +186,12 @@ class IdempotentHandler:
     async def batch(self, msgs: Sequence[Msg]) -> list[Verdict]:
         """Process a fetched batch (a pull subscription's ``fetch``) and settle each message.
 
-        With a store that has the batch verbs, the batch's keys are claimed in one call and
-        completed in one call (see `oncely.consumers.IdempotentConsumer.batch_flow`), and the
-        handlers run concurrently in between. Without them the messages run one after the
-        other: keep ``len(msgs)`` times the handler's duration well below ``ack_wait`` then,
-        since the messages still waiting get no ``in_progress()`` heartbeat.
+        With a store that has the batch verbs, the batch's keys are claimed in one call, the
+        handlers run concurrently, and each message is completed as its handler returns, the
+        completions grouped into batch calls (see
+        `oncely.consumers.IdempotentConsumer.batch_flow`). Without them the messages run one
+        after the other: keep ``len(msgs)`` times the handler's duration well below
+        ``ack_wait`` then, since the messages still waiting get no ``in_progress()`` heartbeat.
 
         Returns:
             One verdict per message, in order.

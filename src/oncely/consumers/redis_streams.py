@@ -15,8 +15,9 @@ How the runner's verdicts reach the stream (DESIGN.md section 6):
 
 * ack: one ``XACK`` per poll for the entries whose records are completed (or that are
   completed duplicates). Each poll's entries go through the runner as one batch
-  (`IdempotentConsumer.batch_flow`): with a store that has the batch verbs, one claim call and
-  one completion call per poll, and the handlers run concurrently with an async client;
+  (`IdempotentConsumer.batch_flow`): with a store that has the batch verbs, one claim call per
+  poll, each entry completed as its handler returns (completions grouped into batch calls),
+  and the handlers run concurrently with an async client;
 * retry: nothing: the entry stays in the group's pending list and ``XAUTOCLAIM`` hands it
   out again once it has been idle for *claim_idle* (Redis has no nack; by default the lease,
   whatever the verdict's delay). The same reclaiming picks up the entries of a consumer that

@@ -8,21 +8,33 @@ that many are in flight, the calls that arrive wait, and go together as one ``ac
 latency (a call goes out at once, as a single call), and a busy one gets batches as large as
 the load. Each caller still gets exactly the answer (or the exception) its own single call
 would have given: the batch verbs answer every item as the single verb would, in order.
+
+A batch call that times out or loses its connection is resolved per caller: its items are
+sent again once, and every answer that tells what happened replaces the error (a completion
+found applied is a success). A claim answered `InProgress` then may be its own first send,
+applied with the reply lost: without a claim identity from the store that cannot be told,
+and that caller keeps the error (the lease, if it is its own, expires on its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from oncely._core.records import ClaimResult, LeaseLost, Record
-from oncely.errors import StoreError
+from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record, Status
+from oncely.errors import StoreError, StoreUnavailableError
 
 __all__ = ["CoalescingStore"]
 
+logger = logging.getLogger(__name__)
+
 _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
+
+
+_UNKNOWN: Any = object()
 
 
 class _LoopState:
@@ -96,8 +108,14 @@ class _Coalescer:
         batch: _Waiting,
         options: dict[str, Any],
     ) -> None:
+        items = [item for item, _ in batch]
         try:
-            answers = await self._many([item for item, _ in batch], **options)
+            try:
+                answers: list[Any] = await self._many(items, **options)
+            except StoreUnavailableError as exc:  # the outcome of every item is unknown
+                answers = [exc] * len(items)
+            if any(isinstance(answer, StoreUnavailableError) for answer in answers):
+                answers = await self._resolve(items, answers, options)
         except BaseException as exc:  # the whole call failed: every caller sees it
             for _, future in batch:
                 if not future.done():
@@ -120,6 +138,69 @@ class _Coalescer:
             state.in_flight -= 1
             self._send_waiting(loop, state)
 
+    async def _resolve(
+        self, items: list[tuple[Any, ...]], answers: list[Any], options: dict[str, Any]
+    ) -> list[Any]:
+        """Answer, each on its own, the items of a batch whose outcome is unknown (the call
+        timed out, or its connection broke): they are sent again, as one batch call, and every
+        answer that tells what happened replaces the error. An item whose first call may have
+        been applied keeps its error when the answer cannot tell (see `_told`)."""
+        unknown = [
+            i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
+        ]
+        try:
+            again = await self._many([items[i] for i in unknown], **options)
+        except StoreError:
+            return answers  # still unreachable: the errors stand
+        answers = list(answers)
+        for i, answer in zip(unknown, again, strict=True):
+            told = await self._told(items[i], answer)
+            if told is not _UNKNOWN:
+                answers[i] = told
+        return answers
+
+    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
+        """What a re-sent item's *answer* says about the item, or `_UNKNOWN`."""
+        return _UNKNOWN if isinstance(answer, StoreError) else answer
+
+
+class _Claims(_Coalescer):
+    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
+        # A claim answered InProgress may be this very claim, applied the first time with its
+        # reply lost: without a claim identity from the store, that is not known, and the
+        # caller keeps its error (the lease, if it is ours, expires on its own).
+        if isinstance(answer, (InProgress, StoreError)):
+            key = item[0]
+            logger.warning(
+                "claim of key=%s may have been applied; it recovers after its lease", key
+            )
+            return _UNKNOWN
+        return answer
+
+
+class _Completions(_Coalescer):
+    def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
+        super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch)
+        self._store = store
+
+    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
+        # A completion re-sent after its first call was applied answers LeaseLost: the record
+        # then shows this token completed with this result, and the completion succeeded.
+        if isinstance(answer, LeaseLost):
+            key, token, result = item
+            try:
+                record = await self._store.aget(key)
+            except StoreError:
+                return _UNKNOWN
+            if (
+                record is not None
+                and record.token == token
+                and record.status is Status.COMPLETED
+                and record.result == result
+            ):
+                return None
+        return _UNKNOWN if isinstance(answer, StoreError) else answer
+
 
 class CoalescingStore:
     """An async view of a store with the batch verbs that group concurrent claims and
@@ -134,10 +215,8 @@ class CoalescingStore:
 
     def __init__(self, store: Any, *, max_in_flight: int = 4, max_batch: int = 256) -> None:
         self.store = store
-        self._claims = _Coalescer(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
-        self._completions = _Coalescer(
-            store.acomplete, store.acomplete_many, max_in_flight, max_batch
-        )
+        self._claims = _Claims(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
+        self._completions = _Completions(store, max_in_flight, max_batch)
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
