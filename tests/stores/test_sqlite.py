@@ -350,3 +350,58 @@ def test_memory_store_scan_and_purge() -> None:
     clock.advance(TTL * 2)
     assert store.purge() == 3
     assert store.scan() == []
+
+
+def test_in_memory_database_serves_concurrent_threads_and_tasks() -> None:
+    """sqlite:///:memory: under threads and asyncio tasks claiming, completing and reading at
+    once: every call answers (a shared-cache table lock would fail some at once, ignoring the
+    busy timeout), and every key is acquired exactly once."""
+    store = oncely.open_store("sqlite:///:memory:")
+    threads, tasks, rounds = 6, 6, 150
+    barrier = threading.Barrier(threads + 1)
+    acquired: list[str] = []
+    errors: list[BaseException] = []
+
+    def settle(key: str, answer: object) -> None:
+        if isinstance(answer, Acquired):
+            acquired.append(key)
+
+    def worker(index: int) -> None:
+        barrier.wait(timeout=60)
+        try:
+            for step in range(rounds):
+                key = f"k{step % 25}"
+                answer = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+                settle(key, answer)
+                if isinstance(answer, Acquired):
+                    assert store.complete(key, answer.token, b"r", ttl=TTL) is None
+                store.get(key)
+                store.scan(limit=5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def racing_tasks() -> None:
+        async def one(index: int) -> None:
+            for step in range(rounds):
+                key = f"a{step % 25}"
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                settle(key, answer)
+                if isinstance(answer, Acquired):
+                    assert await store.acomplete(key, answer.token, b"r", ttl=TTL) is None
+                await store.aget(key)
+
+        barrier.wait(timeout=60)
+        try:
+            await asyncio.gather(*(one(index) for index in range(tasks)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(index,)) for index in range(threads)]
+    for thread in pool:
+        thread.start()
+    asyncio.run(racing_tasks())
+    for thread in pool:
+        thread.join(120)
+    store.close()
+    assert errors == []
+    assert sorted(acquired) == sorted({f"k{i}" for i in range(25)} | {f"a{i}" for i in range(25)})

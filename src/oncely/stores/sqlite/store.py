@@ -11,6 +11,9 @@ the store (never a thread per call), each with its own connection; except that w
 not wait for the disk (``synchronous="normal"`` or ``"off"`` in WAL mode, or an in-memory
 database), a transition that finds the write lock free runs at once on the event loop's thread:
 it takes tens of microseconds, less than the hop to a thread and back.
+
+An in-memory database has one connection, used under the store's lock by every caller: SQLite's
+shared cache, the other way to share one, locks tables without heeding the busy timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import contextlib
 import os
 import sqlite3
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -56,7 +58,7 @@ class SQLiteStore(MachineStore):
 
     Args:
         path: The database file (created if missing), or ``":memory:"`` for a private
-            in-memory database shared by this store's connections.
+            in-memory database of this store alone (one connection, used under a lock).
         namespace: A prefix that keeps this store's keys apart from others' in the same file.
         clock: The clock that judges leases and expiry (the host's by default).
         timeout: How long a transition waits for the write lock before
@@ -86,16 +88,12 @@ class SQLiteStore(MachineStore):
         super().__init__(namespace=namespace, clock=clock)
         if synchronous.lower() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
-        self._memory_name: str | None = None
-        if str(path) == ":memory:":
-            self._memory_name = f"file:oncely-{uuid.uuid4().hex}?mode=memory&cache=shared"
-            self.path = self._memory_name
-        else:
-            self.path = str(Path(path))
+        self._memory = str(path) == ":memory:"
+        self.path = ":memory:" if self._memory else str(Path(path))
         self._timeout = timeout
         self._synchronous = synchronous.upper()
         # Commits that never wait for the disk may run on the event loop's thread (see above).
-        self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory_name is not None
+        self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory
         self._async_workers = async_workers
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -107,8 +105,9 @@ class SQLiteStore(MachineStore):
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
-        # An in-memory database lives while one connection to it is open: keep one.
-        self._anchor = self._connect() if self._memory_name else None
+        # An in-memory database is private to its one connection: every use of it holds
+        # `_write_lock` (see `_exclusive`).
+        self._shared = self._connect() if self._memory else None
         if migrate:
             self.migrate()
         else:
@@ -152,9 +151,8 @@ class SQLiteStore(MachineStore):
                 timeout=self._timeout if timeout is None else timeout,
                 isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE
                 check_same_thread=False,  # used by one thread; closed by whoever closes the store
-                uri=self._memory_name is not None,
             )
-            if self._memory_name is None:
+            if not self._memory:
                 connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={self._synchronous}")
         with self._connections_lock:
@@ -172,6 +170,8 @@ class SQLiteStore(MachineStore):
             self._connections_lock = threading.Lock()
             self._write_lock = threading.Lock()
             self._executor = None
+        if self._shared is not None:
+            return self._shared
         if getattr(self._local, "inline", False):  # never waits for another writer
             inline: sqlite3.Connection | None = getattr(self._local, "inline_connection", None)
             if inline is None:
@@ -209,7 +209,7 @@ class SQLiteStore(MachineStore):
         """Create or upgrade the schema. Idempotent, and safe to run from several processes."""
         script = resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
         connection = self._connection()
-        with self._translate_errors(""):
+        with self._guarded(""), self._translate_errors(""):
             connection.execute("BEGIN IMMEDIATE")
             try:
                 for statement in script.split(";"):
@@ -222,7 +222,7 @@ class SQLiteStore(MachineStore):
         self._check_schema()
 
     def _check_schema(self) -> None:
-        with self._translate_errors(""):
+        with self._guarded(""), self._translate_errors(""):
             row = self._connection().execute(_sql.SELECT_VERSION).fetchone()
         if row is None or row[0] < _sql.SCHEMA_VERSION:
             raise SchemaMissingError(
@@ -251,10 +251,9 @@ class SQLiteStore(MachineStore):
         return answers
 
     @contextlib.contextmanager
-    def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
-        inline = getattr(self._local, "inline", False)
-        connection = self._connection()
-        if inline:
+    def _exclusive(self, key: str) -> Iterator[None]:
+        """Hold this process's write lock (an inline caller never waits for it: `_Busy`)."""
+        if getattr(self._local, "inline", False):
             if not self._write_lock.acquire(blocking=False):
                 raise _Busy
         elif not self._write_lock.acquire(timeout=self._timeout):
@@ -264,21 +263,31 @@ class SQLiteStore(MachineStore):
                 backend=self.backend,
             )
         try:
-            with self._translate_errors(key):
-                try:
-                    connection.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:
-                    if inline and ("locked" in str(exc) or "busy" in str(exc)):
-                        raise _Busy from exc  # another process writes: wait in a thread
-                    raise
-                try:
-                    yield connection
-                except BaseException:
-                    connection.execute("ROLLBACK")
-                    raise
-                connection.execute("COMMIT")
+            yield
         finally:
             self._write_lock.release()
+
+    def _guarded(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Reads of a file need no lock (WAL); the one connection of an in-memory one does."""
+        return self._exclusive(key) if self._memory else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
+        inline = getattr(self._local, "inline", False)
+        connection = self._connection()
+        with self._exclusive(key), self._translate_errors(key):
+            try:
+                connection.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if inline and ("locked" in str(exc) or "busy" in str(exc)):
+                    raise _Busy from exc  # another process writes: wait in a thread
+                raise
+            try:
+                yield connection
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
 
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
         record = self._decode(key, connection.execute(_sql.SELECT, (key,)).fetchone())
@@ -288,7 +297,7 @@ class SQLiteStore(MachineStore):
         return answer
 
     def _read(self, key: str) -> Record | None:
-        with self._translate_errors(key):
+        with self._guarded(key), self._translate_errors(key):
             row = self._connection().execute(_sql.SELECT, (key,)).fetchone()
         return self._decode(key, row)
 
@@ -342,7 +351,7 @@ class SQLiteStore(MachineStore):
         connection = self._connection()
         removed = 0
         while limit is None or removed < limit:
-            with self._translate_errors(""):
+            with self._guarded(""), self._translate_errors(""):
                 cursor = connection.execute(_sql.PURGE, (self.clock.now_ms(), batch))
             removed += cursor.rowcount
             if cursor.rowcount < batch:
@@ -352,7 +361,7 @@ class SQLiteStore(MachineStore):
     def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Return up to *limit* live records whose key sorts after *after*, results left out."""
         prefix = self._stored_key("")
-        with self._translate_errors(""):
+        with self._guarded(""), self._translate_errors(""):
             rows = (
                 self._connection()
                 .execute(_sql.SCAN, (prefix + after, self.clock.now_ms(), limit))
