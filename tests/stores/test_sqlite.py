@@ -94,6 +94,53 @@ def test_migrate_is_idempotent_across_processes(tmp_path: Path) -> None:
         assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), Acquired)
 
 
+def _open_fresh_files(directory: str, trials: int, barrier: Any, results: Any) -> None:
+    """Open t0.db, t1.db, ... in *directory*, each at *barrier* with the other processes."""
+    failures = []
+    for trial in range(trials):
+        barrier.wait(timeout=60)
+        path = os.path.join(directory, f"t{trial}.db")
+        try:
+            with SQLiteStore(path, synchronous="off") as store:  # the open is what is tested
+                store.claim("k", "fp", lease=LEASE, ttl=TTL)
+        except Exception as exc:
+            failures.append(f"trial {trial}: {exc!r}")
+    results.put(failures)
+
+
+def test_first_opens_of_a_fresh_file_at_one_instant_all_succeed(tmp_path: Path) -> None:
+    """Processes opening the same new file at the same moment, many times over: every open
+    succeeds (switching a fresh file to WAL needs a lock SQLite takes without its busy handler,
+    so without retrying a few percent of them failed with "database is locked"), the file ends
+    up in WAL mode, and exactly one claim of each file is Acquired."""
+    processes, trials = 8, 200
+    context = multiprocessing.get_context("forkserver")
+    barrier = context.Barrier(processes)
+    results = context.Queue()
+    workers = [
+        context.Process(target=_open_fresh_files, args=(str(tmp_path), trials, barrier, results))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        failures = [failure for _ in workers for failure in results.get(timeout=300)]
+    finally:
+        for worker in workers:
+            worker.join(60)
+        results.close()
+        results.join_thread()
+    assert failures == []
+    assert [worker.exitcode for worker in workers] == [0] * processes
+    for trial in range(trials):
+        raw = sqlite3.connect(tmp_path / f"t{trial}.db")
+        try:
+            assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            assert raw.execute("SELECT token, attempt FROM oncely_records").fetchall() == [(1, 1)]
+        finally:
+            raw.close()
+
+
 @pytest.mark.parametrize(
     ("column", "value"),
     [("status", "exploded"), ("token", "one"), ("fingerprint", b"\xff"), ("result", "text")],

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -152,12 +154,41 @@ class SQLiteStore(MachineStore):
                 isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE
                 check_same_thread=False,  # used by one thread; closed by whoever closes the store
             )
-            if not self._memory:
-                connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            try:
+                if not self._memory:
+                    self._enter_wal(connection)
+                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            except BaseException:
+                connection.close()
+                raise
         with self._connections_lock:
             self._connections.append(connection)
         return connection
+
+    def _enter_wal(self, connection: sqlite3.Connection) -> None:
+        """Put the database in WAL mode (a no-op once it is), retrying while it is locked.
+
+        Leaving the rollback journal needs an exclusive lock, which SQLite asks for without its
+        busy handler (the connection holds a shared lock, and waiting could deadlock): two
+        first opens of a fresh file can meet ``database is locked`` however long the timeout.
+        Each try ends its statement and so drops the shared lock; the next one, after a short
+        random backoff, finds the file converted or converts it.
+        """
+        deadline = time.monotonic() + self._timeout
+        delay = 0.001
+        while True:
+            try:
+                connection.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                if getattr(self._local, "inline", False):
+                    raise _Busy from exc  # the event loop's thread never waits: use a worker
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.05)
 
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
@@ -194,7 +225,7 @@ class SQLiteStore(MachineStore):
                     "store.migrate() or `oncely migrate`",
                     backend=self.backend,
                 ) from exc
-            if "locked" in message or "busy" in message or "unable to open" in message:
+            if _is_busy(exc) or "unable to open" in message:
                 raise StoreUnavailableError(
                     f"SQLite database {self.path!r} could not serve {key!r}: {message}",
                     backend=self.backend,
@@ -279,7 +310,7 @@ class SQLiteStore(MachineStore):
             try:
                 connection.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
-                if inline and ("locked" in str(exc) or "busy" in str(exc)):
+                if inline and _is_busy(exc):
                     raise _Busy from exc  # another process writes: wait in a thread
                 raise
             try:
@@ -402,6 +433,12 @@ class SQLiteStore(MachineStore):
     async def aclose(self) -> None:
         """Close every connection and the async worker threads."""
         self.close()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite answered "not now" (another connection holds a lock)."""
+    message = str(exc)
+    return "locked" in message or "busy" in message
 
 
 def _encode(record: Record) -> tuple[Any, ...]:
