@@ -452,3 +452,50 @@ def test_in_memory_database_serves_concurrent_threads_and_tasks() -> None:
     store.close()
     assert errors == []
     assert sorted(acquired) == sorted({f"k{i}" for i in range(25)} | {f"a{i}" for i in range(25)})
+
+
+def test_scans_list_only_their_own_namespace(tmp_path: Path) -> None:
+    """In one file, the default namespace's scan lists none of the named namespaces' records
+    (whose keys look like ``billing:...``), and a named one's lists none of the others'; pages
+    of one record walk each namespace to its end."""
+    path = tmp_path / "oncely.db"
+    keys = {"": ["a", "billing:eu:x", "s|k:1"], "billing": ["eu:x", "y"], "billing:eu": ["x"]}
+    stores = {space: SQLiteStore(path, namespace=space) for space in keys}
+    try:
+        for space, store in stores.items():
+            for key in keys[space]:
+                assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Acquired)
+        for space, store in stores.items():
+            assert sorted(record.key for record in store.scan()) == sorted(keys[space])
+            paged, after = [], ""
+            while page := store.scan(after=after, limit=1):
+                paged.append(page[0].key)
+                after = page[0].key
+            assert sorted(paged) == sorted(keys[space])
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def test_records_stored_before_the_escaping_are_found(tmp_path: Path) -> None:
+    """The common case keeps its stored key: a named namespace without ``%:|`` and a default
+    namespace key scoped as ``<scope>|<key>``, as earlier versions wrote them, still replay."""
+    path = tmp_path / "oncely.db"
+    with SQLiteStore(path) as store:  # creates the schema
+        pass
+    raw = sqlite3.connect(path)
+    now = FrozenClock().now_ms()
+    rows = [("billing:scope|k:1", b"named"), ("scope|k:1", b"default")]
+    with raw:
+        for key, result in rows:
+            raw.execute(
+                "INSERT INTO oncely_records VALUES (?, 'completed', 'fp', 1, 1, ?, ?, ?, ?, ?)",
+                (key, now, now + 3_600_000, now, now, result),
+            )
+    raw.close()
+    clock = FrozenClock()
+    for space, expected in (("billing", b"named"), ("", b"default")):
+        with SQLiteStore(path, namespace=space, clock=clock) as store:
+            replay = store.claim("scope|k:1", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(replay, oncely.Replay)
+            assert (replay.record.key, replay.record.result) == ("scope|k:1", expected)

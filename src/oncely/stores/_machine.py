@@ -18,6 +18,7 @@ from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
 from oncely.errors import CorruptRecordError, StoreError
+from oncely.stores import _namespace
 
 __all__ = ["MachineStore", "Step"]
 
@@ -91,7 +92,7 @@ class MachineStore:
         return call()
 
     def _stored_key(self, key: str) -> str:
-        return f"{self.namespace}:{key}" if self.namespace else key
+        return _namespace.stored_key(self.namespace, key)
 
     # -- sync verbs --------------------------------------------------------------------------
 
@@ -163,8 +164,9 @@ class MachineStore:
         # Records leave the store with the caller's key, not the namespaced one.
         if isinstance(value, Replay):
             return Replay(self._unscoped(value.record))
-        if isinstance(value, Record) and self.namespace:
-            return replace(value, key=value.key[len(self.namespace) + 1 :])
+        if isinstance(value, Record):
+            key = _namespace.caller_key(self.namespace, value.key)
+            return value if key == value.key else replace(value, key=key)
         return value
 
     # -- async verbs -------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.stores._machine import MachineStore, Step
+from oncely.stores._namespace import namespace_range
 from oncely.stores.sqlite import _sql
 
 __all__ = ["SQLiteStore"]
@@ -391,14 +392,15 @@ class SQLiteStore(MachineStore):
 
     def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Return up to *limit* live records whose key sorts after *after*, results left out."""
-        prefix = self._stored_key("")
+        start, now_ms = self._stored_key(after), self.clock.now_ms()
+        params: tuple[str | int, ...]
+        if self.namespace:
+            sql, params = _sql.SCAN, (start, namespace_range(self.namespace)[1], now_ms, limit)
+        else:
+            sql, params = _sql.SCAN_DEFAULT, (start, now_ms, limit)
         with self._guarded(""), self._translate_errors(""):
-            rows = (
-                self._connection()
-                .execute(_sql.SCAN, (prefix + after, self.clock.now_ms(), limit))
-                .fetchall()
-            )
-        records = [self._decode(row[0], row) for row in rows if row[0].startswith(prefix)]
+            rows = self._connection().execute(sql, params).fetchall()
+        records = [self._decode(row[0], row) for row in rows]
         return [self._unscoped(record) for record in records if record is not None]
 
     # -- async and lifecycle -------------------------------------------------------------------
