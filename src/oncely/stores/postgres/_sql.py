@@ -497,7 +497,7 @@ def decode_claim(key: str, reply: Reply) -> ClaimResult:
     if outcome == "recovered":
         return Acquired(record.token, recovered=True, attempt=record.attempt)
     if outcome == "replay":
-        return Replay(record)
+        return Replay(record, judged_at_ms=_epoch_ms(judged_at))
     if outcome == "mismatch":
         return Mismatch(stored_fingerprint=record.fingerprint)
     if outcome == "in_progress":
