@@ -131,6 +131,42 @@ class StoreConformance:
     ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
     """
 
+    # -- namespaces map (namespace, key) to records injectively ------------------------------
+    # (session 4, storessql: kept here, apart from the additions at the end of the class)
+
+    def test_namespaces_and_keys_never_share_a_record(
+        self, clock: FrozenClock | None, namespace: str
+    ) -> None:
+        """Pairs whose plain ``namespace:key`` would be the same text are separate records:
+        each is Acquired, completes with its own result and replays it under its own key; a
+        named namespace's `scan` (where the store has one) lists its own record only."""
+        pairs = [
+            (namespace, "eu:x"),
+            (f"{namespace}:eu", "x"),
+            (f"{namespace}%3Aeu", "x"),
+            (f"{namespace}|eu", "x"),
+            ("", f"{namespace}:eu:x"),
+            ("", f"|{namespace}:eu:x"),
+            ("", f"{namespace}|eu:x"),
+        ]
+        stores = [self.open_store(clock, space) for space, _ in pairs]
+        try:
+            for store, (space, key) in zip(stores, pairs, strict=True):
+                answer = store.claim(key, "fp", lease=self.lease, ttl=self.ttl)
+                assert answer == Acquired(1, recovered=False, attempt=1), (space, key, answer)
+            for index, (store, (_, key)) in enumerate(zip(stores, pairs, strict=True)):
+                assert store.complete(key, 1, b"%d" % index, ttl=self.ttl) is None
+            for index, (store, (space, key)) in enumerate(zip(stores, pairs, strict=True)):
+                replay = store.claim(key, "fp", lease=self.lease, ttl=self.ttl)
+                assert isinstance(replay, Replay), (space, key, replay)
+                assert (replay.record.key, replay.record.result) == (key, b"%d" % index)
+                scan = getattr(store, "scan", None)
+                if space and scan is not None:
+                    assert [record.key for record in scan(limit=10)] == [key], space
+        finally:
+            for store in stores:
+                store.close()
+
     controls_clock: ClassVar[bool] = True
     lease: ClassVar[timedelta] = timedelta(seconds=30)
     racers: ClassVar[int] = 64

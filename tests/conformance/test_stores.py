@@ -43,6 +43,19 @@ class TestSQLiteStoreWithoutDiskWaits(TestSQLiteStore):
         return SQLiteStore(self.path, clock=clock, namespace=namespace, synchronous="normal")
 
 
+class TestSQLiteInMemoryStore(StoreConformance):
+    """sqlite:///:memory:: one connection under the store's lock, races included."""
+
+    def store_url(self) -> str:
+        return "sqlite:///:memory:"
+
+    def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
+        return SQLiteStore(":memory:", clock=clock, namespace=namespace)
+
+    # An in-memory database lives in one process: there is nothing to race across processes.
+    test_claim_race_processes_exactly_one_acquires = None  # type: ignore[assignment]
+
+
 class TestTieredSQLiteStore(StoreConformance):
     @pytest.fixture(autouse=True)
     def _database(self, tmp_path: Path) -> None:

@@ -94,6 +94,53 @@ def test_migrate_is_idempotent_across_processes(tmp_path: Path) -> None:
         assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), Acquired)
 
 
+def _open_fresh_files(directory: str, trials: int, barrier: Any, results: Any) -> None:
+    """Open t0.db, t1.db, ... in *directory*, each at *barrier* with the other processes."""
+    failures = []
+    for trial in range(trials):
+        barrier.wait(timeout=60)
+        path = os.path.join(directory, f"t{trial}.db")
+        try:
+            with SQLiteStore(path, synchronous="off") as store:  # the open is what is tested
+                store.claim("k", "fp", lease=LEASE, ttl=TTL)
+        except Exception as exc:
+            failures.append(f"trial {trial}: {exc!r}")
+    results.put(failures)
+
+
+def test_first_opens_of_a_fresh_file_at_one_instant_all_succeed(tmp_path: Path) -> None:
+    """Processes opening the same new file at the same moment, many times over: every open
+    succeeds (switching a fresh file to WAL needs a lock SQLite takes without its busy handler,
+    so without retrying a few percent of them failed with "database is locked"), the file ends
+    up in WAL mode, and exactly one claim of each file is Acquired."""
+    processes, trials = 8, 200
+    context = multiprocessing.get_context("forkserver")
+    barrier = context.Barrier(processes)
+    results = context.Queue()
+    workers = [
+        context.Process(target=_open_fresh_files, args=(str(tmp_path), trials, barrier, results))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        failures = [failure for _ in workers for failure in results.get(timeout=300)]
+    finally:
+        for worker in workers:
+            worker.join(60)
+        results.close()
+        results.join_thread()
+    assert failures == []
+    assert [worker.exitcode for worker in workers] == [0] * processes
+    for trial in range(trials):
+        raw = sqlite3.connect(tmp_path / f"t{trial}.db")
+        try:
+            assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            assert raw.execute("SELECT token, attempt FROM oncely_records").fetchall() == [(1, 1)]
+        finally:
+            raw.close()
+
+
 @pytest.mark.parametrize(
     ("column", "value"),
     [("status", "exploded"), ("token", "one"), ("fingerprint", b"\xff"), ("result", "text")],
@@ -350,3 +397,105 @@ def test_memory_store_scan_and_purge() -> None:
     clock.advance(TTL * 2)
     assert store.purge() == 3
     assert store.scan() == []
+
+
+def test_in_memory_database_serves_concurrent_threads_and_tasks() -> None:
+    """sqlite:///:memory: under threads and asyncio tasks claiming, completing and reading at
+    once: every call answers (a shared-cache table lock would fail some at once, ignoring the
+    busy timeout), and every key is acquired exactly once."""
+    store = oncely.open_store("sqlite:///:memory:")
+    threads, tasks, rounds = 6, 6, 150
+    barrier = threading.Barrier(threads + 1)
+    acquired: list[str] = []
+    errors: list[BaseException] = []
+
+    def settle(key: str, answer: object) -> None:
+        if isinstance(answer, Acquired):
+            acquired.append(key)
+
+    def worker(index: int) -> None:
+        barrier.wait(timeout=60)
+        try:
+            for step in range(rounds):
+                key = f"k{step % 25}"
+                answer = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+                settle(key, answer)
+                if isinstance(answer, Acquired):
+                    assert store.complete(key, answer.token, b"r", ttl=TTL) is None
+                store.get(key)
+                store.scan(limit=5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def racing_tasks() -> None:
+        async def one(index: int) -> None:
+            for step in range(rounds):
+                key = f"a{step % 25}"
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                settle(key, answer)
+                if isinstance(answer, Acquired):
+                    assert await store.acomplete(key, answer.token, b"r", ttl=TTL) is None
+                await store.aget(key)
+
+        barrier.wait(timeout=60)
+        try:
+            await asyncio.gather(*(one(index) for index in range(tasks)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(index,)) for index in range(threads)]
+    for thread in pool:
+        thread.start()
+    asyncio.run(racing_tasks())
+    for thread in pool:
+        thread.join(120)
+    store.close()
+    assert errors == []
+    assert sorted(acquired) == sorted({f"k{i}" for i in range(25)} | {f"a{i}" for i in range(25)})
+
+
+def test_scans_list_only_their_own_namespace(tmp_path: Path) -> None:
+    """In one file, the default namespace's scan lists none of the named namespaces' records
+    (whose keys look like ``billing:...``), and a named one's lists none of the others'; pages
+    of one record walk each namespace to its end."""
+    path = tmp_path / "oncely.db"
+    keys = {"": ["a", "billing:eu:x", "s|k:1"], "billing": ["eu:x", "y"], "billing:eu": ["x"]}
+    stores = {space: SQLiteStore(path, namespace=space) for space in keys}
+    try:
+        for space, store in stores.items():
+            for key in keys[space]:
+                assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Acquired)
+        for space, store in stores.items():
+            assert sorted(record.key for record in store.scan()) == sorted(keys[space])
+            paged, after = [], ""
+            while page := store.scan(after=after, limit=1):
+                paged.append(page[0].key)
+                after = page[0].key
+            assert sorted(paged) == sorted(keys[space])
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def test_records_stored_before_the_escaping_are_found(tmp_path: Path) -> None:
+    """The common case keeps its stored key: a named namespace without ``%:|`` and a default
+    namespace key scoped as ``<scope>|<key>``, as earlier versions wrote them, still replay."""
+    path = tmp_path / "oncely.db"
+    with SQLiteStore(path) as store:  # creates the schema
+        pass
+    raw = sqlite3.connect(path)
+    now = FrozenClock().now_ms()
+    rows = [("billing:scope|k:1", b"named"), ("scope|k:1", b"default")]
+    with raw:
+        for key, result in rows:
+            raw.execute(
+                "INSERT INTO oncely_records VALUES (?, 'completed', 'fp', 1, 1, ?, ?, ?, ?, ?)",
+                (key, now, now + 3_600_000, now, now, result),
+            )
+    raw.close()
+    clock = FrozenClock()
+    for space, expected in (("billing", b"named"), ("", b"default")):
+        with SQLiteStore(path, namespace=space, clock=clock) as store:
+            replay = store.claim("scope|k:1", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(replay, oncely.Replay)
+            assert (replay.record.key, replay.record.result) == ("scope|k:1", expected)

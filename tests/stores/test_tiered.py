@@ -1,16 +1,25 @@
-"""Tiered specifics: which batch items the cache answers, and inner stores without batch verbs."""
+"""Tiered specifics: which batch items the cache answers, inner stores without batch verbs, and
+cache expiry judged by the store's clock."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from oncely import Acquired, InProgress, Replay
+import pytest
+
+from oncely import Acquired, InProgress, Replay, Store
 from oncely.errors import StoreUnavailableError
+from oncely.stores import open_store
 from oncely.stores.memory import MemoryStore
 from oncely.stores.tiered import TieredStore
 from oncely.testing import FrozenClock
+from tests._helpers import eventually
+from tests.conftest import service_url
 
 LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
 
@@ -77,3 +86,96 @@ def test_inner_failures_answer_in_their_own_place() -> None:
     assert isinstance(claims[1], StoreUnavailableError)
     assert settled[0] is None
     assert isinstance(settled[1], StoreUnavailableError)
+
+
+class _HostClockBehind:
+    """The host's wall clock, running *behind_ms* late (a host whose clock is behind)."""
+
+    def __init__(self, behind_ms: int) -> None:
+        self.behind_ms = behind_ms
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000 - self.behind_ms
+
+
+def _replays(store: Store, key: str) -> bytes | None:
+    answer = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+    return answer.record.result if isinstance(answer, Replay) else None
+
+
+def test_cache_expiry_follows_the_store_clock_not_the_host_clock() -> None:
+    """A host whose clock is ten minutes behind the store's caches a finished record; time
+    passes, the record expires by the store's clock and runs again elsewhere: the host's next
+    claim replays the new result, not its cached copy of the expired one (sync and async)."""
+    for mode in ("sync", "async"):
+        store_clock = FrozenClock()
+        host_clock = FrozenClock(store_clock.now_ms() - 10 * 60_000)
+        inner = MemoryStore(clock=store_clock)
+        here = TieredStore(inner, clock=host_clock)
+        assert here.claim("k", "fp", lease=LEASE, ttl=TTL) == Acquired(1, False, 1)
+        assert here.complete("k", 1, b"first", ttl=timedelta(minutes=1)) is None
+        assert _replays(here, "k") == _replays(here, "k") == b"first"
+        assert here.hits == 1  # served from the cache while the record lives
+        for clock in (store_clock, host_clock):
+            clock.advance(timedelta(minutes=2))
+        elsewhere = inner.claim("k", "fp", lease=LEASE, ttl=TTL)  # another host, no cache
+        assert isinstance(elsewhere, Acquired)
+        assert inner.complete("k", elsewhere.token, b"second", ttl=TTL) is None
+        if mode == "sync":
+            assert _replays(here, "k") == b"second"
+        else:
+            answer = asyncio.run(here.aclaim("k", "fp", lease=LEASE, ttl=TTL))
+            assert isinstance(answer, Replay)
+            assert answer.record.result == b"second"
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def server_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store URL on a real server whose clock judges time: Redis, or PostgreSQL in a schema
+    of this test's own (dropped afterwards)."""
+    if request.param == "redis":
+        yield service_url("ONCELY_TEST_REDIS_URL")
+        return
+    import psycopg
+
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_tiered_{uuid.uuid4().hex[:10]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}&application_name=oncely_tiered"
+    with open_store(url) as store:
+        store.migrate()  # type: ignore[attr-defined]
+    try:
+        yield url
+    finally:
+        with psycopg.connect(base, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_cache_expiry_follows_the_server_clock(server_url: str) -> None:
+    """A host whose clock is ten minutes behind the server's caches a finished record; the
+    record expires by the server's clock and runs again through another host: the first host
+    then replays the new result, never its cached copy of the expired record."""
+    namespace = f"tiered-{uuid.uuid4().hex[:12]}"
+    here = TieredStore(
+        open_store(server_url, namespace=namespace), clock=_HostClockBehind(10 * 60_000)
+    )
+    elsewhere = open_store(server_url, namespace=namespace)
+    try:
+        assert here.claim("k", "fp", lease=LEASE, ttl=TTL) == Acquired(1, False, 1)
+        # The record lives a few seconds: long enough to be cached on a loaded machine, short
+        # enough to wait for.
+        assert here.complete("k", 1, b"first", ttl=timedelta(seconds=4)) is None
+        assert _replays(here, "k") == b"first"  # now in the cache, if it is kept at all
+
+        def run_again_elsewhere() -> bool:
+            answer = elsewhere.claim("k", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(answer, (Replay, Acquired)), answer
+            if isinstance(answer, Replay):
+                return False  # not expired yet by the server's clock
+            assert elsewhere.complete("k", answer.token, b"second", ttl=TTL) is None
+            return True
+
+        eventually(run_again_elsewhere, timeout=30, interval=0.1)
+        assert _replays(here, "k") == b"second"
+    finally:
+        here.close()
+        elsewhere.close()

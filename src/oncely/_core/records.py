@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeAlias
 
@@ -96,9 +96,16 @@ class InProgress:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """The operation already finished (completed or failed); here is its record."""
+    """The operation already finished (completed or failed); here is its record.
+
+    Attributes:
+        record: The finished record.
+        judged_at_ms: The store's clock when it answered (epoch milliseconds), where the store
+            says: the tiered cache keeps the record only while it lives by that clock.
+    """
 
     record: Record
+    judged_at_ms: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
 from oncely.errors import CorruptRecordError, StoreError
+from oncely.stores import _namespace
 
 __all__ = ["MachineStore", "Step"]
 
@@ -36,9 +37,12 @@ def _ms(duration: timedelta) -> int:
 
 def _claim_step(stored: str, fingerprint: str, lease_ms: int, ttl_ms: int) -> Step[ClaimResult]:
     def step(record: Record | None, now_ms: int) -> tuple[Record | None, ClaimResult]:
-        return machine.claim(
+        new, answer = machine.claim(
             stored, record, fingerprint, now_ms=now_ms, lease_ms=lease_ms, ttl_ms=ttl_ms
         )
+        if isinstance(answer, Replay):
+            answer = Replay(answer.record, judged_at_ms=now_ms)
+        return new, answer
 
     return step
 
@@ -91,7 +95,7 @@ class MachineStore:
         return call()
 
     def _stored_key(self, key: str) -> str:
-        return f"{self.namespace}:{key}" if self.namespace else key
+        return _namespace.stored_key(self.namespace, key)
 
     # -- sync verbs --------------------------------------------------------------------------
 
@@ -162,9 +166,10 @@ class MachineStore:
     def _unscoped(self, value: Any) -> Any:
         # Records leave the store with the caller's key, not the namespaced one.
         if isinstance(value, Replay):
-            return Replay(self._unscoped(value.record))
-        if isinstance(value, Record) and self.namespace:
-            return replace(value, key=value.key[len(self.namespace) + 1 :])
+            return replace(value, record=self._unscoped(value.record))
+        if isinstance(value, Record):
+            key = _namespace.caller_key(self.namespace, value.key)
+            return value if key == value.key else replace(value, key=key)
         return value
 
     # -- async verbs -------------------------------------------------------------------------

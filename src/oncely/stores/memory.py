@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from oncely._core.clock import Clock
 from oncely._core.records import Record
 from oncely.errors import StoreError
+from oncely.stores import _namespace
 from oncely.stores._machine import MachineStore, Step
 
 __all__ = ["MemoryStore"]
@@ -75,13 +76,14 @@ class MemoryStore(MachineStore):
 
     def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Return up to *limit* live records whose key sorts after *after*, results left out."""
-        prefix = self._stored_key("")
+        start = self._stored_key(after)
+        ours = _namespace.member(self.namespace)
         now_ms = self.clock.now_ms()
         with self._lock:
             keys = sorted(
                 key
                 for key, record in self._records.items()
-                if key.startswith(prefix) and key > prefix + after and record.is_live(now_ms)
+                if key > start and ours(key) and record.is_live(now_ms)
             )[:limit]
             records = [replace(self._records[key], result=None) for key in keys]
         return [self._unscoped(record) for record in records]

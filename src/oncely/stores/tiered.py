@@ -3,6 +3,12 @@
 Replays of hot keys are answered from memory with no round trip. Only completed and failed
 records are cached: they change only by expiring, so the cache can never answer a stale
 in-progress state. Claims that miss, and every state change, go to the inner store.
+
+Expiry is the store's: a replay says the store's clock when it answered (`Replay.judged_at_ms`:
+Redis ``TIME``, PostgreSQL's clock, the clock of a memory or SQLite store), so the record has
+``expires_at_ms - judged_at_ms`` left from a moment after the claim was sent. The cache keeps it
+that long, less a margin, measured on the local clock from when the claim was sent: a local clock
+that is minutes off never serves a record the store has expired (and may have run again).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +30,14 @@ from oncely.stores import _batch
 __all__ = ["TieredStore"]
 
 _EXPIRY_MARGIN_MS = 1000
-"""Cached records are dropped this long before they expire, to absorb clock skew with the store."""
+"""Cached records are dropped this long before they expire by the store's clock, to absorb
+differences in the rate of the local clock and the store's."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    record: Record
+    deadline_ms: int  # on the tiered store's clock: past it, the record may have expired
 
 
 class TieredStore:
@@ -33,7 +47,9 @@ class TieredStore:
         inner: The store that owns the records.
         max_entries: The most records kept.
         max_bytes: The most result bytes kept (records larger than a tenth of it are not cached).
-        clock: The local clock used to drop cached records before they expire.
+        clock: The local clock that measures how long a cached record has left (by default the
+            inner store's clock, else the host's); a store whose replies do not say its clock
+            (`Replay.judged_at_ms`) is taken to share it.
 
     .. versionadded:: 0.1.0
     """
@@ -53,8 +69,11 @@ class TieredStore:
         self.inner = inner
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.clock: Clock = clock or getattr(inner, "clock", None) or SystemClock()
-        self._cache: OrderedDict[str, Record] = OrderedDict()
+        inner_clock = getattr(inner, "clock", None)
+        if not callable(getattr(inner_clock, "now_ms", None)):
+            inner_clock = None
+        self.clock: Clock = clock or inner_clock or SystemClock()
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -70,26 +89,33 @@ class TieredStore:
 
     def _cached(self, key: str, fingerprint: str) -> ClaimResult | None:
         with self._lock:
-            record = self._cache.get(key)
-            if record is None:
+            entry = self._cache.get(key)
+            if entry is None:
                 return None
-            if self.clock.now_ms() >= record.expires_at_ms - _EXPIRY_MARGIN_MS:
+            if self.clock.now_ms() >= entry.deadline_ms:
                 self._drop(key)
                 return None
             self._cache.move_to_end(key)
             self.hits += 1
+        record = entry.record
         if record.fingerprint != fingerprint:
             return Mismatch(stored_fingerprint=record.fingerprint)
         return Replay(record)
 
-    def _remember(self, answer: ClaimResult) -> ClaimResult:
+    def _remember(self, answer: ClaimResult, asked_at_ms: int) -> ClaimResult:
+        """Cache *answer* if it is a replay; *asked_at_ms* is the local clock before the claim."""
         if isinstance(answer, Replay):
             record = answer.record
+            judged_at_ms = answer.judged_at_ms
+            if judged_at_ms is None:  # the store does not say its clock: take the local one
+                judged_at_ms = asked_at_ms
+            # The store judged after the claim was sent: the record lives at least this long.
+            deadline_ms = asked_at_ms + record.expires_at_ms - judged_at_ms - _EXPIRY_MARGIN_MS
             size = len(record.result or b"")
-            if size <= self.max_bytes // 10:
+            if size <= self.max_bytes // 10 and deadline_ms > asked_at_ms:
                 with self._lock:
                     self._drop(record.key)
-                    self._cache[record.key] = record
+                    self._cache[record.key] = _Entry(record, deadline_ms)
                     self._bytes += size
                     while len(self._cache) > self.max_entries or self._bytes > self.max_bytes:
                         self._drop(next(iter(self._cache)))
@@ -104,17 +130,20 @@ class TieredStore:
         ]
         misses = [index for index, answer in enumerate(answers) if answer is None]
         if misses:
+            asked_at_ms = self.clock.now_ms()
             fetched: list[ClaimResult | StoreError] = yield [requests[i] for i in misses]
             for index, answer in zip(misses, fetched, strict=True):
                 answers[index] = (
-                    answer if isinstance(answer, StoreError) else self._remember(answer)
+                    answer
+                    if isinstance(answer, StoreError)
+                    else self._remember(answer, asked_at_ms)
                 )
         return [answer for answer in answers if answer is not None]
 
     def _drop(self, key: str) -> None:
-        record = self._cache.pop(key, None)
-        if record is not None:
-            self._bytes -= len(record.result or b"")
+        entry = self._cache.pop(key, None)
+        if entry is not None:
+            self._bytes -= len(entry.record.result or b"")
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -126,7 +155,9 @@ class TieredStore:
         cached = self._cached(key, fingerprint)
         if cached is not None:
             return cached
-        return self._remember(self.inner.claim(key, fingerprint, lease=lease, ttl=ttl))
+        asked_at_ms = self.clock.now_ms()
+        answer = self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
+        return self._remember(answer, asked_at_ms)
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
@@ -176,7 +207,9 @@ class TieredStore:
         cached = self._cached(key, fingerprint)
         if cached is not None:
             return cached
-        return self._remember(await self.inner.aclaim(key, fingerprint, lease=lease, ttl=ttl))
+        asked_at_ms = self.clock.now_ms()
+        answer = await self.inner.aclaim(key, fingerprint, lease=lease, ttl=ttl)
+        return self._remember(answer, asked_at_ms)
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta

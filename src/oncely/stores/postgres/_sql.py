@@ -31,6 +31,7 @@ from oncely._core.records import (
     Status,
 )
 from oncely.errors import CorruptRecordError, StoreError
+from oncely.stores import _namespace
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -126,9 +127,11 @@ SCAN_ALL: Final = f"""
 SELECT key, {_COLUMNS}, NULL::bytea
   FROM {{schema}}.oncely_records
  WHERE key > %(after)s AND expires_at > statement_timestamp()
+   AND (strpos(key, ':') = 0 OR strpos(split_part(key, ':', 1), '|') > 0)
  ORDER BY key LIMIT %(limit)s
 """
-"""Parameters: after, limit. `SCAN` for a store without a namespace."""
+"""Parameters: after, limit. `SCAN` for the default namespace, whose stored keys have no ``:``
+or a ``|`` before the first one (`oncely.stores._namespace`)."""
 
 MIGRATE_PREFIX: Final = """
 SET LOCAL client_min_messages = warning;
@@ -418,17 +421,17 @@ def purge(queries: Queries, batch: int, limit: int | None) -> Flow[int]:
     return removed
 
 
-def scan(queries: Queries, prefix: str, after: str, limit: int) -> Flow[list[Record]]:
-    """Live records whose key (without *prefix*) sorts after *after*, results left out."""
-    params: dict[str, Any] = {"after": prefix + after, "limit": limit}
-    if prefix:
-        # Keys are "C"-collated: the namespace is the range [prefix, prefix's successor).
-        params["before"] = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+def scan(queries: Queries, namespace: str, after: str, limit: int) -> Flow[list[Record]]:
+    """Live records of *namespace* whose stored key sorts after *after*'s, results left out."""
+    params: dict[str, Any] = {"after": _namespace.stored_key(namespace, after), "limit": limit}
+    if namespace:
+        # Keys are "C"-collated: a named namespace is a range of stored keys.
+        params["before"] = _namespace.namespace_range(namespace)[1]
         sql = queries.scan
     else:
         sql = queries.scan_all
     reply: Reply = yield Statement(sql, params)
-    return [decode_record(row[0][len(prefix) :], row[1:]) for row in reply.rows]
+    return [decode_record(_namespace.caller_key(namespace, row[0]), row[1:]) for row in reply.rows]
 
 
 def migrate(queries: Queries) -> Flow[None]:
@@ -494,7 +497,7 @@ def decode_claim(key: str, reply: Reply) -> ClaimResult:
     if outcome == "recovered":
         return Acquired(record.token, recovered=True, attempt=record.attempt)
     if outcome == "replay":
-        return Replay(record)
+        return Replay(record, judged_at_ms=_epoch_ms(judged_at))
     if outcome == "mismatch":
         return Mismatch(stored_fingerprint=record.fingerprint)
     if outcome == "in_progress":

@@ -37,6 +37,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from oncely.stores import _namespace
 from oncely.stores.postgres import _sql
 
 if TYPE_CHECKING:
@@ -481,7 +482,7 @@ class PostgresStore:
         ]
 
     def _stored_key(self, key: str) -> str:
-        return f"{self.namespace}:{key}" if self.namespace else key
+        return _namespace.stored_key(self.namespace, key)
 
     # -- sync verbs ----------------------------------------------------------------------------
 
@@ -628,13 +629,12 @@ class PostgresStore:
 
     def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Return up to *limit* live records whose key sorts after *after*, results left out."""
-        prefix = self._stored_key("")
-        return drive(_sql.scan(self._queries, prefix, after, limit), self._execute)
+        return drive(_sql.scan(self._queries, self.namespace, after, limit), self._execute)
 
     async def ascan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Async `scan`."""
-        prefix = self._stored_key("")
-        return await adrive(_sql.scan(self._queries, prefix, after, limit), self._aexecute)
+        flow = _sql.scan(self._queries, self.namespace, after, limit)
+        return await adrive(flow, self._aexecute)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -184,8 +184,8 @@ def claim_answer(key: str, reply: Any) -> ClaimResult:
         return Acquired(int(token), recovered=bool(recovered), attempt=int(attempt))
     if tag == b"in_progress" and len(rest) == 1:
         return InProgress(retry_after=timedelta(milliseconds=int(rest[0])))
-    if tag == b"replay" and len(rest) == 9:
-        return Replay(_record(key, rest))
+    if tag == b"replay" and len(rest) == 10:
+        return Replay(_record(key, rest[1:]), judged_at_ms=int(rest[0]))
     if tag == b"mismatch" and len(rest) == 1:
         try:
             return Mismatch(stored_fingerprint=rest[0].decode())

@@ -38,6 +38,19 @@ DELETE FROM oncely_records
 SCAN: Final = """
 SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
        created_at_ms, updated_at_ms, NULL
-  FROM oncely_records WHERE key > ? AND expires_at_ms > ? ORDER BY key LIMIT ?
+  FROM oncely_records WHERE key > ? AND key < ? AND expires_at_ms > ? ORDER BY key LIMIT ?
 """
-"""Parameters: after key, now_ms, limit. Live records in key order, without their results."""
+"""Parameters: after (a stored key), the namespace's upper bound (see
+`oncely.stores._namespace.namespace_range`), now_ms, limit. Live records of a named namespace in
+key order, without their results."""
+
+SCAN_DEFAULT: Final = """
+SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
+       created_at_ms, updated_at_ms, NULL
+  FROM oncely_records
+ WHERE key > ? AND expires_at_ms > ?
+   AND (instr(key, ':') = 0 OR instr(substr(key, 1, instr(key, ':')), '|') > 0)
+ ORDER BY key LIMIT ?
+"""
+"""Parameters: after (a stored key), now_ms, limit. `SCAN` for the default namespace: its stored
+keys have no ``:`` or a ``|`` before the first one (`oncely.stores._namespace`)."""

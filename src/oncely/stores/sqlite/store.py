@@ -11,6 +11,9 @@ the store (never a thread per call), each with its own connection; except that w
 not wait for the disk (``synchronous="normal"`` or ``"off"`` in WAL mode, or an in-memory
 database), a transition that finds the write lock free runs at once on the event loop's thread:
 it takes tens of microseconds, less than the hop to a thread and back.
+
+An in-memory database has one connection, used under the store's lock by every caller: SQLite's
+shared cache, the other way to share one, locks tables without heeding the busy timeout.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import sqlite3
 import threading
-import uuid
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -38,6 +42,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.stores._machine import MachineStore, Step
+from oncely.stores._namespace import namespace_range
 from oncely.stores.sqlite import _sql
 
 __all__ = ["SQLiteStore"]
@@ -56,7 +61,7 @@ class SQLiteStore(MachineStore):
 
     Args:
         path: The database file (created if missing), or ``":memory:"`` for a private
-            in-memory database shared by this store's connections.
+            in-memory database of this store alone (one connection, used under a lock).
         namespace: A prefix that keeps this store's keys apart from others' in the same file.
         clock: The clock that judges leases and expiry (the host's by default).
         timeout: How long a transition waits for the write lock before
@@ -86,16 +91,12 @@ class SQLiteStore(MachineStore):
         super().__init__(namespace=namespace, clock=clock)
         if synchronous.lower() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
-        self._memory_name: str | None = None
-        if str(path) == ":memory:":
-            self._memory_name = f"file:oncely-{uuid.uuid4().hex}?mode=memory&cache=shared"
-            self.path = self._memory_name
-        else:
-            self.path = str(Path(path))
+        self._memory = str(path) == ":memory:"
+        self.path = ":memory:" if self._memory else str(Path(path))
         self._timeout = timeout
         self._synchronous = synchronous.upper()
         # Commits that never wait for the disk may run on the event loop's thread (see above).
-        self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory_name is not None
+        self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory
         self._async_workers = async_workers
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -107,8 +108,9 @@ class SQLiteStore(MachineStore):
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
-        # An in-memory database lives while one connection to it is open: keep one.
-        self._anchor = self._connect() if self._memory_name else None
+        # An in-memory database is private to its one connection: every use of it holds
+        # `_write_lock` (see `_exclusive`).
+        self._shared = self._connect() if self._memory else None
         if migrate:
             self.migrate()
         else:
@@ -152,14 +154,42 @@ class SQLiteStore(MachineStore):
                 timeout=self._timeout if timeout is None else timeout,
                 isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE
                 check_same_thread=False,  # used by one thread; closed by whoever closes the store
-                uri=self._memory_name is not None,
             )
-            if self._memory_name is None:
-                connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            try:
+                if not self._memory:
+                    self._enter_wal(connection)
+                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            except BaseException:
+                connection.close()
+                raise
         with self._connections_lock:
             self._connections.append(connection)
         return connection
+
+    def _enter_wal(self, connection: sqlite3.Connection) -> None:
+        """Put the database in WAL mode (a no-op once it is), retrying while it is locked.
+
+        Leaving the rollback journal needs an exclusive lock, which SQLite asks for without its
+        busy handler (the connection holds a shared lock, and waiting could deadlock): two
+        first opens of a fresh file can meet ``database is locked`` however long the timeout.
+        Each try ends its statement and so drops the shared lock; the next one, after a short
+        random backoff, finds the file converted or converts it.
+        """
+        deadline = time.monotonic() + self._timeout
+        delay = 0.001
+        while True:
+            try:
+                connection.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                if getattr(self._local, "inline", False):
+                    raise _Busy from exc  # the event loop's thread never waits: use a worker
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.05)
 
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
@@ -172,6 +202,8 @@ class SQLiteStore(MachineStore):
             self._connections_lock = threading.Lock()
             self._write_lock = threading.Lock()
             self._executor = None
+        if self._shared is not None:
+            return self._shared
         if getattr(self._local, "inline", False):  # never waits for another writer
             inline: sqlite3.Connection | None = getattr(self._local, "inline_connection", None)
             if inline is None:
@@ -194,7 +226,7 @@ class SQLiteStore(MachineStore):
                     "store.migrate() or `oncely migrate`",
                     backend=self.backend,
                 ) from exc
-            if "locked" in message or "busy" in message or "unable to open" in message:
+            if _is_busy(exc) or "unable to open" in message:
                 raise StoreUnavailableError(
                     f"SQLite database {self.path!r} could not serve {key!r}: {message}",
                     backend=self.backend,
@@ -209,7 +241,7 @@ class SQLiteStore(MachineStore):
         """Create or upgrade the schema. Idempotent, and safe to run from several processes."""
         script = resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
         connection = self._connection()
-        with self._translate_errors(""):
+        with self._guarded(""), self._translate_errors(""):
             connection.execute("BEGIN IMMEDIATE")
             try:
                 for statement in script.split(";"):
@@ -222,7 +254,7 @@ class SQLiteStore(MachineStore):
         self._check_schema()
 
     def _check_schema(self) -> None:
-        with self._translate_errors(""):
+        with self._guarded(""), self._translate_errors(""):
             row = self._connection().execute(_sql.SELECT_VERSION).fetchone()
         if row is None or row[0] < _sql.SCHEMA_VERSION:
             raise SchemaMissingError(
@@ -251,10 +283,9 @@ class SQLiteStore(MachineStore):
         return answers
 
     @contextlib.contextmanager
-    def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
-        inline = getattr(self._local, "inline", False)
-        connection = self._connection()
-        if inline:
+    def _exclusive(self, key: str) -> Iterator[None]:
+        """Hold this process's write lock (an inline caller never waits for it: `_Busy`)."""
+        if getattr(self._local, "inline", False):
             if not self._write_lock.acquire(blocking=False):
                 raise _Busy
         elif not self._write_lock.acquire(timeout=self._timeout):
@@ -264,21 +295,31 @@ class SQLiteStore(MachineStore):
                 backend=self.backend,
             )
         try:
-            with self._translate_errors(key):
-                try:
-                    connection.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:
-                    if inline and ("locked" in str(exc) or "busy" in str(exc)):
-                        raise _Busy from exc  # another process writes: wait in a thread
-                    raise
-                try:
-                    yield connection
-                except BaseException:
-                    connection.execute("ROLLBACK")
-                    raise
-                connection.execute("COMMIT")
+            yield
         finally:
             self._write_lock.release()
+
+    def _guarded(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Reads of a file need no lock (WAL); the one connection of an in-memory one does."""
+        return self._exclusive(key) if self._memory else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
+        inline = getattr(self._local, "inline", False)
+        connection = self._connection()
+        with self._exclusive(key), self._translate_errors(key):
+            try:
+                connection.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if inline and _is_busy(exc):
+                    raise _Busy from exc  # another process writes: wait in a thread
+                raise
+            try:
+                yield connection
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
 
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
         record = self._decode(key, connection.execute(_sql.SELECT, (key,)).fetchone())
@@ -288,7 +329,7 @@ class SQLiteStore(MachineStore):
         return answer
 
     def _read(self, key: str) -> Record | None:
-        with self._translate_errors(key):
+        with self._guarded(key), self._translate_errors(key):
             row = self._connection().execute(_sql.SELECT, (key,)).fetchone()
         return self._decode(key, row)
 
@@ -342,7 +383,7 @@ class SQLiteStore(MachineStore):
         connection = self._connection()
         removed = 0
         while limit is None or removed < limit:
-            with self._translate_errors(""):
+            with self._guarded(""), self._translate_errors(""):
                 cursor = connection.execute(_sql.PURGE, (self.clock.now_ms(), batch))
             removed += cursor.rowcount
             if cursor.rowcount < batch:
@@ -351,14 +392,15 @@ class SQLiteStore(MachineStore):
 
     def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
         """Return up to *limit* live records whose key sorts after *after*, results left out."""
-        prefix = self._stored_key("")
-        with self._translate_errors(""):
-            rows = (
-                self._connection()
-                .execute(_sql.SCAN, (prefix + after, self.clock.now_ms(), limit))
-                .fetchall()
-            )
-        records = [self._decode(row[0], row) for row in rows if row[0].startswith(prefix)]
+        start, now_ms = self._stored_key(after), self.clock.now_ms()
+        params: tuple[str | int, ...]
+        if self.namespace:
+            sql, params = _sql.SCAN, (start, namespace_range(self.namespace)[1], now_ms, limit)
+        else:
+            sql, params = _sql.SCAN_DEFAULT, (start, now_ms, limit)
+        with self._guarded(""), self._translate_errors(""):
+            rows = self._connection().execute(sql, params).fetchall()
+        records = [self._decode(row[0], row) for row in rows]
         return [self._unscoped(record) for record in records if record is not None]
 
     # -- async and lifecycle -------------------------------------------------------------------
@@ -393,6 +435,12 @@ class SQLiteStore(MachineStore):
     async def aclose(self) -> None:
         """Close every connection and the async worker threads."""
         self.close()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite answered "not now" (another connection holds a lock)."""
+    message = str(exc)
+    return "locked" in message or "busy" in message
 
 
 def _encode(record: Record) -> tuple[Any, ...]:

@@ -6,7 +6,7 @@
 -- ARGV[3]  ttl of an in-progress record, milliseconds (it outlives its lease: tokens survive)
 -- returns  {"acquired", token, attempt, recovered (0|1)}
 --          | {"in_progress", milliseconds left on the lease}
---          | {"replay", status, fp, token, attempt, lease, expires, created, updated, result}
+--          | {"replay", now, status, fp, token, attempt, lease, expires, created, updated, result}
 --          | {"mismatch", stored fingerprint}
 --          | {"corrupt", reason}
 local r, problem = load(KEYS[1], true)
@@ -34,7 +34,7 @@ if r == nil or now >= r.expires or r.status == "released" then
   return {"acquired", token, attempt, 0}
 end
 if r.fp ~= fp then return {"mismatch", r.fp} end
-if r.status ~= "in_progress" then return {"replay", unpack(as_reply(r))} end
+if r.status ~= "in_progress" then return {"replay", int(now), unpack(as_reply(r))} end
 if now < r.lease then return {"in_progress", r.lease - now} end
 
 -- The lease expired without being settled: take it over with the next token.
