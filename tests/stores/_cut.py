@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 from oncely import Acquired, InProgress, LeaseLost, Status
 from oncely._conformance import StoreCalls
@@ -26,7 +27,8 @@ class ReplyCutter:
     Once armed with a *marker*, the first request bytes that contain it mark their connection:
     the server's reply on that connection is swallowed until *until* has been seen in it (the
     whole reply: for PostgreSQL, ReadyForQuery, so the statement has committed), and then both
-    sides of the connection are reset. Later connections pass untouched.
+    sides of the connection are reset; armed with ``hold=True`` the connection stays open
+    instead and the reply never comes (the client times out). Later connections pass untouched.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -35,6 +37,7 @@ class ReplyCutter:
         self._lock = threading.Lock()
         self._marker: bytes | None = None
         self._until = b""
+        self._hold = False
         self._sockets: list[socket.socket] = []
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,10 +53,10 @@ class ReplyCutter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def arm(self, marker: bytes, *, until: bytes = b"") -> None:
+    def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False) -> None:
         """Cut the reply to the next request that contains *marker* (once *until* came)."""
         with self._lock:
-            self._marker, self._until = marker, until
+            self._marker, self._until, self._hold = marker, until, hold
 
     def close(self) -> None:
         self._closed.set()
@@ -88,7 +91,7 @@ class ReplyCutter:
             with self._lock:
                 self._sockets += [client, server]
             cut = threading.Event()  # this connection's next reply is to be cut
-            until: list[bytes] = [b""]
+            until: list[Any] = [b"", False]  # what ends the reply, and whether to hold it
             threading.Thread(
                 target=self._requests, args=(client, server, cut, until), daemon=True
             ).start()
@@ -97,14 +100,14 @@ class ReplyCutter:
             ).start()
 
     def _requests(
-        self, client: socket.socket, server: socket.socket, cut: threading.Event, until: list[bytes]
+        self, client: socket.socket, server: socket.socket, cut: threading.Event, until: list[Any]
     ) -> None:
         try:
             while data := client.recv(1 << 20):
                 with self._lock:
                     if self._marker is not None and self._marker in data:
                         self._marker = None
-                        until[0] = self._until
+                        until[:] = [self._until, self._hold]
                         cut.set()
                 server.sendall(data)
         except OSError:
@@ -114,7 +117,7 @@ class ReplyCutter:
                 server.shutdown(socket.SHUT_WR)
 
     def _replies(
-        self, server: socket.socket, client: socket.socket, cut: threading.Event, until: list[bytes]
+        self, server: socket.socket, client: socket.socket, cut: threading.Event, until: list[Any]
     ) -> None:
         swallowed = b""
         try:
@@ -126,6 +129,8 @@ class ReplyCutter:
                 if until[0] in swallowed:
                     with self._lock:
                         self.cuts += 1
+                    if until[1]:  # hold: the reply never comes, the connection stays open
+                        continue
                     self._reset(client)
                     self._reset(server)
                     return
@@ -150,30 +155,37 @@ VERBS = (
 
 
 def assert_lost_reply_is_recognised(
-    api: StoreCalls, cutter: ReplyCutter, verb: str, key: str, *, until: bytes = b""
+    api: StoreCalls,
+    cutter: ReplyCutter,
+    verb: str,
+    key: str,
+    *,
+    until: bytes = b"",
+    hold: bool = False,
 ) -> None:
     """Cut the reply to *verb* on *key* once: the caller gets the answer the reply carried.
 
+    With *hold* the reply never comes and the connection stays open: the client times out.
     Then a new call of the same verb is answered as a second call (not recognised as a re-send),
     so recognising a re-send cannot hide a real duplicate.
     """
     lease, ttl = timedelta(seconds=30), timedelta(minutes=5)
     marker = key.encode()
     if verb == "claim":
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         assert api.claim(key, "fp", lease=lease, ttl=ttl) == Acquired(1, recovered=False)
         assert isinstance(api.claim(key, "fp", lease=lease, ttl=ttl), InProgress)
     elif verb == "takeover":
         first = api.claim(key, "fp", lease=timedelta(milliseconds=300), ttl=ttl)
         assert isinstance(first, Acquired)
         time.sleep(0.4)
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         answer = api.claim(key, "fp", lease=lease, ttl=ttl)
         assert answer == Acquired(2, recovered=True, attempt=2), answer
         assert isinstance(api.claim(key, "fp", lease=lease, ttl=ttl), InProgress)
     elif verb in ("complete", "fail"):
         token = api.claim(key, "fp", lease=lease, ttl=ttl).token
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         settle = api.complete if verb == "complete" else api.fail
         assert settle(key, token, b"done", ttl=ttl) is None
         record = api.get(key)
@@ -183,20 +195,20 @@ def assert_lost_reply_is_recognised(
         assert settle(key, token, b"done", ttl=ttl) == LeaseLost()
     elif verb == "release":
         token = api.claim(key, "fp", lease=lease, ttl=ttl).token
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         assert api.release(key, token) is None
         assert api.release(key, token) == LeaseLost()
         assert api.claim(key, "fp", lease=lease, ttl=ttl) == Acquired(token + 1, attempt=2)
     elif verb == "extend":
         token = api.claim(key, "fp", lease=lease, ttl=ttl).token
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         assert api.extend(key, token, lease=lease * 2) is None
         record = api.get(key)
         assert record is not None
         assert (record.status, record.token) == (Status.IN_PROGRESS, token)
     elif verb == "claim_many":
         keys = [key, f"{key}-2"]
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         answers = api.claim_many([(one, "fp") for one in keys], lease=lease, ttl=ttl)
         assert answers == [Acquired(1, recovered=False)] * 2, answers
         again = api.claim_many([(one, "fp") for one in keys], lease=lease, ttl=ttl)
@@ -205,7 +217,7 @@ def assert_lost_reply_is_recognised(
         keys = [key, f"{key}-2"]
         claimed = api.claim_many([(one, "fp") for one in keys], lease=lease, ttl=ttl)
         items = [(one, answer.token, b"done") for one, answer in zip(keys, claimed, strict=True)]
-        cutter.arm(marker, until=until)
+        cutter.arm(marker, until=until, hold=hold)
         assert api.complete_many(items, ttl=ttl) == [None, None]
         for one in keys:
             record = api.get(one)

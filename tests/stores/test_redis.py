@@ -1069,7 +1069,9 @@ def _cluster_ports(cluster_url: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def _behind_cutters(kind: str, url: str, ns: str) -> Iterator[tuple[Any, ReplyCutter]]:
+def _behind_cutters(
+    kind: str, url: str, ns: str, **options: Any
+) -> Iterator[tuple[Any, ReplyCutter]]:
     """A store whose every connection goes through one `ReplyCutter` per server (node)."""
     if kind == "standalone":
         port = int(url.partition("://")[2].partition("/")[0].rpartition(":")[2])
@@ -1089,7 +1091,7 @@ def _behind_cutters(kind: str, url: str, ns: str) -> Iterator[tuple[Any, ReplyCu
     nodes = ",".join(f"127.0.0.1:{cutter.port}" for cutter in cutters.values())
     try:
         with RedisClusterStore(
-            f"redis+cluster://{nodes}", namespace=ns, address_remap=remap
+            f"redis+cluster://{nodes}", namespace=ns, address_remap=remap, **options
         ) as store:
             yield store, shared  # type: ignore[misc]
     finally:
@@ -1103,9 +1105,9 @@ class _SharedCutter:
     def __init__(self, cutters: list[ReplyCutter]) -> None:
         self._cutters = cutters
 
-    def arm(self, marker: bytes, *, until: bytes = b"") -> None:
+    def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False) -> None:
         for cutter in self._cutters:
-            cutter.arm(marker, until=until)
+            cutter.arm(marker, until=until, hold=hold)
 
     @property
     def cuts(self) -> int:
@@ -1135,5 +1137,21 @@ class TestLostReplies:
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key())  # type: ignore[arg-type]
+            finally:
+                api.close()
+
+    @pytest.mark.redis_cluster
+    @pytest.mark.parametrize("verb", VERBS)
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_cluster_resend_after_a_timeout_answers_as_the_first_run(
+        self, mode: str, verb: str, namespace: str
+    ) -> None:
+        """The cluster client re-sends after a timeout whatever the store asks: the script ran,
+        its reply never came, and the re-send still answers as the first reply would have."""
+        url = service_url("ONCELY_TEST_REDIS_CLUSTER_URL")
+        with _behind_cutters("cluster", url, namespace, socket_timeout=0.5) as (store, cutter):
+            api = StoreCalls(store, mode)
+            try:
+                assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
             finally:
                 api.close()
