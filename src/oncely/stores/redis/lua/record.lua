@@ -4,7 +4,7 @@
 -- One record is one hash, KEYS[1] = "<prefix>{<namespace>:<key>}" (one cluster slot), with the
 -- fields below. Times are epoch milliseconds of the server clock; the hash expires (PEXPIREAT)
 -- exactly when its "expires" field says, so Redis itself purges expired records. An in-progress
--- record outlives its lease (see margin()), so its tokens survive a worker whose lease lapsed.
+-- record outlives its lease (see kept_until), so its tokens survive a worker whose lease lapsed.
 --   status   in_progress | completed | failed | released
 --   fp       fingerprint
 --   token    fencing token; only grows while the hash exists
@@ -41,7 +41,8 @@ local function int(n)
   return string.format("%d", n)
 end
 
--- The fields of a record, in the order of every reply; "result" last, as it may be megabytes.
+-- The fields of a record as load reads them ("op" stays out of replies: see as_reply); "result"
+-- last, as it may be megabytes.
 local FIELDS = {"status", "fp", "token", "attempt", "lease", "expires", "created", "updated",
                 "op", "result"}
 
