@@ -29,7 +29,7 @@ class TestClaim:
         assert record is not None
         assert record.status is Status.IN_PROGRESS
         assert record.lease_expires_at_ms == 5 + LEASE
-        assert record.expires_at_ms == 5 + TTL
+        assert record.expires_at_ms == 5 + LEASE + max(TTL, LEASE)  # a margin past the lease
 
     def test_in_progress_record_outlives_its_lease(self) -> None:
         """An in-progress record is kept for the ttl, not the lease, so its token survives."""
@@ -120,7 +120,7 @@ class TestSettle:
         expired = claimed()
         cases = [(None, 1), (claimed(), 2), (done, 1), (expired, 1)]
         for record, token in cases:
-            now = TTL + 1 if record is expired else 5
+            now = LEASE + TTL if record is expired else 5  # claimed() at 0 expires then
             for result in (
                 machine.complete(record, token, b"", now_ms=now, ttl_ms=TTL),
                 machine.fail(record, token, b"", now_ms=now, ttl_ms=TTL),

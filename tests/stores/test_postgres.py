@@ -40,11 +40,13 @@ from oncely import (
     StoreUnavailableError,
     _execution,
 )
+from oncely._conformance import StoreCalls
 from oncely.stores.postgres import PostgresStore, _sql
 from oncely.stores.postgres import store as postgres_store
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
 from tests.conftest import service_url
+from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
 
 pytestmark = pytest.mark.postgres
 
@@ -708,7 +710,8 @@ def test_connection_killed_between_claim_and_complete(
     world: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The session dies while the function runs: complete is retried on a new connection.
+    """The session dies while the function runs: the store re-sends complete on a new
+    connection (it carries its call's id, so a re-send is safe).
 
     The function ran once, the record is completed, and a repeat replays it.
     """
@@ -774,7 +777,7 @@ def test_connection_killed_between_claim_and_complete(
         assert asyncio.run(twice()) == ["charged", "charged"]
     assert calls == ["o-1"]
     assert seen[0]
-    assert completions == ["unavailable", "None"]
+    assert completions == ["None"]
     record = store.get("kill|o-1")
     assert record is not None
     assert record.status is Status.COMPLETED
@@ -1313,3 +1316,60 @@ def test_batch_without_pipeline_mode_answers_the_same(
         assert answers[:2] == [Acquired(1, recovered=False, attempt=1)] * 2
         assert isinstance(answers[2], InProgress)
         assert batches.complete_many([("a", 1, b"r"), ("a", 1, b"r")]) == [None, LeaseLost()]
+
+
+# -- lost replies ---------------------------------------------------------------------------------
+
+_READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
+"""The end of every reply: the statement (or the batch's transaction) has committed."""
+
+
+@pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resent_transition_answers_as_the_first_send(
+    base_url: str, schema: str, app: str, mode: str, verb: str
+) -> None:
+    """The statement commits, then the connection dies before its reply: the store sends it
+    again on a new connection, and the answer is the one the lost reply carried (Acquired for
+    its own claim, done for its own settle), never InProgress or LeaseLost."""
+    host = psycopg.conninfo.conninfo_to_dict(base_url)
+    with ReplyCutter(int(host.get("port") or 5432)) as cutter:
+        conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=cutter.port)
+        with PostgresStore(
+            conninfo, schema=schema, namespace=_name("ns"), application_name=app
+        ) as store:
+            api = StoreCalls(store, mode)
+            try:
+                assert_lost_reply_is_recognised(
+                    api, cutter, verb, _name("key"), until=_READY_FOR_QUERY
+                )
+            finally:
+                api.close()
+
+
+def test_migrate_upgrades_a_version_1_schema(
+    base_url: str, fresh_schema: str, admin: psycopg.Connection[Any]
+) -> None:
+    """A schema of version 1 (no op column, the 4-argument claim function) keeps its records
+    through migrate(); until then the store says the schema is out of date."""
+    table = _table(fresh_schema)
+    with PostgresStore(base_url, schema=fresh_schema) as store:
+        store.migrate()
+        taken = store.claim("old", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+        # Back to version 1's shape, with the record in it.
+        admin.execute(f"ALTER TABLE {table} DROP COLUMN op")
+        admin.execute(
+            f'DROP FUNCTION "{fresh_schema}".oncely_claim(text, text, bigint, bigint, text)'
+        )
+        admin.execute(f'UPDATE "{fresh_schema}".oncely_schema SET version = 1')
+        with pytest.raises(SchemaMissingError):
+            store.claim("new", "fp", lease=LEASE, ttl=TTL)
+        store.migrate()
+        version = admin.execute(f'SELECT version FROM "{fresh_schema}".oncely_schema').fetchone()
+        assert version == (_sql.SCHEMA_VERSION,) == (2,)
+        assert store.complete("old", taken.token, b"kept", ttl=TTL) is None
+        replay = store.claim("old", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(replay, Replay)
+        assert replay.record.result == b"kept"
+        assert isinstance(store.claim("new", "fp", lease=LEASE, ttl=TTL), Acquired)

@@ -33,6 +33,7 @@ import redis.crc
 
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Replay, Status
+from oncely._conformance import StoreCalls
 from oncely._core.keys import scope_key
 from oncely.errors import (
     ConfigurationError,
@@ -46,6 +47,7 @@ from oncely.stores.redis import RedisClusterStore, RedisStore
 from oncely.stores.redis._codec import Keyspace
 from oncely.testing import FrozenClock
 from tests.conftest import service_url
+from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
 
 LEASE = timedelta(seconds=30)
 TTL = timedelta(minutes=5)
@@ -279,6 +281,7 @@ class TestRecordLayout:
             b"expires",
             b"created",
             b"updated",
+            b"op",
             b"result",
         }
         assert (fields[b"status"], fields[b"token"], fields[b"result"]) == (
@@ -309,20 +312,21 @@ class TestRecordLayout:
     def test_ttl_is_set_on_every_record(
         self, shared_store: RedisStore, shared_admin: redis.Redis
     ) -> None:
-        """In progress: PTTL covers the lease and the ttl; completed: the ttl; Redis's expiry
-        time is exactly the record's expires_at_ms.
+        """In progress: PTTL covers the lease and then max(ttl, lease); an extend keeps that
+        margin past the new lease end; completed: the ttl; Redis's expiry time is exactly the
+        record's expires_at_ms.
         """
         key = _key()
         name = Keyspace("oncely:", shared_store.namespace).name(key)
         lease = timedelta(seconds=20)
         taken = shared_store.claim(key, "fp", lease=lease, ttl=timedelta(seconds=60))
         assert isinstance(taken, Acquired)
-        assert 50_000 < shared_admin.pttl(name) <= 60_000
+        assert 70_000 < shared_admin.pttl(name) <= 80_000
         record = shared_store.get(key)
         assert record is not None
         assert shared_admin.pexpiretime(name) == record.expires_at_ms
         shared_store.extend(key, taken.token, lease=timedelta(seconds=90))
-        assert 80_000 < shared_admin.pttl(name) <= 90_000
+        assert 170_000 < shared_admin.pttl(name) <= 180_000
         shared_store.complete(key, taken.token, b"r", ttl=timedelta(seconds=10))
         assert 0 < shared_admin.pttl(name) <= 10_000
         record = shared_store.get(key)
@@ -332,11 +336,11 @@ class TestRecordLayout:
     def test_in_progress_record_outlives_its_lease(
         self, shared_store: RedisStore, shared_admin: redis.Redis
     ) -> None:
-        """With a ttl shorter than the lease, the record still lives as long as the lease."""
+        """With a ttl shorter than the lease, the record lives a lease past the lease's end."""
         key = _key()
         name = Keyspace("oncely:", shared_store.namespace).name(key)
         shared_store.claim(key, "fp", lease=timedelta(seconds=40), ttl=timedelta(seconds=1))
-        assert shared_admin.pttl(name) > 30_000
+        assert shared_admin.pttl(name) > 70_000
 
     def test_release_keeps_the_expiry(
         self, shared_store: RedisStore, shared_admin: redis.Redis
@@ -1055,3 +1059,99 @@ class TestEventLoops:
 
         assert _arun(use()) == LeaseLost()
         gc.collect()
+
+
+# -- lost replies ---------------------------------------------------------------------------------
+
+
+def _cluster_ports(cluster_url: str) -> list[int]:
+    return [int(node.rpartition(":")[2]) for node in cluster_url.partition("://")[2].split(",")]
+
+
+@contextlib.contextmanager
+def _behind_cutters(
+    kind: str, url: str, ns: str, **options: Any
+) -> Iterator[tuple[Any, ReplyCutter]]:
+    """A store whose every connection goes through one `ReplyCutter` per server (node)."""
+    if kind == "standalone":
+        port = int(url.partition("://")[2].partition("/")[0].rpartition(":")[2])
+        with (
+            ReplyCutter(port) as cutter,
+            RedisStore(f"redis://127.0.0.1:{cutter.port}/0", namespace=ns) as store,
+        ):
+            yield store, cutter
+        return
+    cutters = {port: ReplyCutter(port) for port in _cluster_ports(url)}
+    shared = _SharedCutter(list(cutters.values()))
+
+    def remap(address: tuple[str, int]) -> tuple[str, int]:
+        host, port = address
+        return ("127.0.0.1", cutters[port].port) if port in cutters else (host, port)
+
+    nodes = ",".join(f"127.0.0.1:{cutter.port}" for cutter in cutters.values())
+    try:
+        with RedisClusterStore(
+            f"redis+cluster://{nodes}", namespace=ns, address_remap=remap, **options
+        ) as store:
+            yield store, shared  # type: ignore[misc]
+    finally:
+        for cutter in cutters.values():
+            cutter.close()
+
+
+class _SharedCutter:
+    """Arms every node's cutter: whichever node serves the key cuts the reply."""
+
+    def __init__(self, cutters: list[ReplyCutter]) -> None:
+        self._cutters = cutters
+
+    def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False) -> None:
+        for cutter in self._cutters:
+            cutter.arm(marker, until=until, hold=hold)
+
+    @property
+    def cuts(self) -> int:
+        return sum(cutter.cuts for cutter in self._cutters)
+
+
+class TestLostReplies:
+    """redis-py re-sends a script after a lost reply (standalone: after a connection error;
+    cluster: after a connection error or a timeout). The script already ran: the re-send must
+    find its own effect and answer as the first reply would have, never InProgress to its own
+    claim nor LeaseLost to its own settle."""
+
+    @pytest.mark.parametrize("verb", VERBS)
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    @pytest.mark.parametrize(
+        "kind",
+        [
+            pytest.param("standalone", marks=pytest.mark.redis),
+            pytest.param("cluster", marks=pytest.mark.redis_cluster),
+        ],
+    )
+    def test_resent_transition_answers_as_the_first_run(
+        self, kind: str, mode: str, verb: str, namespace: str
+    ) -> None:
+        url = service_url(f"ONCELY_TEST_REDIS{'' if kind == 'standalone' else '_CLUSTER'}_URL")
+        with _behind_cutters(kind, url, namespace) as (store, cutter):
+            api = StoreCalls(store, mode)
+            try:
+                assert_lost_reply_is_recognised(api, cutter, verb, _key())  # type: ignore[arg-type]
+            finally:
+                api.close()
+
+    @pytest.mark.redis_cluster
+    @pytest.mark.parametrize("verb", VERBS)
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_cluster_resend_after_a_timeout_answers_as_the_first_run(
+        self, mode: str, verb: str, namespace: str
+    ) -> None:
+        """The cluster client re-sends after a timeout whatever the store asks: the script ran,
+        its reply never came, and the re-send still answers as the first reply would have."""
+        url = service_url("ONCELY_TEST_REDIS_CLUSTER_URL")
+        with _behind_cutters("cluster", url, namespace, socket_timeout=0.5) as (store, cutter):
+            api = StoreCalls(store, mode)
+            try:
+                assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
+            finally:
+                api.close()

@@ -13,6 +13,12 @@ Lease and record windows for one key::
       └──────────────────── record ttl ──────────────┴──────────────────────────────┐
                                                        past it the key is absent,  │
                                                        but tokens restart only then ┘
+
+An in-progress record outlives its lease by a margin: its expiry is at least
+``lease end + max(ttl, lease)`` (`claim`, a takeover), and `extend` keeps the margin the record
+had (at least the new lease) past the new lease end. So a worker whose lease lapsed keeps its
+token fenced off for at least that long: the key cannot expire and restart its tokens at 1 under
+a zombie, even when ``ttl <= lease`` or heartbeats carry the lease past the ttl.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def claim(
         fingerprint: The digest of this request.
         now_ms: The store clock's time.
         lease_ms: How long the lease lasts.
-        ttl_ms: How long an in-progress record is kept at least (so tokens do not restart).
+        ttl_ms: How long an in-progress record is kept at least past its lease's end (so
+            tokens do not restart under a worker whose lease lapsed): see `_kept_until`.
 
     Returns:
         The record to write (``None``: leave unchanged) and the answer for the caller.
@@ -73,7 +80,7 @@ def claim(
             token=previous_token + 1,
             attempt=attempt,
             lease_expires_at_ms=now_ms + lease_ms,
-            expires_at_ms=max(now_ms + ttl_ms, now_ms + lease_ms),
+            expires_at_ms=_kept_until(now_ms + lease_ms, max(ttl_ms, lease_ms)),
             created_at_ms=created,
             updated_at_ms=now_ms,
         )
@@ -91,10 +98,21 @@ def claim(
         token=record.token + 1,
         attempt=record.attempt + 1,
         lease_expires_at_ms=now_ms + lease_ms,
-        expires_at_ms=max(record.expires_at_ms, now_ms + lease_ms),
+        expires_at_ms=max(
+            record.expires_at_ms, _kept_until(now_ms + lease_ms, max(ttl_ms, lease_ms))
+        ),
         updated_at_ms=now_ms,
     )
     return taken, Acquired(taken.token, recovered=True, attempt=taken.attempt)
+
+
+def _kept_until(lease_end_ms: int, margin_ms: int) -> int:
+    """The expiry of an in-progress record whose lease ends at *lease_end_ms*.
+
+    The record outlives its lease by *margin_ms* (``max(ttl, lease)`` for a claim), so the
+    token of a worker whose lease lapsed is not handed out again while it may still be alive.
+    """
+    return lease_end_ms + margin_ms
 
 
 def _held(record: Record | None, token: int, now_ms: int) -> bool:
@@ -150,9 +168,10 @@ def extend(record: Record | None, token: int, *, now_ms: int, lease_ms: int) -> 
     if record is None or not _held(record, token, now_ms):
         return None, LeaseLost()
     lease_end = now_ms + lease_ms
+    margin = max(record.expires_at_ms - record.lease_expires_at_ms, lease_ms)
     return replace(
         record,
         lease_expires_at_ms=lease_end,
-        expires_at_ms=max(record.expires_at_ms, lease_end),
+        expires_at_ms=max(record.expires_at_ms, _kept_until(lease_end, margin)),
         updated_at_ms=now_ms,
     ), None

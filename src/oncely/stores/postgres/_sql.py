@@ -7,12 +7,19 @@ transition is one statement, and so one round trip, judged by the server's clock
 one round trip for all its statements.
 
 Statements name their tables through ``{schema}``, filled in once per store by `Queries`.
+
+Every transition carries an id of its own call (``op``) that it writes to the record, and
+recognises as its own: a statement whose connection died after the commit (the reply lost) can
+be re-sent, and answers as the first send did (its own lease is Acquired, its own completion
+done) rather than InProgress or LeaseLost. Such statements are marked ``resend``: the store
+re-sends them once on a fresh connection when the first one broke (see `Statement`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -53,7 +60,7 @@ __all__ = [
 
 BACKEND: Final = "postgres"
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 """The schema version this code reads and writes (see ``schema.sql``)."""
 
 _COLUMNS: Final = (
@@ -62,40 +69,48 @@ _COLUMNS: Final = (
 
 CLAIM: Final = f"""
 SELECT outcome, judged_at, {_COLUMNS}, result
-  FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint)
+  FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint,
+                               %(op)s::text)
 """
-"""Parameters: key, fingerprint, lease_ms, ttl_ms. One row: the outcome, the server time it was
-judged at, and the record as it stands afterwards (its result only for a replay)."""
+"""Parameters: key, fingerprint, lease_ms, ttl_ms, op. One row: the outcome, the server time it
+was judged at, and the record as it stands afterwards (its result only for a replay)."""
 
 COMPLETE: Final = """
 UPDATE {schema}.oncely_records
    SET status = %(status)s, result = %(result)s, expires_at = statement_timestamp() + %(ttl)s,
-       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp()
- WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
-   AND expires_at > statement_timestamp()
+       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp(),
+       op = %(op)s
+ WHERE key = %(key)s AND token = %(token)s AND expires_at > statement_timestamp()
+   AND (status = 'in_progress' OR (status = %(status)s AND op = %(op)s))
 """
-"""Parameters: key, token, status ('completed' or 'failed'), result, ttl. One affected row
-means done; none means the lease was lost."""
+"""Parameters: key, token, status ('completed' or 'failed'), result, ttl, op. One affected row
+means done (by this statement, or by this very call before: op); none means the lease was
+lost."""
 
 RELEASE: Final = """
 UPDATE {schema}.oncely_records
    SET status = 'released', lease_expires_at = statement_timestamp(),
-       updated_at = statement_timestamp()
- WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
-   AND expires_at > statement_timestamp()
+       updated_at = statement_timestamp(), op = %(op)s
+ WHERE key = %(key)s AND token = %(token)s AND expires_at > statement_timestamp()
+   AND (status = 'in_progress' OR (status = 'released' AND op = %(op)s))
 """
-"""Parameters: key, token. The record stays as a tombstone keeping its token; zero affected rows
-means the lease was lost."""
+"""Parameters: key, token, op. The record stays as a tombstone keeping its token; zero affected
+rows means the lease was lost."""
 
 EXTEND: Final = """
 UPDATE {schema}.oncely_records
    SET lease_expires_at = statement_timestamp() + %(lease)s,
-       expires_at = greatest(expires_at, statement_timestamp() + %(lease)s),
+       expires_at = greatest(
+           expires_at,
+           statement_timestamp() + %(lease)s + greatest(expires_at - lease_expires_at, %(lease)s)
+       ),
        updated_at = statement_timestamp()
  WHERE key = %(key)s AND token = %(token)s AND status = 'in_progress'
    AND expires_at > statement_timestamp()
 """
-"""Parameters: key, token, lease. Zero affected rows means the lease was lost."""
+"""Parameters: key, token, lease. Zero affected rows means the lease was lost. The record keeps
+its margin past the lease's end (at least the new lease). Running it again only moves the lease
+again, so it needs no op."""
 
 GET: Final = f"""
 SELECT {_COLUMNS}, result
@@ -208,11 +223,14 @@ class Statement:
         sql: The statement (or, for a script, several separated by semicolons).
         params: Its parameters, or ``None`` for a script (sent with the simple query protocol).
         key: The key it concerns, for error messages.
+        resend: Sending it again after its connection broke answers as the first send would
+            have, applied or not (a read, or a transition carrying its op).
     """
 
     sql: str
     params: Mapping[str, Any] | None
     key: str = ""
+    resend: bool = False
 
     @property
     def subject(self) -> str:
@@ -244,6 +262,11 @@ class Batch:
     statements: Sequence[Statement]
 
     @property
+    def resend(self) -> bool:
+        """Whether the whole batch may be sent again (see `Statement.resend`)."""
+        return all(statement.resend for statement in self.statements)
+
+    @property
     def subject(self) -> str:
         """What the batch concerns, for error messages."""
         keys = list(dict.fromkeys(statement.key for statement in self.statements))
@@ -267,6 +290,11 @@ class Reply:
 # -- flows --------------------------------------------------------------------------------------
 
 
+def call_id() -> str:
+    """A new id for one call: unique across calls, processes and hosts (64 random bits)."""
+    return secrets.token_hex(8)
+
+
 def _ms(duration: timedelta) -> int:
     return max(1, duration // timedelta(milliseconds=1))
 
@@ -286,8 +314,14 @@ def claim(
 def _claim_statement(
     queries: Queries, stored: str, key: str, fingerprint: str, lease_ms: int, ttl_ms: int
 ) -> Statement:
-    params = {"key": stored, "fingerprint": fingerprint, "lease_ms": lease_ms, "ttl_ms": ttl_ms}
-    return Statement(queries.claim, params, key)
+    params = {
+        "key": stored,
+        "fingerprint": fingerprint,
+        "lease_ms": lease_ms,
+        "ttl_ms": ttl_ms,
+        "op": call_id(),
+    }
+    return Statement(queries.claim, params, key, resend=True)
 
 
 def claim_many(
@@ -336,8 +370,9 @@ def _finish_statement(
         "status": status.value,
         "result": bytes(result),
         "ttl": _interval(ttl),
+        "op": call_id(),
     }
-    return Statement(queries.complete, params, key)
+    return Statement(queries.complete, params, key, resend=True)
 
 
 def finish_many(
@@ -383,7 +418,8 @@ def _batch(
 
 def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLost | None]:
     """Give up the lease *token* holds, keeping the record as a tombstone."""
-    reply: Reply = yield Statement(queries.release, {"key": stored, "token": token}, key)
+    params = {"key": stored, "token": token, "op": call_id()}
+    reply: Reply = yield Statement(queries.release, params, key, resend=True)
     return _held(reply)
 
 
@@ -392,7 +428,7 @@ def extend(
 ) -> Flow[LeaseLost | None]:
     """Move the end of the lease *token* holds to *lease* from now."""
     params = {"key": stored, "token": token, "lease": _interval(lease)}
-    reply: Reply = yield Statement(queries.extend, params, key)
+    reply: Reply = yield Statement(queries.extend, params, key, resend=True)
     return _held(reply)
 
 
@@ -403,7 +439,7 @@ def _held(reply: Reply) -> LeaseLost | None:
 
 def get(queries: Queries, stored: str, key: str) -> Flow[Record | None]:
     """Read the live record of *stored*, named *key*."""
-    reply: Reply = yield Statement(queries.get, {"key": stored}, key)
+    reply: Reply = yield Statement(queries.get, {"key": stored}, key, resend=True)
     return decode_record(key, reply.rows[0]) if reply.rows else None
 
 

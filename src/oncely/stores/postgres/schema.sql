@@ -1,8 +1,14 @@
--- oncely PostgreSQL schema, version 1.
+-- oncely PostgreSQL schema, version 2.
 --
 -- Applied by PostgresStore.migrate() (or `oncely migrate`), never silently on first use. The
 -- store runs this script in one transaction, under an advisory lock, with search_path set to
--- the store's schema, so it is idempotent and safe to run from several processes at once.
+-- the store's schema, so it is idempotent and safe to run from several processes at once, and
+-- it upgrades a schema of an earlier version in place, keeping its records.
+--
+-- Version 2 adds the "op" column and oncely_claim's p_op: every transition carries an id of its
+-- own call and writes it to the record, so a call re-sent after its reply was lost (the
+-- connection died after the commit) finds its own effect and answers as the first send did.
+-- It also keeps an in-progress record max(ttl, lease) past the end of its lease.
 CREATE TABLE IF NOT EXISTS oncely_records (
     -- "C" collation: byte order, so one namespace's keys are contiguous for scans.
     key              text COLLATE "C" PRIMARY KEY,
@@ -16,8 +22,12 @@ CREATE TABLE IF NOT EXISTS oncely_records (
     expires_at       timestamptz NOT NULL,
     created_at       timestamptz NOT NULL,
     updated_at       timestamptz NOT NULL,
-    result           bytea
+    result           bytea,
+    -- The id of the call that last wrote the record (a claim's, suffixed '+' for a takeover).
+    op               text
 );
+
+ALTER TABLE oncely_records ADD COLUMN IF NOT EXISTS op text;  -- version 1 had none
 
 CREATE INDEX IF NOT EXISTS oncely_records_expires_at ON oncely_records (expires_at);
 
@@ -28,8 +38,8 @@ CREATE TABLE IF NOT EXISTS oncely_schema (
 
 DO $$
 BEGIN
-    IF (SELECT version FROM oncely_schema WHERE id = 1) > 1 THEN
-        RAISE EXCEPTION 'the oncely schema is at a newer version than this oncely (1): upgrade oncely'
+    IF (SELECT version FROM oncely_schema WHERE id = 1) > 2 THEN
+        RAISE EXCEPTION 'the oncely schema is at a newer version than this oncely (2): upgrade oncely'
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
 END
@@ -44,12 +54,17 @@ $$;
 -- winner's row. Replays, live leases and mismatches are answered by the first, lock-free read;
 -- a decision that writes is taken again on the row locked FOR UPDATE.
 --
+-- p_op is the id of this call: a claim re-sent after its reply was lost finds the in-progress
+-- record it wrote (op = p_op, or p_op || '+' after a takeover) and answers as it did. An
+-- in-progress record expires max(ttl, lease) past the end of its lease, so its token outlives a
+-- worker whose lease lapsed (tokens restart at 1 only once the record is gone).
+--
 -- outcome: 'acquired' | 'recovered' (a takeover of an expired lease) | 'in_progress' | 'replay'
 --          | 'mismatch' | 'corrupt' (a status this version does not know: nothing is written).
 -- judged_at: the server time the decision was taken at (retry_after = lease_expires_at - it).
 -- result is returned for 'replay' only.
 CREATE OR REPLACE FUNCTION oncely_claim(
-    p_key text, p_fingerprint text, p_lease_ms bigint, p_ttl_ms bigint,
+    p_key text, p_fingerprint text, p_lease_ms bigint, p_ttl_ms bigint, p_op text,
     OUT outcome text, OUT judged_at timestamptz, OUT status text, OUT fingerprint text,
     OUT token bigint, OUT attempt integer, OUT lease_expires_at timestamptz,
     OUT expires_at timestamptz, OUT created_at timestamptz, OUT updated_at timestamptz,
@@ -60,7 +75,7 @@ AS $$
 #variable_conflict use_column
 DECLARE
     lease  constant interval := p_lease_ms * interval '1 millisecond';
-    ttl    constant interval := p_ttl_ms * interval '1 millisecond';
+    margin constant interval := greatest(p_ttl_ms, p_lease_ms) * interval '1 millisecond';
     rec    oncely_records;
     locked boolean := false;
     t      timestamptz;
@@ -76,9 +91,9 @@ BEGIN
         IF NOT FOUND THEN
             INSERT INTO oncely_records AS r
                    (key, status, fingerprint, token, attempt, lease_expires_at, expires_at,
-                    created_at, updated_at, result)
+                    created_at, updated_at, result, op)
             VALUES (p_key, 'in_progress', p_fingerprint, 1, 1, t + lease,
-                    t + greatest(ttl, lease), t, t, NULL)
+                    t + lease + margin, t, t, NULL, p_op)
             ON CONFLICT (key) DO NOTHING
             RETURNING r.* INTO rec;
             IF FOUND THEN
@@ -87,6 +102,12 @@ BEGIN
             -- Otherwise a concurrent claimer inserted first and has committed: read its row.
         ELSIF rec.status NOT IN ('in_progress', 'completed', 'failed', 'released') THEN
             outcome := 'corrupt';
+        ELSIF rec.expires_at > t AND rec.status = 'in_progress'
+              AND rec.fingerprint = p_fingerprint AND rec.op = p_op THEN
+            outcome := 'acquired';  -- this very call ran already: answer as it did
+        ELSIF rec.expires_at > t AND rec.status = 'in_progress'
+              AND rec.fingerprint = p_fingerprint AND rec.op = p_op || '+' THEN
+            outcome := 'recovered';
         ELSIF rec.expires_at > t AND rec.status <> 'released' THEN
             IF rec.fingerprint <> p_fingerprint THEN
                 outcome := 'mismatch';
@@ -99,8 +120,9 @@ BEGIN
                    SET token = r.token + 1,
                        attempt = r.attempt + 1,
                        lease_expires_at = t + lease,
-                       expires_at = greatest(r.expires_at, t + lease),
-                       updated_at = t
+                       expires_at = greatest(r.expires_at, t + lease + margin),
+                       updated_at = t,
+                       op = p_op || '+'
                  WHERE r.key = p_key
                 RETURNING r.* INTO rec;
                 outcome := 'recovered';
@@ -113,10 +135,11 @@ BEGIN
                    token = r.token + 1,
                    attempt = CASE WHEN r.expires_at > t THEN r.attempt + 1 ELSE 1 END,
                    lease_expires_at = t + lease,
-                   expires_at = t + greatest(ttl, lease),
+                   expires_at = t + lease + margin,
                    created_at = CASE WHEN r.expires_at > t THEN r.created_at ELSE t END,
                    updated_at = t,
-                   result = NULL
+                   result = NULL,
+                   op = p_op
              WHERE r.key = p_key
             RETURNING r.* INTO rec;
             outcome := 'acquired';
@@ -142,5 +165,5 @@ BEGIN
 END
 $$;
 
-INSERT INTO oncely_schema (id, version) VALUES (1, 1)
+INSERT INTO oncely_schema (id, version) VALUES (1, 2)
     ON CONFLICT (id) DO UPDATE SET version = greatest(oncely_schema.version, excluded.version);

@@ -7,6 +7,11 @@ why a claim needs a function to be race-free); the other verbs are single ``UPDA
 verbs send their statements in pipeline mode: one round trip and one transaction per batch
 (see `_sql.Batch` for why one transaction, and why in key order).
 
+A transition whose session dies under it (a restart, a failover, a proxy cutting the
+connection, perhaps after the commit with the reply lost) is sent once more on a fresh
+connection: each carries the id of its call, so a re-sent claim finds its own lease and a
+re-sent complete its own completion, and the caller gets the answer the lost reply carried.
+
 Sync callers share a `psycopg_pool.ConnectionPool`; async callers share an
 `psycopg_pool.AsyncConnectionPool` per event loop, opened on first use in that loop. Both run
 the same flows from ``_sql.py``, so statements and decoding exist once. Statements are prepared
@@ -66,6 +71,11 @@ def _has_rows(cursor: Any) -> bool:
 
 
 _S = TypeVar("_S", bound="PostgresStore")
+
+_RESENDS = 1
+"""How often a statement that can be re-sent (`_sql.Statement.resend`) is sent again after its
+session died under it. psycopg and psycopg_pool never re-send a statement themselves: a broken
+connection raises, and the pool only discards it."""
 
 _URL_OPTIONS: dict[str, Callable[[str], object]] = {
     "schema": str,
@@ -403,32 +413,42 @@ class PostgresStore:
         """Run a `Statement` (a `Reply`) or a `Batch` (a list of them) on a pooled connection."""
         with self._errors(op):
             pool = self._sync_pool()
-            with pool.connection() as connection:
-                try:
-                    if isinstance(op, _sql.Batch):
-                        return self._run_batch(connection, op)
-                    return self._run(connection, op)
-                except psycopg.OperationalError:
-                    if connection.broken:
-                        # A session that died usually did not die alone (a restart, a failover,
-                        # a kill): weed out the pool's other dead sessions now, so that the
-                        # caller's retry gets a live one rather than the next dead one.
+            for sends_left in range(_RESENDS if op.resend else 0, -1, -1):
+                with pool.connection() as connection:
+                    try:
+                        if isinstance(op, _sql.Batch):
+                            return self._run_batch(connection, op)
+                        return self._run(connection, op)
+                    except psycopg.OperationalError:
+                        if not connection.broken:
+                            raise
+                        # A session that died usually did not die alone (a restart, a
+                        # failover, a kill): weed out the pool's other dead sessions now, so
+                        # that the next attempt gets a live one rather than the next dead one.
                         pool.check()
-                    raise
+                        if not sends_left:
+                            raise
+                # The session died, perhaps after the server applied op but before its reply
+                # came back: op recognises its own effect (see _sql), so send it once more.
+            raise AssertionError("unreachable")  # pragma: no cover
 
     async def _aexecute(self, op: _sql.Statement | _sql.Batch) -> Any:
         """Async `_execute`."""
         with self._errors(op):
             pool = await self._async_pool()
-            async with pool.connection() as connection:
-                try:
-                    if isinstance(op, _sql.Batch):
-                        return await self._arun_batch(connection, op)
-                    return await self._arun(connection, op)
-                except psycopg.OperationalError:
-                    if connection.broken:
+            for sends_left in range(_RESENDS if op.resend else 0, -1, -1):
+                async with pool.connection() as connection:
+                    try:
+                        if isinstance(op, _sql.Batch):
+                            return await self._arun_batch(connection, op)
+                        return await self._arun(connection, op)
+                    except psycopg.OperationalError:
+                        if not connection.broken:
+                            raise
                         await pool.check()  # as in _execute
-                    raise
+                        if not sends_left:
+                            raise
+            raise AssertionError("unreachable")  # pragma: no cover
 
     def _run(self, connection: psycopg.Connection[Any], op: _sql.Statement) -> _sql.Reply:
         script = op.params is None

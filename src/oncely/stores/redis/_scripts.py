@@ -8,11 +8,19 @@ once per client (``register_script``: EVALSHA, loading the script again on NOSCR
 The batch verbs run ``claim_many`` and ``complete_many``: the same transition files, each
 wrapped in a function that ``lua/batch.lua`` calls once per item. Their flows yield one
 `BatchCall`, which the store performs as one EVALSHA (one per slot on a cluster: `BatchCall.split`).
+
+redis-py re-sends a command after a connection error (and the cluster client after a timeout
+too), so a script may run twice for one call whose first reply was lost. Every claim, complete,
+fail and release therefore carries an id of its own (`call_id`), which the script stores in the
+record: a re-sent call that finds its own effect answers as the first run did (its own lease is
+Acquired, not InProgress; its own completion is done, not LeaseLost). An extend re-run only
+moves the lease again.
 """
 
 from __future__ import annotations
 
 import functools
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +39,7 @@ __all__ = [
     "NAMES",
     "BatchCall",
     "ScriptCall",
+    "call_id",
     "claim",
     "claim_many",
     "complete_many",
@@ -82,11 +91,17 @@ class ScriptCall:
     args: tuple[bytes | str | int, ...] = ()
 
 
+def call_id() -> str:
+    """A new id for one call: unique across calls, processes and hosts (64 random bits)."""
+    return secrets.token_hex(8)
+
+
 def claim(
     space: Keyspace, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
 ) -> Flow[ClaimResult]:
     """Claim *key*: see `claim.lua`."""
-    call = ScriptCall("claim", key, space.name(key), (fingerprint, _ms(lease), _ms(ttl)))
+    args = (fingerprint, _ms(lease), _ms(ttl), call_id())
+    call = ScriptCall("claim", key, space.name(key), args)
     return _codec.claim_answer(key, (yield call))
 
 
@@ -94,13 +109,14 @@ def finish(
     space: Keyspace, verb: str, key: str, token: int, outcome: bytes, ttl: timedelta
 ) -> Flow[LeaseLost | None]:
     """Complete or fail (*verb*) the lease *token* holds on *key*: see `complete.lua`."""
-    call = ScriptCall(verb, key, space.name(key), (token, bytes(outcome), _ms(ttl)))
+    call = ScriptCall(verb, key, space.name(key), (token, bytes(outcome), _ms(ttl), call_id()))
     return _codec.settle_answer(key, (yield call))
 
 
 def release(space: Keyspace, key: str, token: int) -> Flow[LeaseLost | None]:
     """Give up the lease *token* holds on *key*: see `release.lua`."""
-    return _codec.settle_answer(key, (yield ScriptCall("release", key, space.name(key), (token,))))
+    call = ScriptCall("release", key, space.name(key), (token, call_id()))
+    return _codec.settle_answer(key, (yield call))
 
 
 def extend(space: Keyspace, key: str, token: int, lease: timedelta) -> Flow[LeaseLost | None]:
@@ -203,7 +219,7 @@ def claim_many(
     """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`."""
     lease_ms, ttl_ms = _ms(lease), _ms(ttl)
     items = tuple(
-        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms))
+        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, call_id()))
         for key, fingerprint in requests
     )
     if not items:
@@ -218,7 +234,7 @@ def complete_many(
     """Complete each ``(key, token, result)`` in order: see `batch.lua` and `complete.lua`."""
     ttl_ms = _ms(ttl)
     calls = tuple(
-        ScriptCall("complete", key, space.name(key), (token, bytes(result), ttl_ms))
+        ScriptCall("complete", key, space.name(key), (token, bytes(result), ttl_ms, call_id()))
         for key, token, result in items
     )
     if not calls:

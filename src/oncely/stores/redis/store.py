@@ -146,8 +146,10 @@ class _RedisStoreBase:
     def _retry(self, retry_class: Any) -> Any:
         # Re-send once after a connection error: that heals a pooled connection the server or a
         # proxy dropped (restart, idle timeout, CLIENT KILL) while a down server still fails in
-        # milliseconds. Timeouts are not retried: the script may have run, and a blind re-send
-        # would answer InProgress to its own claim or LeaseLost to its own complete.
+        # milliseconds. Timeouts are not retried (a slow server is not helped by a second copy).
+        # A re-sent script may find its first copy already ran with the reply lost: each call
+        # carries an id the script recognises, so the re-send answers as the first would have
+        # (see _scripts). The cluster client also re-sends after timeouts, just as safely.
         backoff = self._redis.backoff.ExponentialWithJitterBackoff(base=0.01, cap=0.25)
         return retry_class(backoff, self._retries, supported_errors=(self._redis.ConnectionError,))
 
@@ -536,8 +538,9 @@ class RedisStore(_RedisStoreBase):
             judges every lease and expiry.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
         socket_connect_timeout: Seconds to wait for a connection.
-        retries: How often a command is re-sent after a connection error (0: never). Timeouts
-            are never retried: the script may have run.
+        retries: How often a command is re-sent after a connection error (0: never); timeouts
+            are not retried. A re-sent script that finds its first copy ran answers as the first
+            reply would have (each call carries an id of its own).
         **client_options: Passed to both redis-py clients (``max_connections``,
             ``ssl_ca_certs``, ``client_name``…).
 

@@ -3,7 +3,10 @@
 -- KEYS[1]  the record hash, "<prefix>{<namespace>:<key>}"
 -- ARGV[1]  fingerprint
 -- ARGV[2]  lease, milliseconds
--- ARGV[3]  ttl of an in-progress record, milliseconds (it outlives its lease: tokens survive)
+-- ARGV[3]  ttl of an in-progress record, milliseconds: it is kept max(ttl, lease) past the end
+--          of its lease, so the token outlives a worker whose lease lapsed
+-- ARGV[4]  the call's id: a claim re-sent after its reply was lost finds its own lease and
+--          answers as the first run did
 -- returns  {"acquired", token, attempt, recovered (0|1)}
 --          | {"in_progress", milliseconds left on the lease}
 --          | {"replay", now, status, fp, token, attempt, lease, expires, created, updated, result}
@@ -12,7 +15,14 @@
 local r, problem = load(KEYS[1], true)
 if problem then return {"corrupt", problem} end
 local now = now_ms()
-local fp, lease_ms, ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local fp, lease_ms, ttl_ms, op = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local margin = math.max(ttl_ms, lease_ms)
+
+if r ~= nil and r.status == "in_progress" and now < r.expires and r.fp == fp then
+  -- This very call ran already: answer as it did.
+  if r.op == op then return {"acquired", r.token, r.attempt, 0} end
+  if r.op == op .. "+" then return {"acquired", r.token, r.attempt, 1} end
+end
 
 if r == nil or now >= r.expires or r.status == "released" then
   local token, attempt, created = 1, 1, now
@@ -24,11 +34,11 @@ if r == nil or now >= r.expires or r.status == "released" then
       created = r.created
     end
   end
-  local expires = math.max(now + ttl_ms, now + lease_ms)
+  local expires = kept_until(now + lease_ms, margin)
   -- Writes start with HSET: if maxmemory refuses it, nothing has changed.
   redis.call("HSET", KEYS[1], "status", "in_progress", "fp", fp, "token", int(token),
              "attempt", int(attempt), "lease", int(now + lease_ms), "expires", int(expires),
-             "created", int(created), "updated", int(now))
+             "created", int(created), "updated", int(now), "op", op)
   if r ~= nil then redis.call("HDEL", KEYS[1], "result") end  -- left by an expired record
   redis.call("PEXPIREAT", KEYS[1], int(expires))
   return {"acquired", token, attempt, 0}
@@ -39,8 +49,8 @@ if now < r.lease then return {"in_progress", r.lease - now} end
 
 -- The lease expired without being settled: take it over with the next token.
 local lease = now + lease_ms
-local expires = math.max(r.expires, lease)
+local expires = math.max(r.expires, kept_until(lease, margin))
 redis.call("HSET", KEYS[1], "token", int(r.token + 1), "attempt", int(r.attempt + 1),
-           "lease", int(lease), "expires", int(expires), "updated", int(now))
+           "lease", int(lease), "expires", int(expires), "updated", int(now), "op", op .. "+")
 redis.call("PEXPIREAT", KEYS[1], int(expires))
 return {"acquired", r.token + 1, r.attempt + 1, 1}

@@ -3,7 +3,8 @@
 -- with KEYS and ARGV rebound to that item's (see _scripts.sources).
 -- One record is one hash, KEYS[1] = "<prefix>{<namespace>:<key>}" (one cluster slot), with the
 -- fields below. Times are epoch milliseconds of the server clock; the hash expires (PEXPIREAT)
--- exactly when its "expires" field says, so Redis itself purges expired records.
+-- exactly when its "expires" field says, so Redis itself purges expired records. An in-progress
+-- record outlives its lease (see kept_until), so its tokens survive a worker whose lease lapsed.
 --   status   in_progress | completed | failed | released
 --   fp       fingerprint
 --   token    fencing token; only grows while the hash exists
@@ -11,6 +12,10 @@
 --   lease    end of the current lease
 --   expires  end of the record
 --   created  first claim     updated  last change
+--   op       the id of the call that last wrote the record (a claim's, suffixed "+" for a
+--            takeover): a call re-sent after its reply was lost (redis-py retries a command
+--            after a connection error or, on a cluster, a timeout) finds its own effect and
+--            answers as the first run did (absent in records of older versions)
 --   result   the outcome (completed and failed records only)
 
 -- Redis < 5 replicates scripts verbatim unless told to replicate their effects (TIME is not
@@ -36,22 +41,23 @@ local function int(n)
   return string.format("%d", n)
 end
 
--- The fields of a record, in the order of every reply; "result" last, as it may be megabytes.
+-- The fields of a record as load reads them ("op" stays out of replies: see as_reply); "result"
+-- last, as it may be megabytes.
 local FIELDS = {"status", "fp", "token", "attempt", "lease", "expires", "created", "updated",
-                "result"}
+                "op", "result"}
 
 -- Returns the record at `key` as a table (with its result only if `with_result`: see FIELDS),
 -- nil when absent, or nil and the reason the record is corrupt. One HMGET in the common case:
 -- a foreign value is its WRONGTYPE error, and only a hash without a status needs EXISTS.
 local function load(key, with_result)
-  local v = redis.pcall("HMGET", key, unpack(FIELDS, 1, with_result and 9 or 8))
+  local v = redis.pcall("HMGET", key, unpack(FIELDS, 1, with_result and 10 or 9))
   if v.err then
     if string.sub(v.err, 1, 9) ~= "WRONGTYPE" then error(v) end
     return nil, "a " .. redis.call("TYPE", key)["ok"] .. " is stored at the key, not a hash"
   end
   if not v[1] and redis.call("EXISTS", key) == 0 then return nil end
   local r = {status = v[1], fp = v[2], token = v[3], attempt = v[4], lease = v[5],
-             expires = v[6], created = v[7], updated = v[8], result = v[9]}
+             expires = v[6], created = v[7], updated = v[8], op = v[9], result = v[10]}
   if not STATUSES[r.status] then return nil, "unknown status " .. tostring(r.status) end
   if type(r.fp) ~= "string" then return nil, "no fingerprint" end
   for _, name in ipairs(NUMBERS) do
@@ -76,17 +82,34 @@ local function held(r, token, now)
   return r ~= nil and now < r.expires and r.status == "in_progress" and r.token == token
 end
 
+-- Whether record `r` shows that the call `op` already settled it to `status` with `token` (at
+-- `now`): the same call, re-sent after its reply was lost, then answers 1 as the first did.
+local function settled_by(r, op, status, token, now)
+  return r ~= nil and now < r.expires and r.status == status and r.token == token and r.op == op
+end
+
+-- The expiry of an in-progress record whose lease ends at `lease`: `margin` milliseconds past
+-- it (max(ttl, lease) for a claim; extend keeps the margin the record had), so the record, and
+-- with it the token, outlives a worker whose lease lapsed (oncely._core.machine._kept_until).
+local function kept_until(lease, margin)
+  return lease + margin
+end
+
 -- complete and fail: store the outcome if argv[1] (token) still holds the lease of the record
--- at `key`. argv[2] outcome bytes, argv[3] ttl in milliseconds. Returns 1, 0 (lease lost) or
--- corrupt.
+-- at `key`. argv[2] outcome bytes, argv[3] ttl in milliseconds, argv[4] the call's id. Returns
+-- 1 (also when this call already did it), 0 (lease lost) or corrupt.
 local function finish(status, key, argv)
   local r, problem = load(key, false)
   if problem then return {"corrupt", problem} end
   local now = now_ms()
-  if not held(r, tonumber(argv[1]), now) then return 0 end
+  local token = tonumber(argv[1])
+  if not held(r, token, now) then
+    if settled_by(r, argv[4], status, token, now) then return 1 end
+    return 0
+  end
   local expires = now + tonumber(argv[3])
   redis.call("HSET", key, "status", status, "result", argv[2], "lease", int(now),
-             "expires", int(expires), "updated", int(now))
+             "expires", int(expires), "updated", int(now), "op", argv[4])
   redis.call("PEXPIREAT", key, int(expires))
   return 1
 end

@@ -2,10 +2,16 @@
 -- The record keeps its expiry, so the token outlives any worker that might still hold it.
 -- KEYS[1]  the record hash
 -- ARGV[1]  fencing token
+-- ARGV[2]  the call's id (a re-sent call that finds it already applied answers 1)
 -- returns  1 | 0 (lease lost) | {"corrupt", reason}
 local r, problem = load(KEYS[1], false)
 if problem then return {"corrupt", problem} end
 local now = now_ms()
-if not held(r, tonumber(ARGV[1]), now) then return 0 end
-redis.call("HSET", KEYS[1], "status", "released", "lease", int(now), "updated", int(now))
+local token = tonumber(ARGV[1])
+if not held(r, token, now) then
+  if settled_by(r, ARGV[2], "released", token, now) then return 1 end
+  return 0
+end
+redis.call("HSET", KEYS[1], "status", "released", "lease", int(now), "updated", int(now),
+           "op", ARGV[2])
 return 1
