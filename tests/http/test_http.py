@@ -6,17 +6,22 @@ Flask, Django) in process, and counts the payment effect in the example's SQLite
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import pytest
 
 from oncely import _execution
 from oncely.http import HttpPolicy
+from oncely.http.asgi import IdempotencyMiddleware as AsgiMiddleware
+from oncely.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
+from oncely.stores.memory import MemoryStore
 from tests._helpers import eventually
 from tests.http._harness import Api, Reply
 from tests.http.conftest import LEASE, MAX_RESPONSE
@@ -518,3 +523,78 @@ class TestBodies:
         repeat = api.post(key=key, json_body=PAYMENT, params=params)
         problem(repeat, 500, "response-not-stored")
         assert api.ledger.count() == 1
+
+
+class _CountingInput(io.BytesIO):
+    """A ``wsgi.input`` that counts the bytes the middleware read."""
+
+    consumed = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.consumed += len(data)
+        return data
+
+
+def _unexpected_app(*args: Any) -> Any:
+    raise AssertionError("the app must not run for a body over the limit")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_asgi_reads_no_more_than_the_limit(chunked: bool) -> None:
+    """ASGI: a Content-Length over the limit is refused before any message is received; a
+    chunked body is received only until it passes the limit."""
+    received: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        received.append(1)
+        return {"type": "http.request", "body": b"x" * 40, "more_body": True}
+
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(b"idempotency-key", b"k-asgi-limit"), (b"content-type", b"application/json")]
+    if not chunked:
+        headers.append((b"content-length", b"1000"))
+    scope = {"type": "http", "method": "POST", "path": "/payments", "headers": headers}
+    middleware = AsgiMiddleware(
+        _unexpected_app, store=MemoryStore(), policy=HttpPolicy(max_request_bytes=100)
+    )
+    asyncio.run(middleware(scope, receive, send))
+
+    assert sent[0]["status"] == 413
+    assert len(received) == (3 if chunked else 0)  # 40 + 40 + 40 > 100
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_wsgi_reads_no_more_than_the_limit(chunked: bool) -> None:
+    """WSGI: a CONTENT_LENGTH over the limit is refused unread; a body without a length is read
+    to at most one byte past the limit."""
+    stream = _CountingInput(b"x" * 10_000)
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/payments",
+        "HTTP_IDEMPOTENCY_KEY": "k-wsgi-limit",
+        "CONTENT_TYPE": "application/json",
+        "wsgi.input": stream,
+    }
+    if chunked:
+        environ["wsgi.input_terminated"] = True
+    else:
+        environ["CONTENT_LENGTH"] = "10000"
+    started: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> Callable[[bytes], None]:
+        started.append(status)
+        return lambda data: None
+
+    middleware = WsgiMiddleware(
+        _unexpected_app, store=MemoryStore(), policy=HttpPolicy(max_request_bytes=100)
+    )
+    body = b"".join(middleware(environ, start_response))
+
+    assert started[0].startswith("413 ")
+    assert json.loads(body)["code"] == "request-too-large"
+    assert stream.consumed == (101 if chunked else 0)
