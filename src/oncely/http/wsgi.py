@@ -248,7 +248,7 @@ def _read_body(environ: WSGIEnviron, limit: int) -> bytes | None:
         return b""
     text = str(environ.get("CONTENT_LENGTH") or "").strip()
     length: int | None = None
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # "²" is a digit to isdigit, not to int
         length = int(text) if len(text) <= 20 else 10**20
     if length is None:
         # Without a length, only a server that marks the input as terminated may be read to EOF.
