@@ -14,13 +14,12 @@ consumer group), so one caller can never read or overwrite another's record.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from oncely._core.fingerprint import canonical_json
-from oncely._core.keys import MAX_KEY_LENGTH, validate_key
+from oncely._core.fingerprint import canonical_json, parse_document
+from oncely._core.keys import MAX_KEY_LENGTH, content_key, validate_key
 from oncely.errors import ConfigurationError, FingerprintError, InvalidKeyError
 
 __all__ = [
@@ -49,6 +48,10 @@ def from_header(value: str | bytes) -> str:
         except UnicodeDecodeError as exc:
             raise InvalidKeyError("the idempotency key is not ASCII") from exc
     value = value.strip(" \t")
+    if len(value) > 2 * MAX_KEY_LENGTH + 2:  # too long even quoted with every char escaped
+        raise InvalidKeyError(
+            f"the idempotency key has {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed"
+        )
     if value.startswith('"'):
         if len(value) < 2 or not value.endswith('"'):
             raise InvalidKeyError("the quoted idempotency key has no closing quote")
@@ -78,16 +81,18 @@ def content_hash(
     exclude: Iterable[str] = (),
     prefix: str = "sha256:",
 ) -> str:
-    """Return a key derived from *payload*'s content.
+    """Return a key derived from *payload*'s content: ``<prefix>v2:<sha-256 hex>``.
 
     The digest is taken over canonical JSON: key order, ``1`` versus ``1.0`` and tuples versus
-    lists do not change it.
+    lists do not change it, and numbers are compared exactly (every digit of a `decimal.Decimal`
+    counts). ``v2`` is the version of the key format: keys of the first format
+    (``<prefix><hex>``, numbers read as floats where fields were chosen) never equal these.
 
     Args:
         payload: A JSON-like value, dataclass or pydantic model.
         include: Top-level fields that define the operation (default: all).
         exclude: Top-level fields to leave out, such as timestamps or trace ids.
-        prefix: Prepended to the hex digest.
+        prefix: Prepended to the version and the hex digest.
 
     Raises:
         FingerprintError: The payload holds a value with no canonical form, or fields are chosen
@@ -96,16 +101,13 @@ def content_hash(
     include = list(include) if include is not None else None
     exclude = set(exclude)
     if include is not None or exclude:
-        data = canonical_json(payload)
-        import json
-
-        mapping = json.loads(data)
+        # Read back exactly (numbers as Decimals), so choosing fields loses no digit.
+        mapping = parse_document(canonical_json(payload).encode("ascii"))
         if not isinstance(mapping, Mapping):
             raise FingerprintError("include= and exclude= need a mapping payload")
         chosen = include if include is not None else list(mapping)
         payload = {name: mapping.get(name) for name in chosen if name not in exclude}
-    text = canonical_json(payload)
-    return prefix + hashlib.sha256(text.encode("ascii")).hexdigest()
+    return content_key(canonical_json(payload), prefix)
 
 
 def entity_key(entity: str, entity_id: Any, operation: str, *, version: Any = None) -> str:

@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,16 @@ from oncely.consumers import (
     Reason,
     Verdict,
 )
-from oncely.consumers._base import BrokerOp, Handle, Parallel, arun_with, run_with
+from oncely.consumers._base import (
+    BrokerOp,
+    Handle,
+    Parallel,
+    arun_with,
+    body_value,
+    run_with,
+)
 from oncely.errors import ConfigurationError
+from oncely.keys import content_hash
 from oncely.stores.memory import MemoryStore
 from oncely.stores.sqlite import SQLiteStore
 from oncely.testing import FrozenClock
@@ -292,6 +301,68 @@ def test_content_key_ignores_json_formatting(store: Store, process: Process) -> 
     assert handler.count == 2
 
 
+_PAST_FLOAT = (
+    b'{"order": 7, "rate": 0.1}',
+    b'{"order": 7, "rate": 0.10000000000000000001}',
+)
+"""Two messages whose numbers differ only past a float's precision (both are the float 0.1)."""
+
+
+def test_content_keys_are_exact(store: Store, process: Process) -> None:
+    """key='content': numbers that differ past a float's precision are two operations, and both
+    run (the old key read them as one float, and acked the second as a duplicate)."""
+    consumer = consumer_for(store, key="content")
+    first, second = (Delivery(body) for body in _PAST_FLOAT)
+    assert consumer.key_for(first) != consumer.key_for(second)
+    assert consumer.key_for(second).endswith(
+        content_hash({"order": 7, "rate": Decimal("0.10000000000000000001")})
+    )
+    handler = Calls()
+    verdicts = [process(consumer, delivery, handler) for delivery in (first, second, first)]
+    assert [verdict.reason for verdict in verdicts] == [
+        Reason.PROCESSED,
+        Reason.PROCESSED,
+        Reason.DUPLICATE,
+    ]
+    assert handler.count == 2
+
+
+def test_body_value_reads_numbers_exactly() -> None:
+    """`body_value` keeps every digit (Decimals), so keys built from it are exact too."""
+    first, second = (body_value(body) for body in _PAST_FLOAT)
+    assert second["rate"] == Decimal("0.10000000000000000001")
+    assert first != second
+    assert body_value(b"[" * 100_000) == b"[" * 100_000
+
+
+@pytest.mark.parametrize("key", ["header", "content"])
+@pytest.mark.parametrize(
+    ("body", "same"),
+    [
+        (b'{"n": 1e1000000}', b'{"n":10E+999999}'),
+        (b'{"n": -1e-1000000}', b'{"n":-0.1e-999999}'),
+        (b"[" * 100_000, b"[" * 100_000),
+        (b'{"n": NaN}', b'{"n": NaN}'),
+        (b'{"n": 1e99999999999999999999999}', b'{"n": 1e99999999999999999999999}'),
+    ],
+    ids=["huge-exponent", "tiny-exponent", "deep", "nan", "out-of-range"],
+)
+def test_hostile_bodies_are_keyed_and_fingerprinted_promptly(
+    store: Store, process: Process, key: str, body: bytes, same: bytes
+) -> None:
+    """A 16-byte number with a huge exponent, deep nesting, NaN, an exponent out of range: the
+    message is keyed and fingerprinted at once (the old code built a million-digit integer for
+    seconds, or raised), runs once, and its copy is a duplicate. Bodies without a canonical JSON
+    form are identified by their bytes, as in the HTTP middleware."""
+    consumer = consumer_for(store, key=key)
+    handler = Calls()
+    headers = {"Idempotency-Key": "k-hostile"}
+    first = process(consumer, Delivery(body, headers), handler)
+    again = process(consumer, Delivery(same, headers), handler)
+    assert (first.reason, again.reason) == (Reason.PROCESSED, Reason.DUPLICATE)
+    assert handler.count == 1
+
+
 def test_key_from_a_callable(store: Store, process: Process) -> None:
     """A key callable sees the whole delivery."""
     consumer = consumer_for(store, key=lambda d: json.loads(d.body)["order"])
@@ -335,13 +406,20 @@ def test_body_fingerprint_is_canonical_and_exact(store: Store, process: Process)
     assert len({consumer.fingerprint_for(Delivery(body)) for body in exact}) == 2
     raw = [b"not json", b"\xff\xfe binary"]
     assert len({consumer.fingerprint_for(Delivery(body)) for body in raw}) == 2
+    # NaN has no canonical JSON form: the body is fingerprinted by its bytes, as the HTTP
+    # middleware does, so the message runs and only a byte-identical copy is its duplicate.
     handler = Calls()
-    verdict = process(consumer, Delivery(b'{"n": NaN}', {"Idempotency-Key": "nan"}), handler)
-    assert (verdict.action, verdict.reason, handler.count) == (
-        Action.DEAD_LETTER,
-        Reason.INVALID_KEY,
-        0,
-    )
+    headers = {"Idempotency-Key": "nan"}
+    verdicts = [
+        process(consumer, Delivery(body, headers), handler)
+        for body in (b'{"n": NaN}', b'{"n": NaN}', b'{"n":NaN}')
+    ]
+    assert [verdict.reason for verdict in verdicts] == [
+        Reason.PROCESSED,
+        Reason.DUPLICATE,
+        Reason.MISMATCH,
+    ]
+    assert handler.count == 1
 
 
 # -- store outages: nothing acked that was not completed -------------------------------------------

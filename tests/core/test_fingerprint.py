@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oncely._core.fingerprint import canonical_document, canonical_json, digest, document_digest
+from oncely._core import fingerprint
+from oncely._core.fingerprint import (
+    canonical_document,
+    canonical_json,
+    digest,
+    document_digest,
+    parse_document,
+)
 from oncely.errors import FingerprintError
 
 
@@ -78,3 +85,113 @@ def test_canonical_document_of_deep_documents_and_non_finite_numbers() -> None:
     assert canonical_document(deep, source) == canonical_json(deep)
     with pytest.raises(FingerprintError):
         canonical_document({"n": float("nan")}, b'{"n": NaN}')
+
+
+# -- numbers: exact, one spelling, never expanded -------------------------------------------------
+
+_PAST_FLOAT = (
+    b"1.0000000000000001110223024625156540",
+    b"1.0000000000000001110223024625156541",
+)
+"""Two numbers that differ in their 35th digit (and even as floats they differ)."""
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        [b"1", b"1.0", b"1e0", b"10e-1", b"1.000", b"0.1e1", b"100E-2"],
+        [b"1.1", b"1.10", b"11e-1", b"0.0011e3"],
+        [b"0", b"-0", b"0.0", b"0e10", b"-0.0e-5"],
+        [b"100", b"1e2", b"1E+2", b"100.00"],
+        [b"-2.5", b"-25e-1", b"-0.25E1"],
+    ],
+)
+def test_equal_numbers_have_one_spelling(spellings: list[bytes]) -> None:
+    """However a number is written in a body, equal values canonicalise alike."""
+    texts = {canonical_document(parse_document(text), text) for text in spellings}
+    assert len(texts) == 1, texts
+
+
+def test_numbers_keep_every_digit() -> None:
+    """No rounding to 28 (or 17) significant digits: the two 35-digit numbers differ."""
+    first, second = (canonical_document(parse_document(text), text) for text in _PAST_FLOAT)
+    assert first == _PAST_FLOAT[0].decode().rstrip("0")
+    assert second == _PAST_FLOAT[1].decode()
+    assert canonical_json(decimal.Decimal(_PAST_FLOAT[0].decode())) != canonical_json(
+        decimal.Decimal(_PAST_FLOAT[1].decode())
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (b"1e1000000", "1e1000000"),
+        (b"-1E+1000000", "-1e1000000"),
+        (b"12.5e999999", "1.25e1000000"),
+        (b"1e-1000000", "1e-1000000"),
+        (b"[1e5000, 1e-5000]", "[1e5000,1e-5000]"),
+        (b"1e100", "1" + "0" * 100),
+        (b"1e101", "1e101"),
+        (b"1e-101", "0." + "0" * 100 + "1"),
+        (b"1e-102", "1e-102"),
+    ],
+)
+def test_huge_exponents_are_never_expanded(source: bytes, expected: str) -> None:
+    """A 9-byte number spells in a few bytes: its exponent is never expanded into digits (the
+    old code built a million-digit integer for ``1e1000000``, for seconds)."""
+    assert canonical_document(parse_document(source), source) == expected
+
+
+def test_integers_with_many_zeros_spell_as_the_same_decimal() -> None:
+    """``1`` followed by 200 zeros and ``1e200`` are one number, with one spelling."""
+    whole = b"[1" + b"0" * 200 + b"]"
+    assert canonical_document(parse_document(whole), whole) == "[1e200]"
+    assert canonical_json(10**200) == canonical_json(decimal.Decimal("1e200")) == "1e200"
+    assert canonical_json(-(10**200)) == "-1e200"
+
+
+_finite = st.decimals(allow_nan=False, allow_infinity=False)
+
+
+@given(_finite, _finite)
+def test_canonical_numbers_are_exact(first: decimal.Decimal, second: decimal.Decimal) -> None:
+    """One spelling per value, a different one for every other value, read back exactly."""
+    spelt = canonical_json(first)
+    assert decimal.Decimal(spelt) == first
+    assert (spelt == canonical_json(second)) == (first == second)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_floats_spell_as_their_shortest_decimal(value: float) -> None:
+    """A float is the decimal its repr writes, exactly as that Decimal."""
+    assert canonical_json(value) == canonical_json(decimal.Decimal(repr(value)))
+
+
+@pytest.mark.parametrize(
+    "source",
+    [b"[1e99999999999999999999999]", b"[" * 100_000 + b"]" * 100_000, b"1" * 5000],
+)
+def test_unreadable_documents_are_value_errors(source: bytes) -> None:
+    """A number out of Decimal's range, nesting past the parser's recursion, an integer too long
+    to convert: a ValueError (read as bytes by every caller), never another exception."""
+    with pytest.raises(ValueError):
+        parse_document(source)
+    assert fingerprint.canonical_body(source) is None
+
+
+def test_depth_is_bounded_whatever_the_stack() -> None:
+    """Up to MAX_DEPTH levels a document has a canonical form; deeper ones never do, at any
+    stack depth of the caller (the bound is not the interpreter's recursion limit)."""
+    limit = fingerprint.MAX_DEPTH
+    deepest = b"[" * limit + b"]" * limit
+    too_deep = b"[" * (limit + 1) + b"]" * (limit + 1)
+
+    def nested(levels: int) -> tuple[str | None, str | None]:
+        if levels:
+            return nested(levels - 1)
+        return fingerprint.canonical_body(deepest), fingerprint.canonical_body(too_deep)
+
+    for levels in (0, 300):
+        assert nested(levels) == (deepest.decode(), None)
+    with pytest.raises(FingerprintError, match="deeper"):
+        canonical_json(json.loads(too_deep))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
 
 from oncely import ConfigurationError, FingerprintError, InvalidKeyError
+from oncely._core.fingerprint import canonical_json
 from oncely._core.keys import scope_key
 from oncely.keys import content_hash, entity_key, from_header, validate_key, windowed
 
@@ -126,6 +129,40 @@ def test_content_hash_of_dataclass_equals_its_fields() -> None:
         cents: int
 
     assert content_hash(Payment("p", 5)) == content_hash({"cents": 5, "id": "p"})
+
+
+_PAST_FLOAT = (
+    Decimal("1.0000000000000001110223024625156540"),
+    Decimal("1.0000000000000001110223024625156541"),
+)
+"""Two numbers that differ only in their 35th digit (past a 28-digit Decimal context)."""
+
+
+def test_content_hash_is_exact() -> None:
+    """Numbers that differ past a 28-digit context's or a float's precision are two keys, with
+    or without chosen fields: the old keys rounded Decimals to 28 digits, and read chosen fields
+    back as floats, so two different payloads shared one key."""
+    for pair in (_PAST_FLOAT, (Decimal("0.1"), Decimal("0.10000000000000000001"))):
+        first, second = ({"order": 1, "rate": rate, "sent_at": "10:00"} for rate in pair)
+        assert content_hash(first) != content_hash(second)
+        assert content_hash(first, exclude=["sent_at"]) != content_hash(second, exclude=["sent_at"])
+        assert content_hash(first, include=["rate"]) != content_hash(second, include=["rate"])
+    first = {"rate": _PAST_FLOAT[0]}
+    assert content_hash(first, include=["rate"]) == content_hash(
+        {"rate": Decimal("1.000000000000000111022302462515654")}, include=["rate"]
+    )
+
+
+def test_content_hash_is_versioned() -> None:
+    """The key format carries its version, so no key of the old, lossy format (``sha256:`` and
+    the hex digest) ever equals a new one, whatever the prefix."""
+    payload = {"order": 7, "amount": 12.5}
+    text = canonical_json(payload).encode()
+    old = "sha256:" + hashlib.sha256(text).hexdigest()
+    new = content_hash(payload)
+    assert new == "sha256:v2:" + hashlib.sha256(text).hexdigest()
+    assert new != old
+    assert content_hash(payload, prefix="") == "v2:" + hashlib.sha256(text).hexdigest()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), object(), {1: "x"}])

@@ -6,19 +6,25 @@ Flask, Django) in process, and counts the payment effect in the example's SQLite
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import pytest
 
 from oncely import _execution
 from oncely.http import HttpPolicy
+from oncely.http.asgi import IdempotencyMiddleware as AsgiMiddleware
+from oncely.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
+from oncely.stores.memory import MemoryStore
 from tests._helpers import eventually
 from tests.http._harness import Api, Reply
-from tests.http.conftest import MAX_RESPONSE
+from tests.http.conftest import LEASE, MAX_RESPONSE
 
 PAYMENT = {"amount": 500, "currency": "EUR"}
 
@@ -431,8 +437,62 @@ class TestBodies:
         assert second.replayed
         assert api.ledger.count() == 1
 
-    def test_large_request_body(self, api: Api, key: str) -> None:
+    def test_numbers_past_float_precision_are_another_request(self, api: Api, key: str) -> None:
+        """Two amounts that differ in their 35th digit (different even as floats) are two
+        requests: 422, never a replay of the first (the old fingerprint rounded them alike)."""
+        first, second = (
+            b'{"amount": 500, "currency": "EUR", "rate": 1.0000000000000001110223024625156540}',
+            b'{"amount": 500, "currency": "EUR", "rate": 1.0000000000000001110223024625156541}',
+        )
+        assert api.post(key=key, content=first, content_type="application/json").status == 201
+        reply = api.post(key=key, content=second, content_type="application/json")
+        problem(reply, 422, "idempotency-key-reused")
+        respelt = first.replace(b"6540}", b"654e0}")
+        assert api.post(key=key, content=respelt, content_type="application/json").replayed
+        assert api.ledger.count() == 1
+
+    @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+    def test_request_body_over_the_limit_is_413_and_stores_nothing(
+        self, make_api: Callable[..., Api], key: str, chunked: bool
+    ) -> None:
+        """A body over `max_request_bytes`, announced by Content-Length or growing past the limit
+        in chunks, is 413: the handler never runs and no record is claimed, so the same key
+        with a body within the limit is a first request."""
+        api = make_api(
+            HttpPolicy(lease=LEASE, max_response_bytes=MAX_RESPONSE, max_request_bytes=64)
+        )
+        body = b'{"amount": 500, "currency": "EUR", "note": "' + b"x" * 100 + b'"}'
+        options: dict[str, Any] = (
+            {"chunks": [body[:40], body[40:80], body[80:]]} if chunked else {"content": body}
+        )
+        reply = api.post(key=key, content_type="application/json", **options)
+
+        document = problem(reply, 413, "request-too-large")
+        assert document["max_request_bytes"] == 64
+        assert api.ledger.count() == 0
+        assert api.store.calls["claim"] == 0
+        first = api.post(key=key, json_body=PAYMENT)
+        assert (first.status, first.replayed) == (201, False)
+        assert api.post(key=key, json_body=PAYMENT).replayed
+        assert api.ledger.count() == 1
+
+    def test_request_body_at_the_limit_is_served(
+        self, make_api: Callable[..., Api], key: str
+    ) -> None:
+        """Exactly `max_request_bytes` is within the limit, whole or in chunks."""
+        body = json.dumps(PAYMENT).encode()
+        policy = HttpPolicy(
+            lease=LEASE, max_response_bytes=MAX_RESPONSE, max_request_bytes=len(body)
+        )
+        api = make_api(policy)
+        first = api.post(key=key, chunks=[body[:5], body[5:]], content_type="application/json")
+        assert first.status == 201
+        assert api.post(key=key, content=body, content_type="application/json").replayed
+
+    def test_large_request_body(self, make_api: Callable[..., Api], key: str) -> None:
         """A 2 MiB body, in 32 chunks, arrives intact; a one-byte change is another request."""
+        policy = HttpPolicy(lease=LEASE, max_response_bytes=MAX_RESPONSE, max_request_bytes=4 << 20)
+        api = make_api(policy)
         body = hashlib.sha256(key.encode()).digest() * (2 * 1024 * 1024 // 32)
         chunks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
         first = api.post(key=key, chunks=chunks, content_type="application/octet-stream")
@@ -483,3 +543,78 @@ class TestLogInjection:
         about_it = [m for m in messages if "refunded" in m]
         assert about_it, messages  # the duplicate is logged, with the path in its key
         assert not [m for m in messages if "\n" in m or "\r" in m]
+
+
+class _CountingInput(io.BytesIO):
+    """A ``wsgi.input`` that counts the bytes the middleware read."""
+
+    consumed = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.consumed += len(data)
+        return data
+
+
+def _unexpected_app(*args: Any) -> Any:
+    raise AssertionError("the app must not run for a body over the limit")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_asgi_reads_no_more_than_the_limit(chunked: bool) -> None:
+    """ASGI: a Content-Length over the limit is refused before any message is received; a
+    chunked body is received only until it passes the limit."""
+    received: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        received.append(1)
+        return {"type": "http.request", "body": b"x" * 40, "more_body": True}
+
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(b"idempotency-key", b"k-asgi-limit"), (b"content-type", b"application/json")]
+    if not chunked:
+        headers.append((b"content-length", b"1000"))
+    scope = {"type": "http", "method": "POST", "path": "/payments", "headers": headers}
+    middleware = AsgiMiddleware(
+        _unexpected_app, store=MemoryStore(), policy=HttpPolicy(max_request_bytes=100)
+    )
+    asyncio.run(middleware(scope, receive, send))
+
+    assert sent[0]["status"] == 413
+    assert len(received) == (3 if chunked else 0)  # 40 + 40 + 40 > 100
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_wsgi_reads_no_more_than_the_limit(chunked: bool) -> None:
+    """WSGI: a CONTENT_LENGTH over the limit is refused unread; a body without a length is read
+    to at most one byte past the limit."""
+    stream = _CountingInput(b"x" * 10_000)
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/payments",
+        "HTTP_IDEMPOTENCY_KEY": "k-wsgi-limit",
+        "CONTENT_TYPE": "application/json",
+        "wsgi.input": stream,
+    }
+    if chunked:
+        environ["wsgi.input_terminated"] = True
+    else:
+        environ["CONTENT_LENGTH"] = "10000"
+    started: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> Callable[[bytes], None]:
+        started.append(status)
+        return lambda data: None
+
+    middleware = WsgiMiddleware(
+        _unexpected_app, store=MemoryStore(), policy=HttpPolicy(max_request_bytes=100)
+    )
+    body = b"".join(middleware(environ, start_response))
+
+    assert started[0].startswith("413 ")
+    assert json.loads(body)["code"] == "request-too-large"
+    assert stream.consumed == (101 if chunked else 0)

@@ -63,7 +63,8 @@ class Running:
             connection.close()
 
     def client(self, **options: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10, **options)
+        options.setdefault("timeout", 10)
+        return httpx.Client(base_url=self.url, **options)
 
 
 @pytest.fixture(scope="module", params=PARAMS)
@@ -257,4 +258,67 @@ def test_client_transport_rides_out_a_timeout(server: Running) -> None:
     assert reply.status_code == 201
     assert reply.headers["idempotent-replayed"] == "true"
     assert reply.extensions[ATTEMPTS_EXTENSION] >= 2
+    assert server.charges() == before + 1
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param(("uvicorn", "sqlite"), id="uvicorn-sqlite"),
+        pytest.param(("waitress", "sqlite"), id="waitress-sqlite"),
+    ],
+    indirect=True,
+)
+def test_number_with_a_huge_exponent_is_answered_at_once(server: Running) -> None:
+    """``1e999999`` (14 bytes with its braces) is fingerprinted without expanding it: the
+    request is answered and the server goes on serving (the old code spent 14-50 s building a
+    million-digit integer on the event loop). The timeouts only make the old code fail fast."""
+    key = str(uuid.uuid4())
+    assert len(b'{"n":1e999999}') == 14
+    body = b'{"amount": 500, "currency": "EUR", "n":1e999999}'
+    respelt = b'{"amount":500,"currency":"EUR","n":10E+999998}'
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    before = server.charges()
+    with server.client(timeout=5) as client:
+        first = client.post("/payments", content=body, headers=headers)
+        other = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": f"{key}-2"})
+        again = client.post("/payments", content=respelt, headers=headers)
+
+    assert first.status_code == 201
+    assert other.status_code == 201
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert server.charges() == before + 2
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param(("uvicorn", "sqlite"), id="uvicorn-sqlite"),
+        pytest.param(("waitress", "sqlite"), id="waitress-sqlite"),
+    ],
+    indirect=True,
+)
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_request_body_over_the_limit_is_413_over_a_socket(server: Running, chunked: bool) -> None:
+    """A body over the default 1 MiB `max_request_bytes` is answered 413, nothing runs or is
+    stored, and the same key with a small body then runs once."""
+    key = str(uuid.uuid4())
+    body = b'{"amount": 500, "currency": "EUR", "pad": "' + b"x" * (1 << 20) + b'"}'
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    before = server.charges()
+
+    def stream() -> Iterator[bytes]:
+        for start in range(0, len(body), 65536):
+            yield body[start : start + 65536]
+
+    with server.client(timeout=10) as client:
+        reply = client.post("/payments", content=stream() if chunked else body, headers=headers)
+    assert reply.status_code == 413
+    assert reply.json()["code"] == "request-too-large"
+    assert server.charges() == before
+    with server.client(timeout=10) as client:
+        first = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    assert "idempotent-replayed" not in first.headers
     assert server.charges() == before + 1

@@ -6,10 +6,18 @@ import hashlib
 
 from oncely.errors import InvalidKeyError
 
-__all__ = ["MAX_KEY_LENGTH", "scope_key", "validate_key"]
+__all__ = ["CONTENT_KEY_VERSION", "MAX_KEY_LENGTH", "content_key", "scope_key", "validate_key"]
 
 MAX_KEY_LENGTH = 255
 """The longest key a client may send (characters), as in Stripe's API."""
+
+CONTENT_KEY_VERSION = "v2"
+"""The version of the content key format, written into every key after its prefix.
+
+Keys of the first format (``sha256:<hex>``) read numbers as binary floats where fields were
+chosen and in the consumers' ``key="content"``, so payloads that differed only past a float's
+17 digits shared a key. Version 2 keys are exact and never equal a first-format key.
+"""
 
 
 def validate_key(key: object) -> str:
@@ -47,3 +55,10 @@ def scope_key(scope: str, key: str) -> str:
     if len(scope) > 64 or "|" in scope:
         scope = "h" + hashlib.sha256(scope.encode()).hexdigest()[:32]
     return f"{scope}|{key}"
+
+
+def content_key(canonical: str, prefix: str = "sha256:") -> str:
+    """The content key of a payload whose canonical JSON is *canonical*:
+    ``<prefix>v2:<sha-256 hex>`` (`CONTENT_KEY_VERSION`)."""
+    digest = hashlib.sha256(canonical.encode("ascii")).hexdigest()
+    return f"{prefix}{CONTENT_KEY_VERSION}:{digest}"

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import json
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -45,9 +44,15 @@ from typing import Any, Literal, TypeAlias, TypeVar
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.fingerprint import digest, document_digest, parse_document
+from oncely._core.fingerprint import (
+    body_digest,
+    canonical_body,
+    canonical_json,
+    digest,
+    parse_document,
+)
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.keys import scope_key
+from oncely._core.keys import content_key, scope_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
@@ -63,7 +68,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from oncely.keys import content_hash, from_header
+from oncely.keys import from_header
 from oncely.stores._coalesce import CoalescingStore
 
 __all__ = [
@@ -297,27 +302,29 @@ class ConsumerStats:
 def body_value(body: bytes) -> Any:
     """Return *body* parsed as JSON when it is JSON, else the bytes themselves.
 
-    Keys and fingerprints derived from the result do not change with JSON key order, spacing
-    or number formatting.
+    Numbers with a fraction or an exponent are `decimal.Decimal` (every digit kept), so keys
+    and fingerprints derived from the result are exact and do not change with JSON key order,
+    spacing or number formatting. A body nested too deeply or with a number out of range is
+    returned as bytes.
     """
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        return parse_document(body)
+    except ValueError:  # UnicodeDecodeError included
         return body
 
 
 def _body_fingerprint(body: bytes) -> str:
     """Return the fingerprint of a message body: its canonical JSON when it is JSON (numbers
     compared exactly, as decimals), else its bytes."""
-    try:
-        document = parse_document(body)
-    except ValueError:
-        return digest([body])
-    return document_digest(document, body)
+    return body_digest(body)
 
 
 def _content_key(delivery: Delivery) -> str:
-    return content_hash(body_value(delivery.body))
+    """``content_hash(body_value(body))``, exact; a body without a canonical JSON form (not
+    JSON, NaN, nested too deeply) is keyed by its bytes, as ``content_hash(body)``."""
+    body = delivery.body
+    text = canonical_body(body)
+    return content_key(canonical_json(body) if text is None else text)
 
 
 def _header_key(delivery: Delivery, headers: tuple[str, ...]) -> str:

@@ -65,6 +65,10 @@ class HttpPolicy:
         replay_header: The header (name, value) added to replayed responses, or ``None``.
         unreplayed_headers: Response headers that are neither stored nor replayed, besides the
             hop-by-hop ones, which never are (default: ``set-cookie``).
+        max_request_bytes: The largest request body a protected request may have (default
+            1 MiB). The body is read in full to fingerprint it, so a larger one is answered 413
+            (``request-too-large``) without running the handler or storing anything: at once
+            when ``Content-Length`` says so, else as soon as a chunked body grows past it.
         max_response_bytes: The largest response body stored (default 1 MiB). A larger response
             is passed through to the client unchanged and its record completed with a marker:
             repeats get a 500 problem response (``response-not-stored``) and the handler is
@@ -88,6 +92,7 @@ class HttpPolicy:
     stored_statuses: Container[int] = range(100, 500)
     replay_header: tuple[str, str] | None = ("Idempotent-Replayed", "true")
     unreplayed_headers: Collection[str] = frozenset({"set-cookie"})
+    max_request_bytes: int = 1024 * 1024
     max_response_bytes: int = 1024 * 1024
     fail_open: bool = False
     unavailable_retry_after: Duration = timedelta(seconds=1)
@@ -130,9 +135,10 @@ class HttpPolicy:
                 f"replay_header must be a (name, value) pair or None, not {self.replay_header!r}"
             )
         unreplayed = frozenset(_strings(self.unreplayed_headers, "unreplayed_headers"))
-        size = self.max_response_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ConfigurationError(f"max_response_bytes must be an int >= 0, not {size!r}")
+        for name in ("max_request_bytes", "max_response_bytes"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ConfigurationError(f"{name} must be an int >= 0, not {size!r}")
         try:
             core = Policy(ttl=ttl, lease=lease, on_conflict="raise", heartbeat=True)
         except ConfigurationError as exc:
@@ -198,6 +204,7 @@ class RouteOptions:
     stored_statuses: Container[int] | _Unset = UNSET
     replay_header: tuple[str, str] | _Unset | None = UNSET
     unreplayed_headers: Collection[str] | _Unset = UNSET
+    max_request_bytes: int | _Unset = UNSET
     max_response_bytes: int | _Unset = UNSET
     fail_open: bool | _Unset = UNSET
     unavailable_retry_after: Duration | _Unset = UNSET

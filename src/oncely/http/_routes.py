@@ -68,6 +68,7 @@ def idempotent_route(
     stored_statuses: Any = UNSET,
     replay_header: tuple[str, str] | _Unset | None = UNSET,
     unreplayed_headers: Any = UNSET,
+    max_request_bytes: int | _Unset = UNSET,
     max_response_bytes: int | _Unset = UNSET,
     fail_open: bool | _Unset = UNSET,
     unavailable_retry_after: Duration | _Unset = UNSET,
@@ -96,6 +97,7 @@ def idempotent_route(
         stored_statuses: The statuses stored and replayed.
         replay_header: The header added to replays, or ``None``.
         unreplayed_headers: Response headers never stored or replayed.
+        max_request_bytes: The largest request body accepted (413 above it).
         max_response_bytes: The largest response stored.
         fail_open: Serve unprotected (and log it) while the store is unreachable.
         unavailable_retry_after: The ``Retry-After`` of the 503.
@@ -119,6 +121,7 @@ def idempotent_route(
         stored_statuses=stored_statuses,
         replay_header=replay_header,
         unreplayed_headers=unreplayed_headers,
+        max_request_bytes=max_request_bytes,
         max_response_bytes=max_response_bytes,
         fail_open=fail_open,
         unavailable_retry_after=unavailable_retry_after,

@@ -2,7 +2,7 @@
 
 Everything the ASGI and WSGI middleware decide comes from here: which requests are covered,
 reading the ``Idempotency-Key`` header (quoted or bare), the key's scope and the request's
-fingerprint, the problem+json answers (400, 409, 422, 503, 500), which responses are stored,
+fingerprint, the problem+json answers (400, 409, 413, 422, 503, 500), which responses are stored,
 which headers are replayed, and the stored response snapshot: a versioned binary format, never
 pickle. The adapters only move bytes between the server, this module, the store and the app.
 
@@ -13,6 +13,7 @@ method not covered                                      pass through (`decide` r
 covered, no key, key optional                           pass through (`decide` returns ``None``)
 covered, no key, key required                           400 (`key_missing`)
 key empty, too long, not a valid header string          400 (`key_invalid`), nothing stored
+body over `HttpPolicy.max_request_bytes`                413 (`request_too_large`), nothing stored
 first request                                           executed; stored if `HttpPolicy.stores`
 repeat of a completed request                           stored response + marker (`replayed`)
 repeat while the first runs                             409 + Retry-After (`in_progress`)
@@ -39,9 +40,9 @@ from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl
 
-from oncely._core.fingerprint import canonical_document, digest, parse_document
+from oncely._core.fingerprint import canonical_body, digest
 from oncely._core.keys import MAX_KEY_LENGTH, scope_key
-from oncely.errors import FingerprintError, InvalidKeyError
+from oncely.errors import InvalidKeyError
 from oncely.keys import from_header
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ __all__ = [
     "problem",
     "read_key",
     "replayed",
+    "request_too_large",
     "retry_after_value",
     "storable_headers",
     "unavailable",
@@ -170,8 +172,9 @@ def default_fingerprint(request: HttpRequest) -> list[Any]:
 
     JSON bodies (``application/json`` or ``+json``) are canonicalised, so key order, spacing
     and number spelling do not change the fingerprint. A body that is labelled JSON but is not
-    (or is not UTF-8, nests too deep, or holds NaN) is fingerprinted as raw bytes: it never
-    raises.
+    (or is not UTF-8, nests deeper than 200 levels, or holds NaN) is fingerprinted as raw
+    bytes: it never raises. Numbers are compared exactly, every digit, and the work is linear in
+    the size of the body (`HttpPolicy.max_request_bytes` bounds that).
 
     .. versionadded:: 0.1.0
     """
@@ -193,12 +196,8 @@ def _body_digest(request: HttpRequest) -> str:
     body = request.body
     media = request.content_type
     if body and (media == "application/json" or media.endswith("+json")):
-        try:
-            document = parse_document(body)
-            text = canonical_document(document, body)
-        except (ValueError, RecursionError, FingerprintError):
-            pass  # labelled JSON but it is not: the raw bytes define the request
-        else:
+        text = canonical_body(body)
+        if text is not None:  # else labelled JSON but it is not: the raw bytes define it
             return "json:" + hashlib.sha256(text.encode("ascii")).hexdigest()
     return "raw:" + hashlib.sha256(body).hexdigest()
 
@@ -368,6 +367,17 @@ def key_invalid(policy: HttpPolicy, reason: str) -> Response:
         "idempotency-key-invalid",
         f"The {policy.header} header is invalid: {reason}.",
         header=policy.header,
+    )
+
+
+def request_too_large(policy: HttpPolicy) -> Response:
+    """413: the body is larger than `HttpPolicy.max_request_bytes`; nothing was run or stored."""
+    limit = policy.max_request_bytes
+    return problem(
+        413,
+        "request-too-large",
+        f"A request with an {policy.header} header may have a body of at most {limit} bytes.",
+        max_request_bytes=limit,
     )
 
 

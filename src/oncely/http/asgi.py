@@ -14,7 +14,8 @@ flows in `oncely.http._flow`; this module only moves ASGI messages.
 How a protected request travels:
 
 * its body is read in full (to fingerprint it) and the same ``http.request`` messages are
-  handed to the app afterwards, chunk for chunk;
+  handed to the app afterwards, chunk for chunk; a body over `HttpPolicy.max_request_bytes` is
+  answered 413 (at once if ``Content-Length`` says so, else when it grows past the limit);
 * the response streams through as the app sends it, except the final body chunk, which is held
   until the record is completed (or released), so a client that has the whole response can
   never see its own retry answered 409;
@@ -26,9 +27,10 @@ How a protected request travels:
 
 from __future__ import annotations
 
+import enum
 from collections import deque
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 from oncely import _execution
 from oncely._core.protocols import AsyncStore, BatchStore
@@ -119,8 +121,15 @@ class IdempotencyMiddleware:
         if isinstance(decision, Response):
             await _send_response(send, decision)
             return
-        buffered = await _read_body(receive)
+        limit = policy.max_request_bytes
+        if _declared_length(headers) > limit:  # refused before a byte of the body is read
+            await _send_response(send, _semantics.request_too_large(policy))
+            return
+        buffered = await _read_body(receive, limit)
         if buffered is None:  # the client left before its request was complete: run nothing
+            return
+        if buffered is _TOO_LARGE:
+            await _send_response(send, _semantics.request_too_large(policy))
             return
         messages, body = buffered
         request = HttpRequest(
@@ -195,10 +204,33 @@ class _BufferedReceive:
         return await self._receive()
 
 
-async def _read_body(receive: Receive) -> tuple[list[Message], bytes] | None:
-    """Read the whole request; ``None`` if the client disconnected first."""
+class _TooLarge(enum.Enum):
+    TOO_LARGE = "TOO_LARGE"
+
+
+_TOO_LARGE: Final = _TooLarge.TOO_LARGE
+
+
+def _declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """The ``Content-Length`` the client announced (0 if none or unreadable: the server
+    rejects those, and the reading loop bounds the body anyway)."""
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            value = value.strip()
+            if not value.isdigit():
+                return 0
+            return int(value) if len(value) <= 20 else 10**20
+    return 0
+
+
+async def _read_body(
+    receive: Receive, limit: int
+) -> tuple[list[Message], bytes] | _TooLarge | None:
+    """Read the whole request; ``None`` if the client disconnected first, `_TOO_LARGE` as
+    soon as the body grows past *limit* bytes (the rest is never read)."""
     messages: list[Message] = []
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         kind = message["type"]
@@ -206,7 +238,11 @@ async def _read_body(receive: Receive) -> tuple[list[Message], bytes] | None:
             return None
         messages.append(message)
         if kind == "http.request":
-            chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return _TOO_LARGE
+            chunks.append(chunk)
             if not message.get("more_body", False):
                 return messages, b"".join(chunks)
 

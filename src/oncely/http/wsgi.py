@@ -14,6 +14,8 @@ How a protected request travels:
 
 * its body is read in full (to fingerprint it) and ``wsgi.input`` is replaced by a
   `io.BytesIO` holding the same bytes, with ``CONTENT_LENGTH`` set (chunked requests included);
+  a body over `HttpPolicy.max_request_bytes` is answered 413 (unread if ``CONTENT_LENGTH`` says
+  so, else read only up to the limit);
 * the response is buffered up to `HttpPolicy.max_response_bytes`, the record completed (or
   released), and only then is the response handed to the server, so a client that has the
   whole response can never see its own retry answered 409;
@@ -102,7 +104,9 @@ class IdempotencyMiddleware:
             return self.app(environ, start_response)
         if isinstance(decision, Response):
             return _respond(start_response, decision)
-        body = _read_body(environ)
+        body = _read_body(environ, policy.max_request_bytes)
+        if body is None:
+            return _respond(start_response, _semantics.request_too_large(policy))
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         request = HttpRequest(
@@ -236,25 +240,32 @@ def _request_headers(environ: WSGIEnviron) -> tuple[Header, ...]:
     return tuple(headers)
 
 
-def _read_body(environ: WSGIEnviron) -> bytes:
+def _read_body(environ: WSGIEnviron, limit: int) -> bytes | None:
+    """Read the whole request body; ``None`` if it is over *limit* bytes (then at most
+    *limit* + 1 bytes are read, none if ``CONTENT_LENGTH`` says so)."""
     stream = environ.get("wsgi.input")
     if stream is None:
         return b""
-    try:
-        length: int | None = int(environ.get("CONTENT_LENGTH") or "")
-    except ValueError:
-        length = None
+    text = str(environ.get("CONTENT_LENGTH") or "").strip()
+    length: int | None = None
+    if text.isascii() and text.isdigit():  # "²" is a digit to isdigit, not to int
+        length = int(text) if len(text) <= 20 else 10**20
     if length is None:
         # Without a length, only a server that marks the input as terminated may be read to EOF.
-        return bytes(stream.read()) if environ.get("wsgi.input_terminated") else b""
+        if not environ.get("wsgi.input_terminated"):
+            return b""
+        length = limit + 1
+    elif length > limit:
+        return None
     chunks = []
-    while length > 0:
-        chunk = stream.read(min(length, _READ_SIZE))
+    size = 0
+    while size < length:
+        chunk = stream.read(min(length - size, _READ_SIZE))
         if not chunk:
             break
         chunks.append(chunk)
-        length -= len(chunk)
-    return b"".join(chunks)
+        size += len(chunk)
+    return None if size > limit else b"".join(chunks)
 
 
 def _encode_headers(headers: Iterable[tuple[str, str]]) -> list[Header]:
