@@ -7,6 +7,7 @@ as two hosts would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -83,14 +84,25 @@ def server(
         "--ledger", str(ledger),
         "--lease", "1",
     ]  # fmt: skip
+    with _serve(command, directory, signal.SIGINT if kind == "uvicorn" else signal.SIGTERM) as (
+        url,
+        process,
+    ):
+        yield Running(url, ledger, process)
+
+
+@contextlib.contextmanager
+def _serve(
+    command: list[str], directory: Path, stop: signal.Signals
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Run a server process until the block ends; yield its address and the process."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=directory
     )
     try:
-        url = _wait_for_address(process)
-        yield Running(url, ledger, process)
+        yield _wait_for_address(process), process
     finally:
-        process.send_signal(signal.SIGINT if kind == "uvicorn" else signal.SIGTERM)
+        process.send_signal(stop)
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -258,3 +270,72 @@ def test_client_transport_rides_out_a_timeout(server: Running) -> None:
     assert reply.headers["idempotent-replayed"] == "true"
     assert reply.extensions[ATTEMPTS_EXTENSION] >= 2
     assert server.charges() == before + 1
+
+
+@dataclass
+class Streaming:
+    """uvicorn serving `_streaming_server`'s app, and the file that counts its executions."""
+
+    url: str
+    executions_path: Path
+
+    def executions(self, key: str) -> int:
+        from tests.http._streaming_server import executions
+
+        return executions(self.executions_path, key)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("starlette", "sqlite"), id="starlette-sqlite"),
+        pytest.param(("fastapi", "postgres"), id="fastapi-postgres", marks=pytest.mark.postgres),
+    ],
+)
+def streaming(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Streaming]:
+    """A real uvicorn (ASGI spec 2.3) serving a Starlette or FastAPI StreamingResponse."""
+    framework, backend = request.param
+    directory = tmp_path_factory.mktemp(f"streaming-{framework}")
+    record = directory / "executions.txt"
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("_streaming_server.py")),
+        "--framework", framework,
+        "--store", store_url(request, backend, directory),
+        "--namespace", f"stream-{uuid.uuid4().hex[:10]}",
+        "--executions", str(record),
+        "--lease", "1",
+    ]  # fmt: skip
+    with _serve(command, directory, signal.SIGINT) as (url, _):
+        yield Streaming(url, record)
+
+
+def test_streaming_response_cut_by_a_client_timeout_runs_once(streaming: Streaming) -> None:
+    """The client reads the first chunk, times out on the rest and hangs up; uvicorn tells the
+    app (``http.disconnect``) and Starlette cancels the stream. The handler ran, so the record
+    is completed as not replayable: the retry with the same key gets ``response-not-stored``
+    and the handler is not run again."""
+    key = str(uuid.uuid4())
+    headers = {"Idempotency-Key": key}
+    timeout = httpx.Timeout(10, read=0.5)
+    with (
+        httpx.Client(base_url=streaming.url, timeout=timeout) as client,
+        client.stream("POST", "/stream", headers=headers) as cut,
+    ):
+        assert cut.status_code == 201
+        with pytest.raises(httpx.ReadTimeout):
+            cut.read()
+    assert streaming.executions(key) == 1
+
+    with httpx.Client(base_url=streaming.url, timeout=10) as client:
+
+        def retried() -> httpx.Response | None:
+            reply = client.post("/stream", headers=headers)
+            return reply if reply.status_code != 409 else None
+
+        reply = eventually(retried)
+    assert streaming.executions(key) == 1
+    assert reply.status_code == 500
+    assert reply.json()["code"] == "response-not-stored"

@@ -15,7 +15,9 @@ One request, in order::
     finish   the app sent its last body chunk (held back until this returns):
              stored status and size → complete(snapshot); over the size limit →
              complete(marker); other statuses → release
-    abort    the app raised, or returned without a complete response → release
+    cut      the app had passed part of its response on, then the client left, the app
+             raised or the request was cancelled → complete(marker): never released
+    abort    the app raised, or returned, before any of its response was passed on → release
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from oncely.http import _semantics
 from oncely.http._policy import HttpPolicy
 from oncely.http._semantics import Plan, Response, ResponseCapture
 
-__all__ = ["PASS_THROUGH", "abort", "begin", "finish", "invoke"]
+__all__ = ["PASS_THROUGH", "abort", "begin", "cut", "finish", "finish_with_trailers", "invoke"]
 
 logger = logging.getLogger("oncely.http")
 
@@ -117,6 +119,44 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
     else:
         payload = _codec.encode_value(capture.snapshot(policy))
         yield from _settle(lease, "complete", payload, policy)
+
+
+def cut(
+    lease: _execution.Lease,
+    capture: ResponseCapture,
+    exc: BaseException | None,
+    policy: HttpPolicy,
+) -> Flow[None]:
+    """Settle the lease of a response that was passed on in part and then cut short.
+
+    The client went away, the app raised mid-response, or the request was cancelled: the
+    handler ran, so the key is never released (unless the status is one that is not stored,
+    as for a whole response). The record is completed with a marker that makes repeats answer
+    `_semantics.not_replayable`.
+    """
+    if not capture.keep:
+        yield from _settle(lease, "release", None, policy)
+        return
+    cause = "the app returned" if exc is None else type(exc).__name__
+    reason = f"the response was cut short after the handler ran ({cause})"
+    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
+
+
+def finish_with_trailers(
+    lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
+) -> Flow[None]:
+    """Settle the lease of a complete response with trailers (ASGI ``http.response.trailers``).
+
+    Trailers are not part of the stored snapshot, so such a response is not replayable:
+    repeats answer `_semantics.not_replayable` rather than a response without its trailers.
+    """
+    if not capture.keep:
+        yield from _settle(lease, "release", None, policy)
+        return
+    reason = "the response has trailers, which are not stored"
+    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
 
 
 def abort(lease: _execution.Lease, exc: BaseException | None, policy: HttpPolicy) -> Flow[None]:

@@ -26,11 +26,13 @@ How a protected request travels:
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 from oncely import _execution
+from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -150,20 +152,35 @@ class IdempotencyMiddleware:
         # becomes a task only if the request outlives a third of its lease); settling stops it.
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
+        held: Message | None = None  # the response start, until the first body message
+        passed_on = False  # the server has been handed part of the response
+        trailers = False
 
         async def capture_send(message: Message) -> None:
-            nonlocal settled
+            nonlocal settled, held, passed_on, trailers
             if not settled:
                 kind = message["type"]
                 if kind == "http.response.start":
                     capture.start(int(message["status"]), message.get("headers") or (), policy)
-                elif kind == "http.response.body":
+                    trailers = bool(message.get("trailers", False))
+                    # Held until the first body message, so that a response whose start
+                    # cannot be sent (the client left, ASGI 2.4) has been captured by then.
+                    held = message
+                    return
+                if kind == "http.response.body":
                     capture.add(message.get("body", b""))
-                    if not message.get("more_body", False):
+                    if not message.get("more_body", False) and not trailers:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _execution.arun(_flow.finish(lease, capture, policy), self._calls)
+                        await _settle(_flow.finish(lease, capture, policy), self._calls)
+                elif kind == "http.response.trailers" and not message.get("more_trailers"):
+                    settled = True
+                    await _settle(_flow.finish_with_trailers(lease, capture, policy), self._calls)
+            passed_on = True
+            if held is not None:
+                start, held = held, None
+                await send(start)
             await send(message)
 
         try:
@@ -173,11 +190,41 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             if not settled:
                 settled = True
-                await _execution.arun(_flow.abort(lease, exc, policy), self._calls)
+                if passed_on:  # the handler ran and started answering: never run it again
+                    await _settle(_flow.cut(lease, capture, exc, policy), self._calls)
+                else:
+                    await _settle(_flow.abort(lease, exc, policy), self._calls)
             raise
         if not settled:
             settled = True
-            await _execution.arun(_flow.abort(lease, None, policy), self._calls)
+            if passed_on:
+                await _settle(_flow.cut(lease, capture, None, policy), self._calls)
+            else:
+                await _settle(_flow.abort(lease, None, policy), self._calls)
+
+
+async def _settle(flow: Flow[None], store: AsyncStore) -> None:
+    """Run a flow that settles a lease to its end, even if the request is cancelled meanwhile.
+
+    A cancellation mid-way (Starlette cancels a streaming response's task when the client
+    leaves, a server cancels its requests when it stops) must not leave the record in
+    progress: the handler has run, so a retry would run it again once the lease expired.
+    The cancellation is raised once the store has answered.
+    """
+    task = asyncio.ensure_future(_execution.arun(flow, store))
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.done() and task.cancelled():  # the loop itself is going away
+                raise
+            cancelled = exc
+            if not task.done():
+                continue
+        break
+    if cancelled is not None:
+        raise cancelled
 
 
 class _BufferedReceive:
