@@ -24,11 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
-from oncely.http.client import ATTEMPTS_EXTENSION, IdempotentTransport
+from oncely.http.client import (
+    ATTEMPTS_EXTENSION,
+    AsyncIdempotentTransport,
+    IdempotentTransport,
+    OutcomeUnknownError,
+)
 from tests._helpers import eventually
+from tests.http._proxy import ResponseFaultProxy
 from tests.http.conftest import EXAMPLES, store_url
 
 SERVERS = {"uvicorn": "fastapi_app.py", "waitress": "flask_app.py"}
@@ -339,3 +346,80 @@ def test_streaming_response_cut_by_a_client_timeout_runs_once(streaming: Streami
     assert streaming.executions(key) == 1
     assert reply.status_code == 500
     assert reply.json()["code"] == "response-not-stored"
+
+
+CLIENT_SERVERS = [
+    pytest.param(("uvicorn", "sqlite"), id="uvicorn-sqlite"),
+    pytest.param(("waitress", "sqlite"), id="waitress-sqlite"),
+]
+
+
+def _post_through(
+    mode: str, url: str, transport_options: dict[str, Any], **request: Any
+) -> httpx.Response:
+    """POST /payments through the sync or async idempotent transport (0.5 s read timeout)."""
+    timeout = httpx.Timeout(10, read=0.5)
+    if mode == "sync":
+        transport = IdempotentTransport(httpx.HTTPTransport(), **transport_options)
+        with httpx.Client(transport=transport, base_url=url, timeout=timeout) as client:
+            return client.post("/payments", **request)
+
+    async def post() -> httpx.Response:
+        transport = AsyncIdempotentTransport(httpx.AsyncHTTPTransport(), **transport_options)
+        async with httpx.AsyncClient(transport=transport, base_url=url, timeout=timeout) as client:
+            return await client.post("/payments", **request)
+
+    return anyio.run(post)
+
+
+@pytest.mark.parametrize("server", CLIENT_SERVERS, indirect=True)
+@pytest.mark.parametrize("fault", ["stall", "reset"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_client_transport_retries_a_body_cut_in_transit(
+    server: Running, fault: str, mode: str
+) -> None:
+    """The first response's headers arrive, then its body stalls past the read timeout (or the
+    connection is reset mid-body). The transport retries with the same key until it has read a
+    whole response: the caller gets the stored response, and the payment ran once."""
+    before = server.charges()
+    key = str(uuid.uuid4())
+    options = {"max_attempts": 6, "backoff": 0.05, "seed": 2}
+    with ResponseFaultProxy(server.host_port[1], [fault]) as proxy:
+        reply = _post_through(
+            mode, proxy.url, options, json=PAYMENT, headers={"Idempotency-Key": key}
+        )
+
+        assert proxy.accepted >= 2
+    assert reply.status_code == 201
+    assert reply.headers["idempotent-replayed"] == "true"
+    assert reply.json()["amount"] == 500
+    assert reply.extensions[ATTEMPTS_EXTENSION] >= 2
+    assert server.charges() == before + 1
+
+
+@pytest.mark.parametrize("server", CLIENT_SERVERS, indirect=True)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_client_transport_out_of_attempts_mid_body_keeps_the_key(
+    server: Running, mode: str
+) -> None:
+    """Every attempt's body stalls: the transport gives up with `OutcomeUnknownError`, which
+    says the request may have taken effect and carries its key; a later retry with that key
+    gets the stored response, and the payment ran once."""
+    before = server.charges()
+    options = {"max_attempts": 2, "backoff": 0.05, "seed": 2}
+    with (
+        ResponseFaultProxy(server.host_port[1], ["stall", "stall"]) as proxy,
+        pytest.raises(OutcomeUnknownError) as raised,
+    ):
+        _post_through(mode, proxy.url, options, json=PAYMENT)
+
+    error = raised.value
+    assert isinstance(error.__cause__, httpx.ReadTimeout)
+    assert error.attempts == 2
+    assert "may have taken effect" in str(error)
+    assert error.key in str(error)
+    with server.client() as client:
+        again = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": error.key})
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert server.charges() == before + 1

@@ -1,10 +1,15 @@
 """The client side's retry loop as one sans-I/O flow, run by the sync and the async transport.
 
-The flow decides; the transports act. It yields `SendOp` (send the request once more and send
-back the response, or throw the transport's exception in), `CloseOp` (discard a response that
-will be retried) and `SleepOp`; it returns the response to hand to the caller or raises the
-last exception. It imports no HTTP library: responses are read only through ``status_code``
-and ``headers.get("retry-after")``.
+The flow decides; the transports act. It yields `SendOp` (send the request once more, read the
+whole response, and send it back, or throw the transport's exception in), `CloseOp` (discard a
+response that will be retried) and `SleepOp`; it returns the response to hand to the caller or
+raises. It imports no HTTP library: responses are read only through ``status_code`` and
+``headers.get("retry-after")``.
+
+When the attempts or the time run out on an error, the flow raises the last error as it is only
+if no attempt can have reached the server (every one failed to connect): otherwise the request
+may have taken effect, and the transport's ``outcome_unknown`` error is raised instead, so the
+caller retries with the same key rather than a new one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ logger = logging.getLogger("oncely.http.client")
 
 @dataclass(frozen=True, slots=True)
 class SendOp:
-    """Send the request (again); *attempt* counts from 1."""
+    """Send the request (again) and read the whole response; *attempt* counts from 1."""
 
     attempt: int
 
@@ -115,20 +120,42 @@ def retry_flow(
     retryable: Callable[[BaseException], bool],
     rng: random.Random,
     describe: str = "",
+    unsent: Callable[[BaseException], bool] = lambda exc: False,
+    outcome_unknown: Callable[[BaseException, int], BaseException] | None = None,
 ) -> Flow[Any]:
-    """Send until a response that is not retried, or the attempts or the time run out."""
+    """Send until a response that is not retried, or the attempts or the time run out.
+
+    Args:
+        policy: When and how long to retry.
+        retryable: Whether an attempt's error is retried.
+        rng: The jitter's source.
+        describe: Names the request in log lines.
+        unsent: Whether an error shows that the attempt never reached the server (it could not
+            connect), so it cannot have taken effect.
+        outcome_unknown: Builds the error raised, from the last error and the number of
+            attempts, when the flow gives up on an error after an attempt that may have
+            reached the server (by default the last error itself).
+    """
     budget = _seconds(policy.max_elapsed)
     started = time.monotonic()
     attempt = 0
+    reached = False  # an attempt may have reached the server: the request may have run
     while True:
         attempt += 1
         try:
             response = yield SendOp(attempt)
         except Exception as exc:
             if not retryable(exc):
+                # Not a transport failure (a bad URL, a bug): this attempt ran nothing, but
+                # an earlier one may have.
+                if reached and outcome_unknown is not None:
+                    raise outcome_unknown(exc, attempt) from exc
                 raise
+            reached = reached or not unsent(exc)
             pause = policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
+                if reached and outcome_unknown is not None:
+                    raise outcome_unknown(exc, attempt) from exc
                 raise
             logger.info(
                 "retrying %s after %s (attempt %d, pause %.3fs)",
@@ -138,6 +165,7 @@ def retry_flow(
                 pause,
             )
         else:
+            reached = True
             status = response.status_code
             if status not in policy.statuses:
                 return response
