@@ -122,23 +122,19 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
 
 
 def cut(
-    lease: _execution.Lease,
-    capture: ResponseCapture,
-    exc: BaseException | None,
-    policy: HttpPolicy,
+    lease: _execution.Lease, capture: ResponseCapture, cause: str, policy: HttpPolicy
 ) -> Flow[None]:
     """Settle the lease of a response that was passed on in part and then cut short.
 
-    The client went away, the app raised mid-response, or the request was cancelled: the
-    handler ran, so the key is never released (unless the status is one that is not stored,
-    as for a whole response). The record is completed with a marker that makes repeats answer
-    `_semantics.not_replayable`.
+    The client went away, the app raised mid-response, or the request was cancelled (*cause*
+    says which, for the log and the repeats' answer): the handler ran, so the key is never
+    released (unless the status is one that is not stored, as for a whole response). The
+    record is completed with a marker that makes repeats answer `_semantics.not_replayable`.
     """
     if not capture.keep:
         yield from _settle(lease, "release", None, policy)
         return
-    cause = "the app returned" if exc is None else type(exc).__name__
-    reason = f"the response was cut short after the handler ran ({cause})"
+    reason = f"the response was cut short after the handler ran: {cause}"
     logger.warning("response of key=%s not stored: %s", lease.key, reason)
     yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
 

@@ -17,7 +17,12 @@ How a protected request travels:
   handed to the app afterwards, chunk for chunk;
 * the response streams through as the app sends it, except the final body chunk, which is held
   until the record is completed (or released), so a client that has the whole response can
-  never see its own retry answered 409;
+  never see its own retry answered 409, and ``http.response.start``, which leaves with the
+  first body message, so a whole response whose start cannot be sent (the client left, ASGI
+  2.4) has been captured and stored by then;
+* once any of the response has been passed on, the handler has run: if the response is then
+  cut short (the client left, the app raised or was cancelled mid-response), the record is
+  completed as not replayable, never released, so a retry cannot run the handler again;
 * the ``http.response.pathsend`` and ``zerocopysend`` extensions are hidden from the app for
   protected requests, so file responses arrive as bytes that can be stored.
 
@@ -191,14 +196,16 @@ class IdempotencyMiddleware:
             if not settled:
                 settled = True
                 if passed_on:  # the handler ran and started answering: never run it again
-                    await _settle(_flow.cut(lease, capture, exc, policy), self._calls)
+                    cause = f"{type(exc).__name__} while it was sent"
+                    await _settle(_flow.cut(lease, capture, cause, policy), self._calls)
                 else:
                     await _settle(_flow.abort(lease, exc, policy), self._calls)
             raise
         if not settled:
             settled = True
             if passed_on:
-                await _settle(_flow.cut(lease, capture, None, policy), self._calls)
+                cause = "the app returned before completing it"
+                await _settle(_flow.cut(lease, capture, cause, policy), self._calls)
             else:
                 await _settle(_flow.abort(lease, None, policy), self._calls)
 
