@@ -381,3 +381,31 @@ def test_response_with_trailers_is_settled_after_them(
     assert handlers.executions == ["trailers"]
     assert retry.status == 500
     assert problem_code(retry) == "response-not-stored"
+
+
+def test_settling_again_after_a_cancellation_skips_an_applied_settle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cancelled settle may have been applied before the cancellation: running it again
+    then does nothing (rather than finding the lease gone and logging it as lost)."""
+    import oncely
+    from oncely import _execution
+    from oncely.http import _flow
+    from oncely.http._semantics import ResponseCapture
+
+    store = oncely.open_store("memory://")
+    capture = ResponseCapture(1024)
+    capture.start(201, [], POLICY)
+    capture.add(b"done")
+    capture.complete = True
+    lease = _execution.run(_execution.acquire("k", "fp", POLICY.core), store)
+    assert isinstance(lease, _execution.Lease)
+    _execution.run(_flow.finish(lease, capture, POLICY), store)
+    with caplog.at_level(logging.ERROR, logger="oncely"):
+        _execution.run(_flow.settle_again(lease, _flow.finish(lease, capture, POLICY)), store)
+
+    assert caplog.records == []
+    assert not lease.lost
+    record = store.get("k")
+    assert record is not None
+    assert record.status.value == "completed"

@@ -41,7 +41,16 @@ from oncely.http import _semantics
 from oncely.http._policy import HttpPolicy
 from oncely.http._semantics import Plan, Response, ResponseCapture
 
-__all__ = ["PASS_THROUGH", "abort", "begin", "cut", "finish", "finish_with_trailers", "invoke"]
+__all__ = [
+    "PASS_THROUGH",
+    "abort",
+    "begin",
+    "cut",
+    "finish",
+    "finish_with_trailers",
+    "invoke",
+    "settle_again",
+]
 
 logger = logging.getLogger("oncely.http")
 
@@ -160,6 +169,26 @@ def abort(lease: _execution.Lease, exc: BaseException | None, policy: HttpPolicy
     if exc is None:
         logger.warning("the app returned no complete response for key=%s", lease.key)
     yield from _settle(lease, "release", None, policy)
+
+
+def settle_again(lease: _execution.Lease, flow: Flow[None]) -> Flow[None]:
+    """Run a settling *flow* again after a cancellation cut its first run short.
+
+    The first run's store call may have been applied before it was cancelled: if the record
+    already shows this lease settled, there is nothing left to do (running the flow again
+    would find the lease gone and log it as lost).
+    """
+    try:
+        record = yield _execution.StoreCall("get", (lease.key,))
+    except StoreError:
+        record = None
+    if (
+        record is not None
+        and record.token == lease.token
+        and record.status is not Status.IN_PROGRESS
+    ):
+        return
+    yield from flow
 
 
 def _settle(

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from functools import partial
 from typing import Any
 
 from oncely import _execution
@@ -178,10 +179,16 @@ class IdempotencyMiddleware:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _settle(_flow.finish(lease, capture, policy), self._calls)
+                        await _settle(
+                            partial(_flow.finish, lease, capture, policy), lease, self._calls
+                        )
                 elif kind == "http.response.trailers" and not message.get("more_trailers"):
                     settled = True
-                    await _settle(_flow.finish_with_trailers(lease, capture, policy), self._calls)
+                    await _settle(
+                        partial(_flow.finish_with_trailers, lease, capture, policy),
+                        lease,
+                        self._calls,
+                    )
             passed_on = True
             if held is not None:
                 start, held = held, None
@@ -197,28 +204,42 @@ class IdempotencyMiddleware:
                 settled = True
                 if passed_on:  # the handler ran and started answering: never run it again
                     cause = f"{type(exc).__name__} while it was sent"
-                    await _settle(_flow.cut(lease, capture, cause, policy), self._calls)
+                    await _settle(
+                        partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
+                    )
                 else:
-                    await _settle(_flow.abort(lease, exc, policy), self._calls)
+                    await _settle(partial(_flow.abort, lease, exc, policy), lease, self._calls)
             raise
         if not settled:
             settled = True
             if passed_on:
                 cause = "the app returned before completing it"
-                await _settle(_flow.cut(lease, capture, cause, policy), self._calls)
+                await _settle(partial(_flow.cut, lease, capture, cause, policy), lease, self._calls)
             else:
-                await _settle(_flow.abort(lease, None, policy), self._calls)
+                await _settle(partial(_flow.abort, lease, None, policy), lease, self._calls)
 
 
-async def _settle(flow: Flow[None], store: AsyncStore) -> None:
-    """Run a flow that settles a lease to its end, even if the request is cancelled meanwhile.
+async def _settle(
+    flow: Callable[[], Flow[None]], lease: _execution.Lease, store: AsyncStore
+) -> None:
+    """Run the settling *flow* to its end, even if the request is cancelled meanwhile.
 
     A cancellation mid-way (Starlette cancels a streaming response's task when the client
     leaves, a server cancels its requests when it stops) must not leave the record in
-    progress: the handler has run, so a retry would run it again once the lease expired.
-    The cancellation is raised once the store has answered.
+    progress: the handler has run, so a retry would run it again once the lease expired. The
+    flow runs directly (no task: this is every request's path); only if it is cancelled is it
+    run again in a task shielded from the cancellation, which is raised once that is done.
     """
-    task = asyncio.ensure_future(_execution.arun(flow, store))
+    try:
+        await _execution.arun(flow(), store)
+    except asyncio.CancelledError:
+        await _shielded(_execution.arun(_flow.settle_again(lease, flow()), store))
+        raise
+
+
+async def _shielded(work: Coroutine[Any, Any, None]) -> None:
+    """Await *work* in a task of its own; a cancellation meanwhile is raised once it is done."""
+    task = asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
     while True:
         try:
