@@ -307,6 +307,7 @@ def test_a_body_that_fails_mid_read_is_retried_with_the_key(client: Any) -> None
         ([httpx.WriteTimeout] * 3, OutcomeUnknownError),
         ([httpx.ReadTimeout, httpx.ConnectError, httpx.ConnectError], OutcomeUnknownError),
         ([409, httpx.ConnectError, httpx.ConnectError], OutcomeUnknownError),
+        ([503, httpx.ConnectError, httpx.ConnectError], httpx.ConnectError),
         ([httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout], httpx.PoolTimeout),
     ],
 )
@@ -324,3 +325,33 @@ def test_out_of_attempts_after_the_request_may_have_run(
         assert error.value.key == "mine"  # type: ignore[attr-defined]
         assert error.value.attempts == 3  # type: ignore[attr-defined]
         assert isinstance(error.value.__cause__, steps[-1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param([httpx.ReadTimeout, 503, 503], id="timeout-then-unavailable"),
+        pytest.param([httpx.ReadError, 429, 429], id="reset-then-rate-limited"),
+        pytest.param([409, 409, 409], id="still-running"),
+    ],
+)
+def test_out_of_attempts_on_a_refusal_after_the_request_may_have_run(
+    client: Any, steps: list[Step]
+) -> None:
+    """An earlier attempt may have run (or is running: 409), and the last one was refused
+    "not now": returning that refusal would invite a retry under a new key, so the transport
+    raises OutcomeUnknownError with the key instead, and closes the refused response."""
+    server = Server(*steps)
+    with pytest.raises(OutcomeUnknownError) as error:
+        client(server, max_attempts=3)(headers={"Idempotency-Key": "mine"})
+
+    assert len(server.requests) == 3
+    assert error.value.key == "mine"
+    assert f"status {steps[-1]}" in str(error.value)
+
+
+def test_refusals_alone_are_returned(client: Any) -> None:
+    """429 and 503 say the request was not processed: when every attempt got one, the last
+    response is returned (nothing ran, so a new key would do no harm)."""
+    server = Server(503, 429, 503)
+    assert client(server, max_attempts=3)().status_code == 503

@@ -6,10 +6,11 @@ response that will be retried) and `SleepOp`; it returns the response to hand to
 raises. It imports no HTTP library: responses are read only through ``status_code`` and
 ``headers.get("retry-after")``.
 
-When the attempts or the time run out on an error, the flow raises the last error as it is only
-if no attempt can have reached the server (every one failed to connect): otherwise the request
-may have taken effect, and the transport's ``outcome_unknown`` error is raised instead, so the
-caller retries with the same key rather than a new one.
+When the attempts or the time run out after an attempt that may have taken effect (an error
+once the request may have been sent, or a 409: the request is still running), the transport's
+``outcome_unknown`` error is raised instead of the last error or response, so the caller
+retries with the same key rather than a new one. When every attempt failed to connect or was
+answered 429 or 503, nothing ran, and the last error is raised (or response returned) as is.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class SleepOp:
     seconds: float
 
 
-RETRY_STATUSES: Final = frozenset({409, 429, 503})
+IN_PROGRESS: Final = 409
+"""The status of a repeat while the first request with its key still runs."""
+
+RETRY_STATUSES: Final = frozenset({IN_PROGRESS, 429, 503})
 """Statuses that mean "not processed now, try again": in progress, rate limited, unavailable."""
 
 
@@ -121,7 +125,7 @@ def retry_flow(
     rng: random.Random,
     describe: str = "",
     unsent: Callable[[BaseException], bool] = lambda exc: False,
-    outcome_unknown: Callable[[BaseException, int], BaseException] | None = None,
+    outcome_unknown: Callable[[Any, int], BaseException] | None = None,
 ) -> Flow[Any]:
     """Send until a response that is not retried, or the attempts or the time run out.
 
@@ -132,14 +136,15 @@ def retry_flow(
         describe: Names the request in log lines.
         unsent: Whether an error shows that the attempt never reached the server (it could not
             connect), so it cannot have taken effect.
-        outcome_unknown: Builds the error raised, from the last error and the number of
-            attempts, when the flow gives up on an error after an attempt that may have
-            reached the server (by default the last error itself).
+        outcome_unknown: Builds the error raised when the flow gives up after an attempt that
+            may have taken effect (an error once the request may have been sent, or a 409:
+            still running), from the last error or response and the number of attempts.
+            Without it, the last error is raised or the last response returned.
     """
     budget = _seconds(policy.max_elapsed)
     started = time.monotonic()
     attempt = 0
-    reached = False  # an attempt may have reached the server: the request may have run
+    uncertain = False  # an attempt may have taken effect (or is taking it now)
     while True:
         attempt += 1
         try:
@@ -148,13 +153,13 @@ def retry_flow(
             if not retryable(exc):
                 # Not a transport failure (a bad URL, a bug): this attempt ran nothing, but
                 # an earlier one may have.
-                if reached and outcome_unknown is not None:
+                if uncertain and outcome_unknown is not None:
                     raise outcome_unknown(exc, attempt) from exc
                 raise
-            reached = reached or not unsent(exc)
+            uncertain = uncertain or not unsent(exc)
             pause = policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
-                if reached and outcome_unknown is not None:
+                if uncertain and outcome_unknown is not None:
                     raise outcome_unknown(exc, attempt) from exc
                 raise
             logger.info(
@@ -165,13 +170,17 @@ def retry_flow(
                 pause,
             )
         else:
-            reached = True
             status = response.status_code
             if status not in policy.statuses:
                 return response
+            uncertain = uncertain or status == IN_PROGRESS
             hinted = parse_retry_after(response.headers.get("retry-after"))
             pause = hinted if hinted is not None else policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
+                if uncertain and outcome_unknown is not None:
+                    # "Not now" answers the last attempt only: an earlier one may have run.
+                    yield CloseOp(response)
+                    raise outcome_unknown(response, attempt)
                 return response
             logger.info(
                 "retrying %s after status %d (attempt %d, pause %.3fs)",

@@ -73,9 +73,10 @@ class OutcomeUnknownError(httpx.TransportError):
     """A covered request ran out of retries, and it may have taken effect.
 
     At least one attempt may have reached the server (it timed out or was cut while the
-    request or the response travelled), so do not send the operation again under a new key:
-    retry it with `key` (the header the transport sent), and the server answers with the
-    stored outcome if it ran. The last attempt's error is the ``__cause__``.
+    request or the response travelled, or was answered 409: still running), so do not send
+    the operation again under a new key: retry it with `key` (the header the transport sent),
+    and the server answers with the stored outcome if it ran. The last attempt's error, if it
+    ended in one, is the ``__cause__``.
 
     Attributes:
         key: The idempotency key every attempt carried.
@@ -133,10 +134,14 @@ class _Idempotent:
     def _flow(self, request: httpx.Request) -> Any:
         key = request.headers[self.header]
 
-        def outcome_unknown(exc: BaseException, attempts: int) -> BaseException:
+        def outcome_unknown(last: Any, attempts: int) -> BaseException:
+            if isinstance(last, httpx.Response):
+                what = f"status {last.status_code}"
+            else:
+                what = type(last).__name__
             return OutcomeUnknownError(
-                f"{request.method} {request.url} may have taken effect: {type(exc).__name__} "
-                f"after {attempts} attempt(s); retry it with {self.header}: {key}",
+                f"{request.method} {request.url} may have taken effect: {what} after "
+                f"{attempts} attempt(s); retry it with {self.header}: {key}",
                 request=request,
                 key=key,
                 attempts=attempts,
