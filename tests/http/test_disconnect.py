@@ -63,6 +63,16 @@ def starlette_app(store: FaultyStore, handlers: Handlers, policy: HttpPolicy = P
 
         return StreamingResponse(pieces(), 201, media_type="text/plain")
 
+    async def late(request: Request) -> Response:
+        handlers.executions.append("late")
+
+        async def pieces() -> AsyncIterator[bytes]:
+            if handlers.executions.count("late") == 1:
+                await asyncio.sleep(3600)  # the client leaves before the first chunk
+            yield b"at last"
+
+        return StreamingResponse(pieces(), 201, media_type="text/plain")
+
     async def plain(request: Request) -> Response:
         handlers.executions.append("plain")
         return Response(b"done", 201, media_type="text/plain")
@@ -83,6 +93,7 @@ def starlette_app(store: FaultyStore, handlers: Handlers, policy: HttpPolicy = P
         Route("/stream", stream, methods=["POST"]),
         Route("/broken", broken, methods=["POST"]),
         Route("/plain", plain, methods=["POST"]),
+        Route("/late", late, methods=["POST"]),
         Route("/empty", empty, methods=["POST"]),
         Route("/background", background, methods=["POST"]),
     ]
@@ -150,7 +161,8 @@ async def cut_short(
     async def receive() -> dict[str, Any]:
         if request:
             return request.pop()
-        await gone.wait()
+        if messages_before_disconnect:
+            await gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
@@ -219,6 +231,27 @@ def test_plain_response_whose_send_fails_is_not_run_again(
     assert handlers.executions == ["plain"]
     assert store.calls["release"] == 0
     assert (retry.status, retry.body, retry.replayed) == (201, b"done", True)
+
+
+def test_stream_cut_before_its_first_chunk_is_not_run_again(
+    store: FaultyStore, portal: BlockingPortal, key: str
+) -> None:
+    """ASGI 2.3: the endpoint returned a StreamingResponse (it ran) and the client left before
+    the first chunk; Starlette cancels the stream. The app had started its response, so the
+    record is completed as not replayable."""
+    handlers = Handlers()
+    app = starlette_app(store, handlers)
+    received = portal.call(
+        lambda: cut_short(app, "/late", key, spec="2.3", messages_before_disconnect=0)
+    )
+    assert received == []
+
+    retry = portal.call(lambda: call_asgi(app, "POST", "/late", headers=idempotency(key)))
+
+    assert handlers.executions == ["late"]
+    assert store.calls["release"] == 0
+    assert retry.status == 500
+    assert problem_code(retry) == "response-not-stored"
 
 
 def test_exception_mid_stream_is_not_run_again(

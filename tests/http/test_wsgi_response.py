@@ -146,6 +146,25 @@ def test_streamed_response_that_raises_mid_stream_is_not_run_again(
     assert problem_code(again) == "response-not-stored"
 
 
+def test_buffered_response_that_raises_mid_body_is_not_run_again(
+    store: FaultyStore, key: str
+) -> None:
+    """The view returned and started its response; its body iterable raised (under the size
+    limit, so nothing reached the client yet, and the server answers 500). The handler ran:
+    a retry answers ``response-not-stored`` instead of running it again, as in ASGI."""
+    app = App(lambda: Body([b"part"], fail=RuntimeError("broke mid-body")))
+    protected = IdempotencyMiddleware(app, store=store, policy=POLICY)
+    with pytest.raises(RuntimeError):
+        serve(protected, key)
+
+    again = retry(protected, key)
+
+    assert app.executions == 1
+    assert store.calls["release"] == 0
+    assert again.status == 500
+    assert problem_code(again) == "response-not-stored"
+
+
 def test_close_that_raises_after_a_whole_response_replays_it(store: FaultyStore, key: str) -> None:
     """The app's iterable gave its whole body, then its ``close()`` raised (a teardown that
     failed). The response is stored and delivered; the server logs the close error; a retry

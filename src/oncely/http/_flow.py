@@ -15,9 +15,9 @@ One request, in order::
     finish   the app sent its last body chunk (held back until this returns):
              stored status and size → complete(snapshot); over the size limit →
              complete(marker); other statuses → release
-    cut      the app had passed part of its response on, then the client left, the app
-             raised or the request was cancelled → complete(marker): never released
-    abort    the app raised, or returned, before any of its response was passed on → release
+    cut      the app had started its response, then the client left, the app raised or
+             the request was cancelled → complete(marker): never released
+    abort    the app raised, or returned, before it started a response → release
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
 def cut(
     lease: _execution.Lease, capture: ResponseCapture, cause: str, policy: HttpPolicy
 ) -> Flow[None]:
-    """Settle the lease of a response that was passed on in part and then cut short.
+    """Settle the lease of a response that the app started and that was then cut short.
 
     The client went away, the app raised mid-response, or the request was cancelled (*cause*
     says which, for the log and the repeats' answer): the handler ran, so the key is never

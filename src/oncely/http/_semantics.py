@@ -21,7 +21,7 @@ store unreachable                                       503 + Retry-After (`unav
 handler answered 5xx or raised                          not stored; the lease is released
 response over the size limit                            passed through; repeats 500
                                                         (`not_replayable`)
-response cut short after part of it was sent            never released; repeats 500
+response cut short after the app started it            never released; repeats 500
                                                         (`not_replayable`)
 ======================================================  ==========================================
 """

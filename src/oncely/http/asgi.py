@@ -20,8 +20,8 @@ How a protected request travels:
   never see its own retry answered 409, and ``http.response.start``, which leaves with the
   first body message, so a whole response whose start cannot be sent (the client left, ASGI
   2.4) has been captured and stored by then;
-* once any of the response has been passed on, the handler has run: if the response is then
-  cut short (the client left, the app raised or was cancelled mid-response), the record is
+* once the app has started its response, the handler has run: if the response is then cut
+  short (the client left, the app raised or was cancelled mid-response), the record is
   completed as not replayable, never released, so a retry cannot run the handler again;
 * the ``http.response.pathsend`` and ``zerocopysend`` extensions are hidden from the app for
   protected requests, so file responses arrive as bytes that can be stored.
@@ -159,11 +159,10 @@ class IdempotencyMiddleware:
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message
-        passed_on = False  # the server has been handed part of the response
         trailers = False
 
         async def capture_send(message: Message) -> None:
-            nonlocal settled, held, passed_on, trailers
+            nonlocal settled, held, trailers
             if not settled:
                 kind = message["type"]
                 if kind == "http.response.start":
@@ -189,7 +188,6 @@ class IdempotencyMiddleware:
                         lease,
                         self._calls,
                     )
-            passed_on = True
             if held is not None:
                 start, held = held, None
                 await send(start)
@@ -202,7 +200,7 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             if not settled:
                 settled = True
-                if passed_on:  # the handler ran and started answering: never run it again
+                if capture.started:  # the handler ran and started answering: never again
                     cause = f"{type(exc).__name__} while it was sent"
                     await _settle(
                         partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
@@ -212,7 +210,7 @@ class IdempotencyMiddleware:
             raise
         if not settled:
             settled = True
-            if passed_on:
+            if capture.started:
                 cause = "the app returned before completing it"
                 await _settle(partial(_flow.cut, lease, capture, cause, policy), lease, self._calls)
             else:

@@ -147,8 +147,12 @@ class IdempotencyMiddleware:
             capture.start(int(code), _encode_headers(headers), policy, reason.encode("latin-1"))
             return write
 
+        iterating = False
+
         def call() -> tuple[Iterable[bytes], Iterator[bytes] | None]:
+            nonlocal iterating
             result = self.app(environ, capture_start)
+            iterating = True
             try:
                 iterator = iter(result)
                 for chunk in iterator:
@@ -168,7 +172,13 @@ class IdempotencyMiddleware:
                 _close(result)
                 raise RuntimeError("the WSGI app returned without calling start_response")
         except BaseException as exc:
-            _execution.run(_flow.abort(lease, exc, policy), self.store)
+            if iterating and capture.started:
+                # The view returned and started its response; its body failed: the handler
+                # ran, so the key is never released (as in ASGI).
+                cause = f"{type(exc).__name__} from the app's response iterable"
+                _execution.run(_flow.cut(lease, capture, cause, policy), self.store)
+            else:
+                _execution.run(_flow.abort(lease, exc, policy), self.store)
             raise
         if rest is None:
             capture.complete = True
