@@ -306,7 +306,8 @@ def test_a_body_that_fails_mid_read_is_retried_with_the_key(client: Any) -> None
         ([httpx.RemoteProtocolError] * 3, OutcomeUnknownError),
         ([httpx.WriteTimeout] * 3, OutcomeUnknownError),
         ([httpx.ReadTimeout, httpx.ConnectError, httpx.ConnectError], OutcomeUnknownError),
-        ([409, httpx.ConnectError, httpx.ConnectError], OutcomeUnknownError),
+        ([httpx.ReadTimeout, 409, httpx.ConnectError], OutcomeUnknownError),
+        ([409, httpx.ConnectError, httpx.ConnectError], httpx.ConnectError),
         ([503, httpx.ConnectError, httpx.ConnectError], httpx.ConnectError),
         ([httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout], httpx.PoolTimeout),
     ],
@@ -332,15 +333,15 @@ def test_out_of_attempts_after_the_request_may_have_run(
     [
         pytest.param([httpx.ReadTimeout, 503, 503], id="timeout-then-unavailable"),
         pytest.param([httpx.ReadError, 429, 429], id="reset-then-rate-limited"),
-        pytest.param([409, 409, 409], id="still-running"),
+        pytest.param([httpx.ReadTimeout, 409, 409], id="timeout-then-still-running"),
     ],
 )
 def test_out_of_attempts_on_a_refusal_after_the_request_may_have_run(
     client: Any, steps: list[Step]
 ) -> None:
-    """An earlier attempt may have run (or is running: 409), and the last one was refused
-    "not now": returning that refusal would invite a retry under a new key, so the transport
-    raises OutcomeUnknownError with the key instead, and closes the refused response."""
+    """An earlier attempt may have run, and the last one was refused "not now": returning
+    that refusal would invite a retry under a new key, so the transport raises
+    OutcomeUnknownError with the key instead, and closes the refused response."""
     server = Server(*steps)
     with pytest.raises(OutcomeUnknownError) as error:
         client(server, max_attempts=3)(headers={"Idempotency-Key": "mine"})
@@ -350,8 +351,9 @@ def test_out_of_attempts_on_a_refusal_after_the_request_may_have_run(
     assert f"status {steps[-1]}" in str(error.value)
 
 
-def test_refusals_alone_are_returned(client: Any) -> None:
-    """429 and 503 say the request was not processed: when every attempt got one, the last
-    response is returned (nothing ran, so a new key would do no harm)."""
-    server = Server(503, 429, 503)
-    assert client(server, max_attempts=3)().status_code == 503
+@pytest.mark.parametrize("steps", [[503, 429, 503], [409, 409, 409]])
+def test_refusals_alone_are_returned(client: Any, steps: list[Step]) -> None:
+    """When every attempt was refused, the last refusal is returned: it says what happened
+    (a 409 names the key that is still running)."""
+    server = Server(*steps)
+    assert client(server, max_attempts=3)().status_code == steps[-1]

@@ -7,10 +7,10 @@ raises. It imports no HTTP library: responses are read only through ``status_cod
 ``headers.get("retry-after")``.
 
 When the attempts or the time run out after an attempt that may have taken effect (an error
-once the request may have been sent, or a 409: the request is still running), the transport's
-``outcome_unknown`` error is raised instead of the last error or response, so the caller
-retries with the same key rather than a new one. When every attempt failed to connect or was
-answered 429 or 503, nothing ran, and the last error is raised (or response returned) as is.
+once the request may have been sent), the transport's ``outcome_unknown`` error is raised
+instead of the last error or the last refusal (409, 429, 503), so the caller retries with the
+same key rather than a new one. When every attempt failed to connect or was refused, the last
+error is raised (or the response returned) as is: the refusals say what happened.
 """
 
 from __future__ import annotations
@@ -54,10 +54,7 @@ class SleepOp:
     seconds: float
 
 
-IN_PROGRESS: Final = 409
-"""The status of a repeat while the first request with its key still runs."""
-
-RETRY_STATUSES: Final = frozenset({IN_PROGRESS, 429, 503})
+RETRY_STATUSES: Final = frozenset({409, 429, 503})
 """Statuses that mean "not processed now, try again": in progress, rate limited, unavailable."""
 
 
@@ -137,9 +134,9 @@ def retry_flow(
         unsent: Whether an error shows that the attempt never reached the server (it could not
             connect), so it cannot have taken effect.
         outcome_unknown: Builds the error raised when the flow gives up after an attempt that
-            may have taken effect (an error once the request may have been sent, or a 409:
-            still running), from the last error or response and the number of attempts.
-            Without it, the last error is raised or the last response returned.
+            may have taken effect (an error once the request may have been sent), from the last
+            error or response and the number of attempts. Without it, the last error is
+            raised or the last response returned.
     """
     budget = _seconds(policy.max_elapsed)
     started = time.monotonic()
@@ -173,7 +170,6 @@ def retry_flow(
             status = response.status_code
             if status not in policy.statuses:
                 return response
-            uncertain = uncertain or status == IN_PROGRESS
             hinted = parse_retry_after(response.headers.get("retry-after"))
             pause = hinted if hinted is not None else policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):

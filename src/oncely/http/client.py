@@ -73,10 +73,10 @@ class OutcomeUnknownError(httpx.TransportError):
     """A covered request ran out of retries, and it may have taken effect.
 
     At least one attempt may have reached the server (it timed out or was cut while the
-    request or the response travelled, or was answered 409: still running), so do not send
-    the operation again under a new key: retry it with `key` (the header the transport sent),
-    and the server answers with the stored outcome if it ran. The last attempt's error, if it
-    ended in one, is the ``__cause__``.
+    request or the response travelled), so do not send the operation again under a new key,
+    whatever the last attempt got (an error, or a 409, 429 or 503 refusal): retry it with
+    `key` (the header the transport sent), and the server answers with the stored outcome if
+    it ran. The last attempt's error, if it ended in one, is the ``__cause__``.
 
     Attributes:
         key: The idempotency key every attempt carried.
