@@ -22,7 +22,10 @@ SECTIONS = [
 OPTIONAL = [
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
-    ("oncely.http.client", ["IdempotentTransport", "AsyncIdempotentTransport"]),
+    (
+        "oncely.http.client",
+        ["IdempotentTransport", "AsyncIdempotentTransport", "OutcomeUnknownError"],
+    ),
 ]
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 

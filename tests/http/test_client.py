@@ -18,7 +18,12 @@ import httpx
 import pytest
 
 from oncely.http._retry import RetryPolicy, parse_retry_after
-from oncely.http.client import ATTEMPTS_EXTENSION, AsyncIdempotentTransport, IdempotentTransport
+from oncely.http.client import (
+    ATTEMPTS_EXTENSION,
+    AsyncIdempotentTransport,
+    IdempotentTransport,
+    OutcomeUnknownError,
+)
 
 Step = int | tuple[int, dict[str, str]] | type[Exception]
 
@@ -265,3 +270,90 @@ def test_importing_the_client_without_httpx_names_the_extra(tmp_path: Any) -> No
     )
     assert "MissingDependencyError" in done.stdout
     assert "oncely[httpx]" in done.stdout
+
+
+def test_a_body_that_fails_mid_read_is_retried_with_the_key(client: Any) -> None:
+    """The transport reads the whole body inside the retry loop: a timeout while it arrives
+    is retried under the same key, and the caller gets a response already read."""
+    keys: list[str | None] = []
+
+    class Stalls(httpx.SyncByteStream, httpx.AsyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield b"par"
+            raise httpx.ReadTimeout("the body stalled")
+
+        async def __aiter__(self) -> Any:
+            yield b"par"
+            raise httpx.ReadTimeout("the body stalled")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("idempotency-key"))
+        if len(keys) == 1:
+            return httpx.Response(201, stream=Stalls())
+        return httpx.Response(201, content=b"whole")
+
+    response = client(handler)()
+    assert response.content == b"whole"
+    assert response.extensions[ATTEMPTS_EXTENSION] == 2
+    assert len(keys) == 2
+    assert keys[0] == keys[1]
+
+
+@pytest.mark.parametrize(
+    ("steps", "raised"),
+    [
+        ([httpx.ReadTimeout] * 3, OutcomeUnknownError),
+        ([httpx.RemoteProtocolError] * 3, OutcomeUnknownError),
+        ([httpx.WriteTimeout] * 3, OutcomeUnknownError),
+        ([httpx.ReadTimeout, httpx.ConnectError, httpx.ConnectError], OutcomeUnknownError),
+        ([httpx.ReadTimeout, 409, httpx.ConnectError], OutcomeUnknownError),
+        ([409, httpx.ConnectError, httpx.ConnectError], httpx.ConnectError),
+        ([503, httpx.ConnectError, httpx.ConnectError], httpx.ConnectError),
+        ([httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout], httpx.PoolTimeout),
+    ],
+)
+def test_out_of_attempts_after_the_request_may_have_run(
+    client: Any, steps: list[Step], raised: type[Exception]
+) -> None:
+    """Giving up after an attempt that may have reached the server raises OutcomeUnknownError
+    with the key; when no attempt got through (connect errors only), the last error as is."""
+    server = Server(*steps)
+    with pytest.raises(raised) as error:
+        client(server, max_attempts=3)(headers={"Idempotency-Key": "mine"})
+    assert len(server.requests) == 3
+    if raised is OutcomeUnknownError:
+        assert isinstance(error.value, httpx.TransportError)
+        assert error.value.key == "mine"  # type: ignore[attr-defined]
+        assert error.value.attempts == 3  # type: ignore[attr-defined]
+        assert isinstance(error.value.__cause__, steps[-1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param([httpx.ReadTimeout, 503, 503], id="timeout-then-unavailable"),
+        pytest.param([httpx.ReadError, 429, 429], id="reset-then-rate-limited"),
+        pytest.param([httpx.ReadTimeout, 409, 409], id="timeout-then-still-running"),
+    ],
+)
+def test_out_of_attempts_on_a_refusal_after_the_request_may_have_run(
+    client: Any, steps: list[Step]
+) -> None:
+    """An earlier attempt may have run, and the last one was refused "not now": returning
+    that refusal would invite a retry under a new key, so the transport raises
+    OutcomeUnknownError with the key instead, and closes the refused response."""
+    server = Server(*steps)
+    with pytest.raises(OutcomeUnknownError) as error:
+        client(server, max_attempts=3)(headers={"Idempotency-Key": "mine"})
+
+    assert len(server.requests) == 3
+    assert error.value.key == "mine"
+    assert f"status {steps[-1]}" in str(error.value)
+
+
+@pytest.mark.parametrize("steps", [[503, 429, 503], [409, 409, 409]])
+def test_refusals_alone_are_returned(client: Any, steps: list[Step]) -> None:
+    """When every attempt was refused, the last refusal is returned: it says what happened
+    (a 409 names the key that is still running)."""
+    server = Server(*steps)
+    assert client(server, max_attempts=3)().status_code == steps[-1]

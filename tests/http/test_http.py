@@ -126,6 +126,32 @@ class TestKeys:
         assert api.ledger.count() == 0
         assert api.store.calls["claim"] == 0
 
+    @pytest.mark.parametrize(
+        "values",
+        [
+            pytest.param([b"k1", b"k2"], id="two-keys"),
+            pytest.param([b"k1", b"k1"], id="same-key-twice"),
+            pytest.param([b'"k1"', b'"k2"'], id="two-quoted"),
+            pytest.param([b'"k1', b'k2"'], id="quoted-halves"),
+            pytest.param([b"k1", b""], id="key-and-empty"),
+            pytest.param([b"k1,k2"], id="bare-with-comma"),
+            pytest.param([b"k1, k2"], id="bare-with-comma-space"),
+            pytest.param([b'"k1,k2"'], id="quoted-with-comma"),
+            pytest.param([b'"k1, k2"'], id="quoted-with-comma-space"),
+        ],
+    )
+    def test_repeated_key_header_or_comma_is_400_and_stores_nothing(
+        self, api: Api, values: list[bytes]
+    ) -> None:
+        """A repeated key header is ambiguous, and so is a key with a comma: a WSGI server
+        joins repeated headers with a comma, so the two cannot be told apart there. Every
+        adapter answers 400 to both, and nothing is stored."""
+        headers = [("idempotency-key", value) for value in values]
+        problem(api.post(json_body=PAYMENT, headers=headers), 400, "idempotency-key-invalid")
+
+        assert api.ledger.count() == 0
+        assert api.store.calls["claim"] == 0
+
     def test_longest_valid_key_is_accepted(self, api: Api) -> None:
         """255 characters is the limit, inclusive."""
         long_key = "k" * 250 + hashlib.sha256(api.ledger.path.encode()).hexdigest()[:5]

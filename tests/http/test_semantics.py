@@ -167,10 +167,13 @@ class TestDecide:
 
     @given(st.binary(max_size=300) | st.text(st.characters(max_codepoint=127)).map(str.encode))
     def test_read_key_agrees_with_from_header(self, value: bytes) -> None:
-        """The fast path for bare keys answers exactly as `oncely.keys.from_header`."""
+        """The fast path for bare keys answers exactly as `oncely.keys.from_header`, except
+        that a key with a comma is refused (it cannot be told from a repeated header)."""
         try:
             expected: str | type[InvalidKeyError] = from_header(value)
         except InvalidKeyError:
+            expected = InvalidKeyError
+        if isinstance(expected, str) and "," in expected:
             expected = InvalidKeyError
         try:
             got: str | type[InvalidKeyError] = _semantics.read_key([value])

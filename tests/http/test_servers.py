@@ -7,6 +7,7 @@ as two hosts would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -23,11 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
-from oncely.http.client import ATTEMPTS_EXTENSION, IdempotentTransport
+from oncely.http.client import (
+    ATTEMPTS_EXTENSION,
+    AsyncIdempotentTransport,
+    IdempotentTransport,
+    OutcomeUnknownError,
+)
 from tests._helpers import eventually
+from tests.http._proxy import ResponseFaultProxy
 from tests.http.conftest import EXAMPLES, store_url
 
 SERVERS = {"uvicorn": "fastapi_app.py", "waitress": "flask_app.py"}
@@ -84,14 +92,25 @@ def server(
         "--ledger", str(ledger),
         "--lease", "1",
     ]  # fmt: skip
+    with _serve(command, directory, signal.SIGINT if kind == "uvicorn" else signal.SIGTERM) as (
+        url,
+        process,
+    ):
+        yield Running(url, ledger, process)
+
+
+@contextlib.contextmanager
+def _serve(
+    command: list[str], directory: Path, stop: signal.Signals
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Run a server process until the block ends; yield its address and the process."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=directory
     )
     try:
-        url = _wait_for_address(process)
-        yield Running(url, ledger, process)
+        yield _wait_for_address(process), process
     finally:
-        process.send_signal(signal.SIGINT if kind == "uvicorn" else signal.SIGTERM)
+        process.send_signal(stop)
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -321,4 +340,149 @@ def test_request_body_over_the_limit_is_413_over_a_socket(server: Running, chunk
         first = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": key})
     assert first.status_code == 201
     assert "idempotent-replayed" not in first.headers
+
+
+@dataclass
+class Streaming:
+    """uvicorn serving `_streaming_server`'s app, and the file that counts its executions."""
+
+    url: str
+    executions_path: Path
+
+    def executions(self, key: str) -> int:
+        from tests.http._streaming_server import executions
+
+        return executions(self.executions_path, key)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("starlette", "sqlite"), id="starlette-sqlite"),
+        pytest.param(("fastapi", "postgres"), id="fastapi-postgres", marks=pytest.mark.postgres),
+    ],
+)
+def streaming(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Streaming]:
+    """A real uvicorn (ASGI spec 2.3) serving a Starlette or FastAPI StreamingResponse."""
+    framework, backend = request.param
+    directory = tmp_path_factory.mktemp(f"streaming-{framework}")
+    record = directory / "executions.txt"
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("_streaming_server.py")),
+        "--framework", framework,
+        "--store", store_url(request, backend, directory),
+        "--namespace", f"stream-{uuid.uuid4().hex[:10]}",
+        "--executions", str(record),
+        "--lease", "1",
+    ]  # fmt: skip
+    with _serve(command, directory, signal.SIGINT) as (url, _):
+        yield Streaming(url, record)
+
+
+def test_streaming_response_cut_by_a_client_timeout_runs_once(streaming: Streaming) -> None:
+    """The client reads the first chunk, times out on the rest and hangs up; uvicorn tells the
+    app (``http.disconnect``) and Starlette cancels the stream. The handler ran, so the record
+    is completed as not replayable: the retry with the same key gets ``response-not-stored``
+    and the handler is not run again."""
+    key = str(uuid.uuid4())
+    headers = {"Idempotency-Key": key}
+    timeout = httpx.Timeout(10, read=0.5)
+    with (
+        httpx.Client(base_url=streaming.url, timeout=timeout) as client,
+        client.stream("POST", "/stream", headers=headers) as cut,
+    ):
+        assert cut.status_code == 201
+        with pytest.raises(httpx.ReadTimeout):
+            cut.read()
+    assert streaming.executions(key) == 1
+
+    with httpx.Client(base_url=streaming.url, timeout=10) as client:
+
+        def retried() -> httpx.Response | None:
+            reply = client.post("/stream", headers=headers)
+            return reply if reply.status_code != 409 else None
+
+        reply = eventually(retried)
+    assert streaming.executions(key) == 1
+    assert reply.status_code == 500
+    assert reply.json()["code"] == "response-not-stored"
+
+
+CLIENT_SERVERS = [
+    pytest.param(("uvicorn", "sqlite"), id="uvicorn-sqlite"),
+    pytest.param(("waitress", "sqlite"), id="waitress-sqlite"),
+]
+
+
+def _post_through(
+    mode: str, url: str, transport_options: dict[str, Any], **request: Any
+) -> httpx.Response:
+    """POST /payments through the sync or async idempotent transport (0.5 s read timeout)."""
+    timeout = httpx.Timeout(10, read=0.5)
+    if mode == "sync":
+        transport = IdempotentTransport(httpx.HTTPTransport(), **transport_options)
+        with httpx.Client(transport=transport, base_url=url, timeout=timeout) as client:
+            return client.post("/payments", **request)
+
+    async def post() -> httpx.Response:
+        transport = AsyncIdempotentTransport(httpx.AsyncHTTPTransport(), **transport_options)
+        async with httpx.AsyncClient(transport=transport, base_url=url, timeout=timeout) as client:
+            return await client.post("/payments", **request)
+
+    return anyio.run(post)
+
+
+@pytest.mark.parametrize("server", CLIENT_SERVERS, indirect=True)
+@pytest.mark.parametrize("fault", ["stall", "reset"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_client_transport_retries_a_body_cut_in_transit(
+    server: Running, fault: str, mode: str
+) -> None:
+    """The first response's headers arrive, then its body stalls past the read timeout (or the
+    connection is reset mid-body). The transport retries with the same key until it has read a
+    whole response: the caller gets the stored response, and the payment ran once."""
+    before = server.charges()
+    key = str(uuid.uuid4())
+    options = {"max_attempts": 6, "backoff": 0.05, "seed": 2}
+    with ResponseFaultProxy(server.host_port[1], [fault]) as proxy:
+        reply = _post_through(
+            mode, proxy.url, options, json=PAYMENT, headers={"Idempotency-Key": key}
+        )
+
+        assert proxy.accepted >= 2
+    assert reply.status_code == 201
+    assert reply.headers["idempotent-replayed"] == "true"
+    assert reply.json()["amount"] == 500
+    assert reply.extensions[ATTEMPTS_EXTENSION] >= 2
+    assert server.charges() == before + 1
+
+
+@pytest.mark.parametrize("server", CLIENT_SERVERS, indirect=True)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_client_transport_out_of_attempts_mid_body_keeps_the_key(
+    server: Running, mode: str
+) -> None:
+    """Every attempt's body stalls: the transport gives up with `OutcomeUnknownError`, which
+    says the request may have taken effect and carries its key; a later retry with that key
+    gets the stored response, and the payment ran once."""
+    before = server.charges()
+    options = {"max_attempts": 2, "backoff": 0.05, "seed": 2}
+    with (
+        ResponseFaultProxy(server.host_port[1], ["stall", "stall"]) as proxy,
+        pytest.raises(OutcomeUnknownError) as raised,
+    ):
+        _post_through(mode, proxy.url, options, json=PAYMENT)
+
+    error = raised.value
+    assert isinstance(error.__cause__, httpx.ReadTimeout)
+    assert error.attempts == 2
+    assert "may have taken effect" in str(error)
+    assert error.key in str(error)
+    with server.client() as client:
+        again = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": error.key})
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
     assert server.charges() == before + 1

@@ -15,7 +15,9 @@ One request, in order::
     finish   the app sent its last body chunk (held back until this returns):
              stored status and size → complete(snapshot); over the size limit →
              complete(marker); other statuses → release
-    abort    the app raised, or returned without a complete response → release
+    cut      the app had started its response, then the client left, the app raised or
+             the request was cancelled → complete(marker): never released
+    abort    the app raised, or returned, before it started a response → release
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from oncely.http import _semantics
 from oncely.http._policy import HttpPolicy
 from oncely.http._semantics import Plan, Response, ResponseCapture
 
-__all__ = ["PASS_THROUGH", "abort", "begin", "finish", "invoke"]
+__all__ = [
+    "PASS_THROUGH",
+    "abort",
+    "begin",
+    "cut",
+    "finish",
+    "finish_with_trailers",
+    "invoke",
+    "settle_again",
+]
 
 logger = get_logger("oncely.http")
 
@@ -119,11 +130,65 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
         yield from _settle(lease, "complete", payload, policy)
 
 
+def cut(
+    lease: _execution.Lease, capture: ResponseCapture, cause: str, policy: HttpPolicy
+) -> Flow[None]:
+    """Settle the lease of a response that the app started and that was then cut short.
+
+    The client went away, the app raised mid-response, or the request was cancelled (*cause*
+    says which, for the log and the repeats' answer): the handler ran, so the key is never
+    released (unless the status is one that is not stored, as for a whole response). The
+    record is completed with a marker that makes repeats answer `_semantics.not_replayable`.
+    """
+    if not capture.keep:
+        yield from _settle(lease, "release", None, policy)
+        return
+    reason = f"the response was cut short after the handler ran: {cause}"
+    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
+
+
+def finish_with_trailers(
+    lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
+) -> Flow[None]:
+    """Settle the lease of a complete response with trailers (ASGI ``http.response.trailers``).
+
+    Trailers are not part of the stored snapshot, so such a response is not replayable:
+    repeats answer `_semantics.not_replayable` rather than a response without its trailers.
+    """
+    if not capture.keep:
+        yield from _settle(lease, "release", None, policy)
+        return
+    reason = "the response has trailers, which are not stored"
+    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
+
+
 def abort(lease: _execution.Lease, exc: BaseException | None, policy: HttpPolicy) -> Flow[None]:
     """Release the lease of a request whose handler raised or sent no complete response."""
     if exc is None:
         logger.warning("the app returned no complete response for key=%s", lease.key)
     yield from _settle(lease, "release", None, policy)
+
+
+def settle_again(lease: _execution.Lease, flow: Flow[None]) -> Flow[None]:
+    """Run a settling *flow* again after a cancellation cut its first run short.
+
+    The first run's store call may have been applied before it was cancelled: if the record
+    already shows this lease settled, there is nothing left to do (running the flow again
+    would find the lease gone and log it as lost).
+    """
+    try:
+        record = yield _execution.StoreCall("get", (lease.key,))
+    except StoreError:
+        record = None
+    if (
+        record is not None
+        and record.token == lease.token
+        and record.status is not Status.IN_PROGRESS
+    ):
+        return
+    yield from flow
 
 
 def _settle(

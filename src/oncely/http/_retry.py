@@ -1,10 +1,16 @@
 """The client side's retry loop as one sans-I/O flow, run by the sync and the async transport.
 
-The flow decides; the transports act. It yields `SendOp` (send the request once more and send
-back the response, or throw the transport's exception in), `CloseOp` (discard a response that
-will be retried) and `SleepOp`; it returns the response to hand to the caller or raises the
-last exception. It imports no HTTP library: responses are read only through ``status_code``
-and ``headers.get("retry-after")``.
+The flow decides; the transports act. It yields `SendOp` (send the request once more, read the
+whole response, and send it back, or throw the transport's exception in), `CloseOp` (discard a
+response that will be retried) and `SleepOp`; it returns the response to hand to the caller or
+raises. It imports no HTTP library: responses are read only through ``status_code`` and
+``headers.get("retry-after")``.
+
+When the attempts or the time run out after an attempt that may have taken effect (an error
+once the request may have been sent), the transport's ``outcome_unknown`` error is raised
+instead of the last error or the last refusal (409, 429, 503), so the caller retries with the
+same key rather than a new one. When every attempt failed to connect or was refused, the last
+error is raised (or the response returned) as is: the refusals say what happened.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ logger = get_logger("oncely.http.client")
 
 @dataclass(frozen=True, slots=True)
 class SendOp:
-    """Send the request (again); *attempt* counts from 1."""
+    """Send the request (again) and read the whole response; *attempt* counts from 1."""
 
     attempt: int
 
@@ -115,20 +121,43 @@ def retry_flow(
     retryable: Callable[[BaseException], bool],
     rng: random.Random,
     describe: str = "",
+    unsent: Callable[[BaseException], bool] = lambda exc: False,
+    outcome_unknown: Callable[[Any, int], BaseException] | None = None,
 ) -> Flow[Any]:
-    """Send until a response that is not retried, or the attempts or the time run out."""
+    """Send until a response that is not retried, or the attempts or the time run out.
+
+    Args:
+        policy: When and how long to retry.
+        retryable: Whether an attempt's error is retried.
+        rng: The jitter's source.
+        describe: Names the request in log lines.
+        unsent: Whether an error shows that the attempt never reached the server (it could not
+            connect), so it cannot have taken effect.
+        outcome_unknown: Builds the error raised when the flow gives up after an attempt that
+            may have taken effect (an error once the request may have been sent), from the last
+            error or response and the number of attempts. Without it, the last error is
+            raised or the last response returned.
+    """
     budget = _seconds(policy.max_elapsed)
     started = time.monotonic()
     attempt = 0
+    uncertain = False  # an attempt may have taken effect (or is taking it now)
     while True:
         attempt += 1
         try:
             response = yield SendOp(attempt)
         except Exception as exc:
             if not retryable(exc):
+                # Not a transport failure (a bad URL, a bug): this attempt ran nothing, but
+                # an earlier one may have.
+                if uncertain and outcome_unknown is not None:
+                    raise outcome_unknown(exc, attempt) from exc
                 raise
+            uncertain = uncertain or not unsent(exc)
             pause = policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
+                if uncertain and outcome_unknown is not None:
+                    raise outcome_unknown(exc, attempt) from exc
                 raise
             logger.info(
                 "retrying %s after %s (attempt %d, pause %.3fs)",
@@ -144,6 +173,10 @@ def retry_flow(
             hinted = parse_retry_after(response.headers.get("retry-after"))
             pause = hinted if hinted is not None else policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
+                if uncertain and outcome_unknown is not None:
+                    # "Not now" answers the last attempt only: an earlier one may have run.
+                    yield CloseOp(response)
+                    raise outcome_unknown(response, attempt)
                 return response
             logger.info(
                 "retrying %s after status %d (attempt %d, pause %.3fs)",

@@ -22,6 +22,8 @@ store unreachable                                       503 + Retry-After (`unav
 handler answered 5xx or raised                          not stored; the lease is released
 response over the size limit                            passed through; repeats 500
                                                         (`not_replayable`)
+response cut short after the app started it            never released; repeats 500
+                                                        (`not_replayable`)
 ======================================================  ==========================================
 """
 
@@ -205,9 +207,13 @@ def _body_digest(request: HttpRequest) -> str:
 def read_key(values: Sequence[bytes]) -> str | None:
     """Return the key in the header *values* (quoted or bare), or ``None`` if absent.
 
+    A key may not hold a comma, quoted or not: a WSGI server hands the middleware a repeated
+    header as one value joined with commas, so a key with a comma cannot be told from two
+    keys there. Refusing both everywhere makes every adapter answer the same.
+
     Raises:
         InvalidKeyError: The key is empty, over 255 characters, not printable ASCII, a
-            malformed quoted string, or the header was sent more than once.
+            malformed quoted string, holds a comma, or the header was sent more than once.
     """
     if not values:
         return None
@@ -217,16 +223,23 @@ def read_key(values: Sequence[bytes]) -> str | None:
     if isinstance(value, bytes) and value.isascii():
         # The usual key, answered without `from_header`'s character loop: bare, 1 to 255
         # printable ASCII characters (str.isprintable on ASCII is exactly " " to "~"), no
-        # space or tab at either end. Anything else (quoted, padded, invalid) goes the long way.
+        # space or tab at either end, no comma. Anything else (quoted, padded, invalid) goes
+        # the long way.
         key = value.decode("ascii")
         if (
             0 < len(key) <= MAX_KEY_LENGTH
             and key.isprintable()
             and key[0] not in ' "'
             and key[-1] != " "
+            and "," not in key
         ):
             return key
-    return from_header(value)
+    key = from_header(value)
+    if "," in key:
+        raise InvalidKeyError(
+            "the idempotency key holds a comma (or the header was sent more than once)"
+        )
+    return key
 
 
 def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str | Response | None:

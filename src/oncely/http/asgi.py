@@ -18,7 +18,12 @@ How a protected request travels:
   answered 413 (at once if ``Content-Length`` says so, else when it grows past the limit);
 * the response streams through as the app sends it, except the final body chunk, which is held
   until the record is completed (or released), so a client that has the whole response can
-  never see its own retry answered 409;
+  never see its own retry answered 409, and ``http.response.start``, which leaves with the
+  first body message, so a whole response whose start cannot be sent (the client left, ASGI
+  2.4) has been captured and stored by then;
+* once the app has started its response, the handler has run: if the response is then cut
+  short (the client left, the app raised or was cancelled mid-response), the record is
+  completed as not replayable, never released, so a retry cannot run the handler again;
 * the ``http.response.pathsend`` and ``zerocopysend`` extensions are hidden from the app for
   protected requests, so file responses arrive as bytes that can be stored.
 
@@ -27,12 +32,15 @@ How a protected request travels:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from functools import partial
 from typing import Any, Final
 
 from oncely import _execution
+from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -159,20 +167,39 @@ class IdempotencyMiddleware:
         # becomes a task only if the request outlives a third of its lease); settling stops it.
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
+        held: Message | None = None  # the response start, until the first body message
+        trailers = False
 
         async def capture_send(message: Message) -> None:
-            nonlocal settled
+            nonlocal settled, held, trailers
             if not settled:
                 kind = message["type"]
                 if kind == "http.response.start":
                     capture.start(int(message["status"]), message.get("headers") or (), policy)
-                elif kind == "http.response.body":
+                    trailers = bool(message.get("trailers", False))
+                    # Held until the first body message, so that a response whose start
+                    # cannot be sent (the client left, ASGI 2.4) has been captured by then.
+                    held = message
+                    return
+                if kind == "http.response.body":
                     capture.add(message.get("body", b""))
-                    if not message.get("more_body", False):
+                    if not message.get("more_body", False) and not trailers:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _execution.arun(_flow.finish(lease, capture, policy), self._calls)
+                        await _settle(
+                            partial(_flow.finish, lease, capture, policy), lease, self._calls
+                        )
+                elif kind == "http.response.trailers" and not message.get("more_trailers"):
+                    settled = True
+                    await _settle(
+                        partial(_flow.finish_with_trailers, lease, capture, policy),
+                        lease,
+                        self._calls,
+                    )
+            if held is not None:
+                start, held = held, None
+                await send(start)
             await send(message)
 
         try:
@@ -182,11 +209,57 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             if not settled:
                 settled = True
-                await _execution.arun(_flow.abort(lease, exc, policy), self._calls)
+                if capture.started:  # the handler ran and started answering: never again
+                    cause = f"{type(exc).__name__} while it was sent"
+                    await _settle(
+                        partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
+                    )
+                else:
+                    await _settle(partial(_flow.abort, lease, exc, policy), lease, self._calls)
             raise
         if not settled:
             settled = True
-            await _execution.arun(_flow.abort(lease, None, policy), self._calls)
+            if capture.started:
+                cause = "the app returned before completing it"
+                await _settle(partial(_flow.cut, lease, capture, cause, policy), lease, self._calls)
+            else:
+                await _settle(partial(_flow.abort, lease, None, policy), lease, self._calls)
+
+
+async def _settle(
+    flow: Callable[[], Flow[None]], lease: _execution.Lease, store: AsyncStore
+) -> None:
+    """Run the settling *flow* to its end, even if the request is cancelled meanwhile.
+
+    A cancellation mid-way (Starlette cancels a streaming response's task when the client
+    leaves, a server cancels its requests when it stops) must not leave the record in
+    progress: the handler has run, so a retry would run it again once the lease expired. The
+    flow runs directly (no task: this is every request's path); only if it is cancelled is it
+    run again in a task shielded from the cancellation, which is raised once that is done.
+    """
+    try:
+        await _execution.arun(flow(), store)
+    except asyncio.CancelledError:
+        await _shielded(_execution.arun(_flow.settle_again(lease, flow()), store))
+        raise
+
+
+async def _shielded(work: Coroutine[Any, Any, None]) -> None:
+    """Await *work* in a task of its own; a cancellation meanwhile is raised once it is done."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.done() and task.cancelled():  # the loop itself is going away
+                raise
+            cancelled = exc
+            if not task.done():
+                continue
+        break
+    if cancelled is not None:
+        raise cancelled
 
 
 class _BufferedReceive:

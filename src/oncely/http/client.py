@@ -7,6 +7,12 @@ attempt, and is sent again on connection errors, timeouts, 409 (still in progres
 503, with exponential backoff and full jitter, honouring ``Retry-After``, within a bounded
 number of attempts and a time budget. Other methods pass through untouched.
 
+A covered response is read whole inside the retry loop, so a timeout or a reset while its body
+arrives is retried with the same key too (the server replays the stored response), and the
+caller gets a response already read. When the retries run out after an attempt that may have
+reached the server, `OutcomeUnknownError` is raised: it keeps the key, so the caller can retry
+the same operation later instead of starting a new one.
+
 .. code-block:: python
 
     import httpx
@@ -45,16 +51,44 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "'httpx' is required for oncely.http.client; install it with: pip install 'oncely[httpx]'"
     ) from exc
 
-__all__ = ["AsyncIdempotentTransport", "IdempotentTransport", "RetryPolicy"]
+__all__ = ["AsyncIdempotentTransport", "IdempotentTransport", "OutcomeUnknownError", "RetryPolicy"]
 
 ATTEMPTS_EXTENSION = "oncely.attempts"
 """The key of ``response.extensions`` that holds how many attempts the request took."""
 
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Errors that show an attempt never reached the server."""
 
 
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, _RETRYABLE)
+
+
+def _unsent(exc: BaseException) -> bool:
+    return isinstance(exc, _UNSENT)
+
+
+class OutcomeUnknownError(httpx.TransportError):
+    """A covered request ran out of retries, and it may have taken effect.
+
+    At least one attempt may have reached the server (it timed out or was cut while the
+    request or the response travelled), so do not send the operation again under a new key,
+    whatever the last attempt got (an error, or a 409, 429 or 503 refusal): retry it with
+    `key` (the header the transport sent), and the server answers with the stored outcome if
+    it ran. The last attempt's error, if it ended in one, is the ``__cause__``.
+
+    Attributes:
+        key: The idempotency key every attempt carried.
+        attempts: How many attempts were made.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, message: str, *, request: httpx.Request, key: str, attempts: int) -> None:
+        super().__init__(message, request=request)
+        self.key = key
+        self.attempts = attempts
 
 
 class _Idempotent:
@@ -98,12 +132,61 @@ class _Idempotent:
         return True
 
     def _flow(self, request: httpx.Request) -> Any:
+        key = request.headers[self.header]
+
+        def outcome_unknown(last: Any, attempts: int) -> BaseException:
+            if isinstance(last, httpx.Response):
+                what = f"status {last.status_code}"
+            else:
+                what = type(last).__name__
+            return OutcomeUnknownError(
+                f"{request.method} {request.url} may have taken effect: {what} after "
+                f"{attempts} attempt(s); retry it with {self.header}: {key}",
+                request=request,
+                key=key,
+                attempts=attempts,
+            )
+
         return retry_flow(
             self.retry,
             retryable=_retryable,
             rng=self._rng,
-            describe=f"{request.method} {request.url} key={request.headers[self.header]}",
+            describe=f"{request.method} {request.url} key={key}",
+            unsent=_unsent,
+            outcome_unknown=outcome_unknown,
         )
+
+
+def _read(response: httpx.Response, raw: bytes) -> httpx.Response:
+    """A response like *response* whose (still encoded) body is *raw*, held in memory."""
+    return httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        stream=httpx.ByteStream(raw),
+        extensions=response.extensions,
+    )
+
+
+def _read_whole(response: httpx.Response) -> httpx.Response:
+    """Read *response*'s body to the end (errors go to the retry flow), then close it."""
+    if response.is_stream_consumed:  # already in memory (a mock, a cache)
+        return response
+    try:
+        raw = b"".join(response.iter_raw())
+    finally:
+        response.close()
+    return _read(response, raw)
+
+
+async def _aread_whole(response: httpx.Response) -> httpx.Response:
+    """The async twin of `_read_whole`."""
+    if response.is_stream_consumed:
+        return response
+    try:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+    return _read(response, raw)
 
 
 def _uuid_key() -> str:
@@ -158,7 +241,13 @@ class IdempotentTransport(_Idempotent, httpx.BaseTransport):
         self.transport = transport if transport is not None else httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        """Send *request*, retrying it under its one key when it is covered."""
+        """Send *request*; a covered one is retried under its one key until its whole
+        response is read.
+
+        Raises:
+            OutcomeUnknownError: The retries ran out after an attempt that may have reached
+                the server; retry with its ``key``.
+        """
         if not self._covers(request):
             return self.transport.handle_request(request)
         request.read()  # a streamed body must be replayable
@@ -168,7 +257,7 @@ class IdempotentTransport(_Idempotent, httpx.BaseTransport):
             nonlocal attempts
             if isinstance(op, SendOp):
                 attempts = op.attempt
-                return self.transport.handle_request(request)
+                return _read_whole(self.transport.handle_request(request))
             if isinstance(op, CloseOp):
                 op.response.close()
             elif isinstance(op, SleepOp):
@@ -231,7 +320,13 @@ class AsyncIdempotentTransport(_Idempotent, httpx.AsyncBaseTransport):
         self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send *request*, retrying it under its one key when it is covered."""
+        """Send *request*; a covered one is retried under its one key until its whole
+        response is read.
+
+        Raises:
+            OutcomeUnknownError: The retries ran out after an attempt that may have reached
+                the server; retry with its ``key``.
+        """
         if not self._covers(request):
             return await self.transport.handle_async_request(request)
         await request.aread()
@@ -241,7 +336,7 @@ class AsyncIdempotentTransport(_Idempotent, httpx.AsyncBaseTransport):
             nonlocal attempts
             if isinstance(op, SendOp):
                 attempts = op.attempt
-                return await self.transport.handle_async_request(request)
+                return await _aread_whole(await self.transport.handle_async_request(request))
             if isinstance(op, CloseOp):
                 await op.response.aclose()
             elif isinstance(op, SleepOp):

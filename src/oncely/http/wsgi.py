@@ -20,7 +20,8 @@ How a protected request travels:
   released), and only then is the response handed to the server, so a client that has the
   whole response can never see its own retry answered 409;
 * a response over the limit is streamed instead; its record is completed with a marker just
-  before the last chunk leaves.
+  before the last chunk leaves, or when the stream ends early (never released: the handler ran);
+* the app's response iterable is closed when the server closes the response (PEP 3333).
 
 .. versionadded:: 0.1.0
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import io
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from oncely import _execution
@@ -150,8 +151,12 @@ class IdempotencyMiddleware:
             capture.start(int(code), _encode_headers(headers), policy, reason.encode("latin-1"))
             return write
 
-        def call() -> tuple[Iterable[bytes], Iterator[bytes]] | None:
+        iterating = False
+
+        def call() -> tuple[Iterable[bytes], Iterator[bytes] | None]:
+            nonlocal iterating
             result = self.app(environ, capture_start)
+            iterating = True
             try:
                 iterator = iter(result)
                 for chunk in iterator:
@@ -161,61 +166,139 @@ class IdempotencyMiddleware:
             except BaseException:
                 _close(result)
                 raise
-            _close(result)
-            return None
+            # Closed when the server closes the response, as PEP 3333 has it: an error in
+            # close() is then the server's to log, after the stored response went out.
+            return result, None
 
         try:
-            rest = _execution.run(_flow.invoke(lease), self.store, call)
+            result, rest = _execution.run(_flow.invoke(lease), self.store, call)
             if not capture.started:
+                _close(result)
                 raise RuntimeError("the WSGI app returned without calling start_response")
         except BaseException as exc:
-            _execution.run(_flow.abort(lease, exc, policy), self.store)
+            if iterating and capture.started:
+                # The view returned and started its response; its body failed: the handler
+                # ran, so the key is never released (as in ASGI).
+                cause = f"{type(exc).__name__} from the app's response iterable"
+                _execution.run(_flow.cut(lease, capture, cause, policy), self.store)
+            else:
+                _execution.run(_flow.abort(lease, exc, policy), self.store)
             raise
         if rest is None:
             capture.complete = True
             _execution.run(_flow.finish(lease, capture, policy), self.store)
             start_response(_status_line(capture), _decode_headers(capture.headers))
+            if callable(getattr(result, "close", None)):
+                return _Buffered(pending, result)
             return pending
         streaming = True
         start_response(_status_line(capture), _decode_headers(capture.headers))
-        return self._stream(lease, policy, capture, pending, *rest)
+        return _Stream(self.store, lease, policy, capture, pending, result, rest)
 
-    def _stream(
+
+class _Buffered(list[bytes]):
+    """A buffered response whose ``close()`` closes the app's response iterable."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, chunks: Iterable[bytes], result: Iterable[bytes]) -> None:
+        super().__init__(chunks)
+        self._result = result
+
+    def close(self) -> None:
+        _close(self._result)
+
+
+class _Stream:
+    """A response over the size limit, streamed as the app yields it.
+
+    Its record is settled just before the last chunk leaves; if the stream ends any other way
+    (the app's iterable raised, the server stopped reading or closed it unread because its
+    client left), the handler has run all the same, so the record is completed as not
+    replayable (`_flow.cut`), never released.
+    """
+
+    __slots__ = (
+        "_capture",
+        "_chunks",
+        "_iterator",
+        "_lease",
+        "_open",
+        "_pending",
+        "_policy",
+        "_result",
+        "_settled",
+        "_store",
+    )
+
+    def __init__(
         self,
+        store: SyncStore,
         lease: _execution.Lease,
         policy: HttpPolicy,
         capture: ResponseCapture,
         pending: deque[bytes],
         result: Iterable[bytes],
         iterator: Iterator[bytes],
-    ) -> Iterator[bytes]:
-        """Stream a response over the size limit, settling before its last chunk leaves."""
-        settled = False
+    ) -> None:
+        self._store = store
+        self._lease = lease
+        self._policy = policy
+        self._capture = capture
+        self._pending = pending
+        self._result = result
+        self._iterator = iterator
+        self._chunks: Generator[bytes, None, None] | None = None
+        self._settled = False
+        self._open = True
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._chunks is None:
+            self._chunks = self._stream()
+        return self._chunks
+
+    def close(self) -> None:
+        """Called by the server when it is done with the response, read whole or not."""
         try:
-            while pending:
-                yield pending.popleft()
+            if self._chunks is not None:
+                self._chunks.close()  # a stream cut short settles in its GeneratorExit
+            self._cut("the server closed the response before reading it")
+        finally:
+            self._close_result()
+
+    def _stream(self) -> Generator[bytes, None, None]:
+        try:
+            while self._pending:
+                yield self._pending.popleft()
             held: bytes | None = None
-            for chunk in iterator:
-                capture.add(chunk)
+            for chunk in self._iterator:
+                self._capture.add(chunk)
                 if held is not None:
                     yield held
                 held = chunk
-            settled = capture.complete = True
-            _execution.run(_flow.finish(lease, capture, policy), self.store)
+            if not self._settled:
+                self._settled = self._capture.complete = True
+                _execution.run(_flow.finish(self._lease, self._capture, self._policy), self._store)
             if held is not None:
                 yield held
         except GeneratorExit:  # the server stopped early (client gone); the handler ran
-            if not settled:
-                settled = True
-                _execution.run(_flow.finish(lease, capture, policy), self.store)
+            self._cut("the server stopped reading it")
             raise
         except BaseException as exc:
-            if not settled:
-                settled = True
-                _execution.run(_flow.abort(lease, exc, policy), self.store)
+            self._cut(f"{type(exc).__name__} from the app's response iterable")
             raise
         finally:
-            _close(result)
+            self._close_result()
+
+    def _cut(self, cause: str) -> None:
+        if not self._settled:
+            self._settled = True
+            _execution.run(_flow.cut(self._lease, self._capture, cause, self._policy), self._store)
+
+    def _close_result(self) -> None:
+        if self._open:
+            self._open = False
+            _close(self._result)
 
 
 def _text(value: Any) -> str:
