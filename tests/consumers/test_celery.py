@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from celery.contrib.testing.worker import start_worker
 from kombu import Queue
 
 from oncely import Status
-from oncely.consumers import Delivery, Reason
+from oncely.consumers import ConsumerPolicy, Delivery, Reason
 from oncely.consumers.celery import IdempotentTask, _arguments, celery_options
 from oncely.consumers.rabbitmq import dead_letter_arguments
 from oncely.errors import ConfigurationError, FingerprintError
@@ -252,3 +253,28 @@ def test_arguments_without_a_stable_form_are_refused_at_call_time(
 
     assert loose.oncely.fingerprint is None
     assert _arguments((Opaque(),), {}, required=False) == b""  # neither key nor fingerprint
+
+
+def test_dead_letter_copy_that_cannot_be_sent_keeps_the_task(
+    app: Celery, store: RedisStore, name: str
+) -> None:
+    """The dead-letter queue refuses the copy (RabbitMQ reserves amq.* names): the task is not
+    acked away; it comes back and is dead-lettered again, without its handler running again."""
+    calls: list[str] = []
+
+    @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue="amq.oncely"))
+    def charge(order: str) -> None:
+        calls.append(order)
+        raise ValueError("not a valid order")
+
+    charge.oncely_policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=3,
+        retry_delay=timedelta(milliseconds=100),
+        dead_letter_on=(ValueError,),
+    )
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        charge.apply_async(("a",), **celery_options("charge-a"))
+        eventually(lambda: runner(charge).stats[Reason.HANDLER_FAILED] >= 3, timeout=60)
+    assert calls == ["a"]

@@ -46,7 +46,8 @@ How the runner's verdicts (DESIGN.md section 6) become Celery's:
   The copy is a task of its own (a new task id, no key header; the original's are in its
   ``oncely-original-id`` and ``oncely-original-key`` headers), so a worker consuming that
   queue re-drives it once rather than dead-lettering it forever; a copy dead-lettered in turn
-  is rejected without another copy.
+  is rejected without another copy. If the copy cannot be sent, the task is retried (and
+  dead-lettered again, without running), not acked away.
 
 The task id is the natural key of a Celery message: give the same ``task_id`` to each retry of
 a publish (`celery_options` does, from an HTTP request's key) and duplicates collapse too.
@@ -231,7 +232,18 @@ class IdempotentTask(_Task):  # type: ignore[misc]
                 exc=verdict.error,
             )
         if self.oncely_dead_letter_queue is not None and _COPY_REASON not in headers:
-            self._park(args, kwargs, headers, verdict)
+            try:
+                self._park(args, kwargs, headers, verdict)
+            except Exception as exc:
+                # Not acked away: the decision is in the record, so the task that comes back
+                # is dead-lettered again without running.
+                logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
+                raise self.retry(
+                    args=args,
+                    kwargs=kwargs,
+                    countdown=seconds(runner.policy.retry_delay),
+                    exc=exc,
+                ) from exc
         raise _exceptions.Reject(f"dead-lettered: {verdict.reason}", requeue=False)
 
     def _park(
