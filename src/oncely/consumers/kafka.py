@@ -195,10 +195,11 @@ class _KafkaFlows:
         self._stopping = False
         self._stop: threading.Event | asyncio.Event | None = None
         # Per partition: leases of records blocked behind one to retry (kept across polls),
-        # the next backoff, the offset it must be fetched from, when a pause ends.
+        # the next backoff, the offset it must be fetched from, when its pause ends.
         self._held: dict[Partition, dict[str, Any]] = {}
         self._backoff: dict[Partition, float] = {}
         self._next: dict[Partition, int] = {}
+        self._settled: dict[Partition, frozenset[int]] = {}  # offsets past the next, done
         self._paused: dict[Partition, float] = {}
 
     @property
@@ -246,31 +247,39 @@ class _KafkaFlows:
             # revoked or stopping: fetched again from the first unsettled one, or by its owner.
             yield _Rewind(partition, expected, 0.0)
             return
-        deliveries = [self._delivery(record) for record in records]
+        offsets = [self._coordinates(record)[2] for record in records]
+        known = self._settled.get(partition, frozenset())  # settled past the one to retry
+        settled = [offset in known for offset in offsets]
+        todo = [i for i in range(len(records)) if not settled[i]]
         held = self._held.setdefault(partition, {})
-        verdicts = yield from self.consumer.batch_flow(deliveries, ordered=True, held=held)
-        done = 0  # records[:done] are settled
+        verdicts = yield from self.consumer.batch_flow(
+            [self._delivery(records[i]) for i in todo], ordered=True, held=held
+        )
         blocker: Verdict | None = None  # the first record to run again decides the wait
-        for record, verdict in zip(records, verdicts, strict=True):
+        for i, verdict in zip(todo, verdicts, strict=True):
             if verdict.action is Action.DEAD_LETTER:
                 try:
-                    yield self._dead_letter(record, verdict)
+                    yield self._dead_letter(records[i], verdict)
                 except Exception as exc:
                     # The decision is in the record: the next round dead-letters it again,
                     # without running the handler.
                     logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
-                    break
+                    continue
             elif verdict.action is Action.RETRY:
-                blocker = verdict
-                break
+                blocker = blocker or verdict
+                continue
+            settled[i] = True
+        done = 0  # records[:done] are settled
+        while done < len(records) and settled[done]:
             done += 1
         backoff = self._backoff.get(partition, _FIRST_BACKOFF)
         if done:  # never past a record that is not settled
-            yield _Commit(partition, self._coordinates(records[done - 1])[2] + 1)
+            yield _Commit(partition, offsets[done - 1] + 1)
             backoff = _FIRST_BACKOFF
         if done == len(records):
             self._next.pop(partition, None)
             self._backoff.pop(partition, None)
+            self._settled.pop(partition, None)
             return
         # Kafka cannot redeliver one record: the unsettled ones are fetched again after a delay.
         # A key busy elsewhere is mostly a copy in another partition, done in milliseconds: poll
@@ -280,15 +289,19 @@ class _KafkaFlows:
             wait = blocker.delay
         limit = seconds(wait)
         busy = blocker is None or blocker.reason in _BUSY
-        offset = self._coordinates(records[done])[2]
-        self._next[partition] = offset
+        self._next[partition] = offsets[done]
+        self._settled[partition] = frozenset(
+            [offset for offset in known if offset > offsets[-1]]
+            + [offsets[i] for i in range(done, len(records)) if settled[i]]
+        )
         self._backoff[partition] = backoff * 2
-        yield _Rewind(partition, offset, min(backoff, limit) if busy else limit)
+        yield _Rewind(partition, offsets[done], min(backoff, limit) if busy else limit)
 
     def _forget(self, partition: Partition) -> dict[str, Any]:
         """Drop what this member kept for *partition*; return its held leases to release."""
         self._backoff.pop(partition, None)
         self._next.pop(partition, None)
+        self._settled.pop(partition, None)
         self._paused.pop(partition, None)
         return self._held.pop(partition, None) or {}
 
