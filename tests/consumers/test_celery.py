@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,10 +13,10 @@ from celery.contrib.testing.worker import start_worker
 from kombu import Queue
 
 from oncely import Status
-from oncely.consumers import Delivery, Reason
-from oncely.consumers.celery import IdempotentTask, celery_options
+from oncely.consumers import ConsumerPolicy, Delivery, Reason
+from oncely.consumers.celery import IdempotentTask, _arguments, celery_options
 from oncely.consumers.rabbitmq import dead_letter_arguments
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, FingerprintError
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
 from tests.conftest import service_url
@@ -149,7 +151,7 @@ def test_direct_calls_run_unprotected_and_missing_store_is_an_error(app: Celery)
 def test_dead_letter_queue_option_keeps_a_copy(
     app: Celery, store: RedisStore, ledger: Ledger, name: str
 ) -> None:
-    """oncely_dead_letter_queue: the exhausted task is copied there (same id and arguments)."""
+    """oncely_dead_letter_queue: the exhausted task is copied there (same arguments)."""
 
     @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue=f"{name}.parked"))
     def charge(order: str) -> None:
@@ -165,5 +167,114 @@ def test_dead_letter_queue_option_keeps_a_copy(
         finally:
             channel.queue_delete(f"{name}.parked")
     assert parked is not None
-    assert parked.headers["id"] == "charge-a"
+    assert parked.headers["oncely-original-id"] == "charge-a"
     assert parked.headers["oncely-dead-letter-reason"] == "exhausted"
+
+
+def test_dead_letter_copy_is_a_new_task_that_runs_when_re_driven(
+    app: Celery, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """The copy in oncely_dead_letter_queue has its own task id and no idempotency key (the
+    original's are in oncely-original-* headers), so a worker consuming that queue runs it once
+    (a re-drive) instead of dead-lettering it again and again."""
+    parked = f"{name}.parked"
+    app.conf.task_queues = [*app.conf.task_queues, Queue(parked, routing_key=parked)]
+    broken = [True]
+
+    @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue=parked))
+    def charge(order: str) -> None:
+        if broken[0]:
+            raise RuntimeError("the payment provider is down")
+        ledger.write(order)
+
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+            charge.apply_async(("a",), **celery_options("charge-a"), queue=name)
+            eventually(lambda: runner(charge).stats[Reason.EXHAUSTED] == 1, timeout=30)
+            broken[0] = False  # fixed: the re-driven copy succeeds
+            eventually(lambda: runner(charge).stats[Reason.PROCESSED] == 1, timeout=30)
+    finally:
+        with app.connection_for_write() as connection:
+            connection.default_channel.queue_delete(parked)
+    assert ledger.counts() == {"a": 1}
+    assert runner(charge).stats[Reason.EXHAUSTED] == 1
+
+
+def test_dead_letter_copy_headers(app: Celery, store: RedisStore, name: str) -> None:
+    """The parked copy: a fresh task id, no key header, the original id and key as headers."""
+
+    @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue=f"{name}.parked"))
+    def charge(order: str) -> None:
+        raise RuntimeError("the payment provider is down")
+
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        charge.apply_async(("a",), **celery_options("charge-a"))
+        eventually(lambda: runner(charge).stats[Reason.EXHAUSTED] == 1, timeout=30)
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        try:
+            parked = channel.basic_get(f"{name}.parked", no_ack=True)
+        finally:
+            channel.queue_delete(f"{name}.parked")
+    assert parked is not None
+    assert parked.headers["id"] != "charge-a"
+    assert "Idempotency-Key" not in parked.headers
+    assert parked.headers["oncely-original-id"] == "charge-a"
+    assert parked.headers["oncely-original-key"] == "charge-a"
+    assert parked.headers["oncely-dead-letter-reason"] == "exhausted"
+
+
+@dataclass
+class Order:
+    number: str
+
+
+class Opaque:
+    """An argument with no canonical form (its repr shows its address)."""
+
+
+def test_arguments_without_a_stable_form_are_refused_at_call_time(
+    app: Celery, store: RedisStore
+) -> None:
+    """A fingerprint from repr() would differ on each delivery: apply_async refuses such
+    arguments with a FingerprintError; equal dataclass arguments share one body."""
+
+    @app.task(name="orders.charge", **options(store))
+    def charge(order: Any) -> None:
+        pass
+
+    with pytest.raises(FingerprintError, match=r"orders\.charge"):
+        charge.apply_async((Opaque(),), **celery_options("charge-a"), serializer="pickle")
+    assert _arguments((Order("1"),), {}) == _arguments((Order("1"),), {})
+
+    @app.task(name="orders.loose", **options(store, oncely_fingerprint=None))
+    def loose(order: Any) -> None:
+        pass
+
+    assert loose.oncely.fingerprint is None
+    assert _arguments((Opaque(),), {}, required=False) == b""  # neither key nor fingerprint
+
+
+def test_dead_letter_copy_that_cannot_be_sent_keeps_the_task(
+    app: Celery, store: RedisStore, name: str
+) -> None:
+    """The dead-letter queue refuses the copy (RabbitMQ reserves amq.* names): the task is not
+    acked away; it comes back and is dead-lettered again, without its handler running again."""
+    calls: list[str] = []
+
+    @app.task(name="orders.charge", **options(store, oncely_dead_letter_queue="amq.oncely"))
+    def charge(order: str) -> None:
+        calls.append(order)
+        raise ValueError("not a valid order")
+
+    charge.oncely_policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=3,
+        retry_delay=timedelta(milliseconds=100),
+        dead_letter_on=(ValueError,),
+    )
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        charge.apply_async(("a",), **celery_options("charge-a"))
+        eventually(lambda: runner(charge).stats[Reason.HANDLER_FAILED] >= 3, timeout=60)
+    assert calls == ["a"]

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -268,3 +269,40 @@ def test_publish_to_dead_letter_topic(store: RedisStore, ledger: Ledger, name: s
     [message] = asyncio.run(main())
     assert dict(message.headers())["oncely-dead-letter-reason"] == b"exhausted"
     assert dict(message.headers())["Idempotency-Key"] == b"a"
+
+
+@pytest.mark.parametrize("harness", BROKERS)
+def test_dead_letter_that_fails_never_runs_the_handler_again(
+    harness: Harness, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A declared dead-letter error, and a dead_letter target that fails twice: the message is
+    kept and dead-lettered once the target works; the handler ran once."""
+    policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=5,
+        retry_delay=timedelta(milliseconds=100),
+        dead_letter_on=(ValueError,),
+    )
+    tries: list[str] = []
+    calls: list[str] = []
+
+    async def dead_letter(message: Any, verdict: Any) -> None:
+        tries.append(str(verdict.reason))
+        if len(tries) <= 2:
+            raise ConnectionError("the dead-letter target is down")
+
+    middleware = IdempotencyMiddleware(store, group=name, policy=policy, dead_letter=dead_letter)
+
+    async def handle(body: dict[str, Any]) -> None:
+        calls.append(body["order"])
+        raise ValueError("not a valid order")
+
+    async def main() -> None:
+        async with harness(name, middleware, handle) as publish:
+            await publish("a")
+            await until(lambda: len(tries) == 3)
+
+    asyncio.run(main())
+    assert calls == ["a"]
+    assert tries == ["handler_failed"] * 3

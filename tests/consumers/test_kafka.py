@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from oncely import Status
-from oncely.consumers import Delivery, IdempotentConsumer, Reason
+from oncely.consumers import ConsumerPolicy, Delivery, IdempotentConsumer, Reason
 from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer, IdempotentKafkaConsumer
 from oncely.consumers.producer import kafka_headers
 from oncely.stores.redis import RedisStore
@@ -448,3 +449,222 @@ def test_rebalance_while_handlers_run_aiokafka(
     assert ledger.counts() == {key: 1 for key in keys}
     assert sum(m.stats[Reason.PROCESSED] for m in members) == 60
     assert True in revoked_mid_batch  # the rebalance really hit records in flight
+
+
+class Watched(IdempotentKafkaConsumer):
+    """Counts the partitions revoked from (or lost by) this member."""
+
+    revoked = 0
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        self.revoked += len(partitions)
+        super()._on_revoke(consumer, partitions)
+
+
+def test_store_outage_keeps_polling_within_max_poll_interval(
+    redis_url: str, bootstrap: str, topic: str, ledger: Ledger, name: str
+) -> None:
+    """The store down for longer than max.poll.interval.ms: the member keeps polling (the
+    partition paused between rounds), so the group never evicts it; it settles on return."""
+    produce(bootstrap, topic, ["order-1"])
+    with TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+        flaky = RedisStore(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
+        )
+        proxy.down()
+
+        def handle(message: Any) -> None:
+            ledger.write(header_key(message))
+
+        consumer = Watched(
+            {**config(bootstrap, topic), "max.poll.interval.ms": 3000},
+            [topic],
+            handle,
+            store=flaky,
+            policy=FAST,
+            poll_timeout=0.1,
+        )
+        try:
+            with Running([consumer]):
+                eventually(lambda: consumer.stats[Reason.STORE_UNAVAILABLE] >= 1, timeout=30)
+                time.sleep(5)  # the outage outlasts max.poll.interval.ms
+                proxy.up()
+                eventually(lambda: committed(bootstrap, topic, topic) == {0: 1}, timeout=30)
+                assert consumer.revoked == 0  # never evicted from the group
+        finally:
+            flaky.close()
+    assert ledger.counts() == {"order-1": 1}
+
+
+def test_stop_is_honoured_during_a_store_outage(
+    redis_url: str, bootstrap: str, topic: str, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """run(stop) returns while the store is still down; the record is left uncommitted."""
+    produce(bootstrap, topic, ["order-1"])
+    with TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+        flaky = RedisStore(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
+        )
+        proxy.down()
+        consumer = IdempotentKafkaConsumer(
+            config(bootstrap, topic),
+            [topic],
+            lambda message: ledger.write(header_key(message)),
+            store=flaky,
+            policy=FAST,
+            poll_timeout=0.1,
+        )
+        stop = threading.Event()
+        thread = threading.Thread(target=consumer.run, args=(stop,))
+        thread.start()
+        try:
+            eventually(lambda: consumer.stats[Reason.STORE_UNAVAILABLE] >= 2, timeout=30)
+            stop.set()
+            thread.join(30)
+            assert not thread.is_alive(), "run(stop) did not return while the store was down"
+        finally:
+            stop.set()
+            proxy.up()
+            thread.join()
+            consumer.close()
+            flaky.close()
+    assert committed(bootstrap, topic, topic) == {}
+    assert ledger.counts() == {}
+
+
+def test_stop_is_honoured_while_a_record_is_retried(
+    bootstrap: str, topic: str, store: RedisStore
+) -> None:
+    """A handler that keeps failing (attempts left): run(stop) returns, the record is left for
+    the next owner (not committed, its lease released), and the handler is not started again."""
+    policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=1000,
+        retry_delay=timedelta(milliseconds=100),
+    )
+    produce(bootstrap, topic, ["order-1"])
+    calls: list[str] = []
+
+    def handle(message: Any) -> None:
+        calls.append(header_key(message))
+        raise RuntimeError("the payment provider is down")
+
+    consumer = IdempotentKafkaConsumer(
+        config(bootstrap, topic), [topic], handle, store=store, policy=policy, poll_timeout=0.1
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        eventually(lambda: len(calls) >= 2, timeout=30)
+        stop.set()
+        thread.join(30)
+        alive = thread.is_alive()
+        after_stop = len(calls)
+    finally:
+        consumer._stopping = True  # let an unfixed loop end
+        thread.join()
+        consumer.close()
+    assert not alive, "run(stop) kept retrying the record"
+    assert len(calls) == after_stop
+    assert committed(bootstrap, topic, topic) == {}
+    record = store.get(consumer.consumer.key_for(Delivery(b"", {"Idempotency-Key": "order-1"})))
+    assert record is not None
+    assert record.status is Status.RELEASED
+
+
+def test_async_stop_is_honoured_while_a_record_is_retried(
+    bootstrap: str, topic: str, store: RedisStore
+) -> None:
+    """aiokafka: arun(stop) returns while a failing record still has attempts left."""
+    import aiokafka
+
+    policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=1000,
+        retry_delay=timedelta(milliseconds=100),
+    )
+    produce(bootstrap, topic, ["order-1"])
+    calls: list[str] = []
+
+    async def main() -> bool:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        client = _aiokafka_consumer(bootstrap, topic)
+
+        async def handle(record: Any) -> None:
+            calls.append(header_key(record))
+            raise RuntimeError("the payment provider is down")
+
+        member = AsyncIdempotentKafkaConsumer(
+            client, [topic], handle, store=store, producer=producer, policy=policy
+        )
+        await client.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(member.arun(stop))
+        try:
+            await _until_async(lambda: len(calls) >= 2)
+            stop.set()
+            done, _ = await asyncio.wait([task], timeout=30)
+            return bool(done)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.stop()
+            await producer.stop()
+
+    assert asyncio.run(main()), "arun(stop) kept retrying the record"
+    assert committed(bootstrap, topic, topic) == {}
+
+
+def test_dead_letter_that_cannot_be_produced_never_runs_the_handler_again(
+    bootstrap: str, topic: str, store: RedisStore
+) -> None:
+    """A final error on attempt 1, then the dead-letter topic refuses the record a few times:
+    the record stays uncommitted and is dead-lettered once producing works; the handler ran
+    once (the dead-letter decision is recorded before producing)."""
+    policy = ConsumerPolicy(
+        lease=timedelta(seconds=1.5),
+        ttl=timedelta(minutes=5),
+        max_attempts=5,
+        retry_delay=timedelta(milliseconds=100),
+        dead_letter_on=(ValueError,),
+    )
+    produce(bootstrap, topic, ["order-1"])
+    calls: list[str] = []
+    tries: list[str] = []
+
+    def handle(message: Any) -> None:
+        calls.append(header_key(message))
+        raise ValueError("not a valid order")
+
+    def dead_letter_topic(source: str) -> str:
+        tries.append(source)
+        return "invalid topic!" if len(tries) <= 3 else f"{source}.dead"
+
+    consumer = IdempotentKafkaConsumer(
+        config(bootstrap, topic),
+        [topic],
+        handle,
+        store=store,
+        policy=policy,
+        poll_timeout=0.1,
+        dead_letter_topic=dead_letter_topic,
+    )
+    with Running([consumer]):
+        eventually(lambda: committed(bootstrap, topic, topic) == {0: 1}, timeout=60)
+    assert calls == ["order-1"]
+    assert len(tries) == 4
+    dead = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}-dlq"})
+    try:
+        dead.assign([TopicPartition(f"{topic}.dead", 0, OFFSET_BEGINNING)])
+        records: list[Any] = []
+        deadline = time.monotonic() + 20
+        while not records and time.monotonic() < deadline:
+            records += [m for m in dead.consume(1, 0.5) if m.error() is None]
+    finally:
+        dead.close()
+    assert [header_key(m) for m in records] == ["order-1"]
+    assert dict(records[0].headers())["oncely-dead-letter-reason"] == b"handler_failed"

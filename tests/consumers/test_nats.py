@@ -409,3 +409,102 @@ def test_a_cancellation_while_the_progress_beat_stops_is_not_swallowed(
 
     handle = asyncio.run(main())
     assert handle.stats[Reason.PROCESSED] == 0
+
+
+def test_documented_push_subscription_runs_the_handler(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """The module docstring's form: ``js.subscribe(..., cb=on_order.callback, manual_ack=True)``
+    is accepted by nats-py (a coroutine function) and settles each message once."""
+
+    async def main() -> IdempotentHandler:
+        async with jetstream(name) as (_, js):
+
+            @idempotent_handler(store, group=name, policy=FAST, max_deliver=10)
+            async def on_order(msg: Msg) -> None:
+                await ledger.awrite(json.loads(msg.data)["order"])
+
+            sub = await js.subscribe(
+                f"{name}.*",
+                durable="billing",
+                cb=on_order.callback,
+                manual_ack=True,
+                config=ConsumerConfig(max_deliver=10, ack_wait=30),
+            )
+            try:
+                for key in ["order-1", "order-2", "order-1"]:
+                    await publish(js, name, key, stamp(key))
+                await until(lambda: settled([on_order]) == 3)
+                for _ in range(1500):  # the acks are on their way
+                    if not (await js.consumer_info(name, "billing")).num_ack_pending:
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError("messages left unacked")
+            finally:
+                await sub.unsubscribe()
+            return on_order
+
+    on_order = asyncio.run(main())
+    assert ledger.counts() == {"order-1": 1, "order-2": 1}
+    assert on_order.stats[Reason.DUPLICATE] == 1
+
+
+def test_last_delivery_of_a_key_running_elsewhere_waits_for_its_outcome(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """max_deliver=1: the only delivery of a copy whose key another worker is running is held
+    (in_progress) until that worker's outcome, then acked as a duplicate: never dead-lettered
+    nor termed while the other copy runs."""
+
+    async def main() -> tuple[IdempotentHandler, IdempotentHandler, list[str]]:
+        async with jetstream(name) as (_, js):
+            started, finish = asyncio.Event(), asyncio.Event()
+
+            async def work(msg: Msg) -> None:
+                started.set()
+                await finish.wait()
+                await ledger.awrite(msg.headers["Idempotency-Key"])
+
+            first = IdempotentHandler(work, store, group=name, policy=FAST)
+            last = IdempotentHandler(
+                work,
+                store,
+                group=name,
+                policy=FAST,
+                max_deliver=1,
+                dead_letter_subject=f"{name}.dead",
+                jetstream=js,
+            )
+            sub = await js.pull_subscribe(
+                f"{name}.orders",
+                durable="billing",
+                stream=name,
+                config=ConsumerConfig(max_deliver=1, ack_wait=30),
+            )
+            await publish(js, name, "order-1", stamp("order-1"))
+            await publish(js, name, "order-1", stamp("order-1"))  # a copy (no Nats-Msg-Id)
+            [one] = await sub.fetch(1, timeout=5)
+            running = asyncio.create_task(first(one))
+            await started.wait()
+            [copy] = await sub.fetch(1, timeout=5)
+            held = asyncio.create_task(last(copy))
+            await until(lambda: last.stats[Reason.IN_PROGRESS] >= 2)
+            assert not held.done()  # neither dead-lettered nor termed meanwhile
+            finish.set()
+            await asyncio.gather(running, held)
+            dead: list[str] = []
+            try:
+                message = await js.get_last_msg(name, f"{name}.dead")
+                dead.append(message.headers["Idempotency-Key"])
+            except nats.js.errors.NotFoundError:
+                pass
+            info = await js.consumer_info(name, "billing")
+            assert info.num_ack_pending == 0
+            return first, last, dead
+
+    first, last, dead = asyncio.run(main())
+    assert dead == []
+    assert first.stats[Reason.PROCESSED] == 1
+    assert last.stats[Reason.DUPLICATE] == 1
+    assert ledger.counts() == {"order-1": 1}

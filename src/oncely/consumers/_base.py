@@ -7,11 +7,12 @@ asks `IdempotentConsumer` for a `Verdict`, and translates the verdict into the b
 situation                                   handler                    verdict
 ==========================================  =========================  =========================
 new key                                     runs once                  ACK after ``complete``
-completed (or failed) duplicate             skipped, logged, counted   ACK
+completed duplicate                         skipped, logged, counted   ACK
+copy of a dead-lettered message             not run                    DEAD_LETTER
 duplicate whose lease is live elsewhere     not run now                RETRY after a delay
 handler raised, attempts left               lease released             RETRY, broker's policy
-handler raised on attempt N, or a declared  lease released             DEAD_LETTER
-  dead-letter error
+handler raised on attempt N, or a declared  record failed (the         DEAD_LETTER
+  dead-letter error                          decision, kept)
 claimed on attempt N + 1 (workers killed    not run                    DEAD_LETTER
   mid-handler N times)
 store unreachable, or the lease was lost    not run / not settled      RETRY after a delay
@@ -464,8 +465,7 @@ class IdempotentConsumer:
                 Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=exc)
             )
         if isinstance(outcome, Replay):
-            result = self._replayed(outcome)
-            return self._verdict(Verdict(Action.ACK, Reason.DUPLICATE, key, result=result))
+            return self._verdict(self._duplicate(key, outcome))
         lease = outcome
         if lease.attempt > self.policy.max_attempts:
             yield from self._release(lease)
@@ -480,8 +480,9 @@ class IdempotentConsumer:
         try:
             value = yield _execution.Invoke(lease)
         except Exception as exc:
-            yield from self._release(lease)
-            return self._verdict(self._failed(key, lease.attempt, exc))
+            verdict = self._failed(key, lease.attempt, exc)
+            yield from self._settle_failure(lease, verdict, exc)
+            return self._verdict(verdict)
         except BaseException:
             yield from self._release(lease)
             raise
@@ -721,7 +722,7 @@ class IdempotentConsumer:
             return None, lease
         if isinstance(answer, Replay):
             logger.info("duplicate suppressed key=%s status=%s", key, answer.record.status.value)
-            return Verdict(Action.ACK, Reason.DUPLICATE, key, result=self._replayed(answer)), None
+            return self._duplicate(key, answer), None
         if isinstance(answer, InProgress):
             logger.info("duplicate in progress key=%s", key)
             delay = self._retry_delay(answer.retry_after)
@@ -825,8 +826,9 @@ class IdempotentConsumer:
         try:
             value = yield Run(message, lease)
         except Exception as exc:
-            yield from self._release(lease)
-            return self._failed(lease.key, lease.attempt, exc)
+            verdict = self._failed(lease.key, lease.attempt, exc)
+            yield from self._settle_failure(lease, verdict, exc)
+            return verdict
         except BaseException:  # cancelled: give the lease back, then go on being cancelled
             yield from self._release(lease)
             raise
@@ -902,6 +904,36 @@ class IdempotentConsumer:
             exc,
         )
         return Verdict(Action.RETRY, Reason.HANDLER_FAILED, key, attempt=attempt, error=exc)
+
+    def _duplicate(self, key: str, outcome: Replay) -> Verdict:
+        """A finished key's copy: acked, unless it was dead-lettered (then it is again)."""
+        record = outcome.record
+        if record.status is Status.FAILED:
+            reason = (
+                Reason.EXHAUSTED
+                if record.attempt >= self.policy.max_attempts
+                else Reason.HANDLER_FAILED
+            )
+            logger.error("message dead-lettered: key=%s was dead-lettered before", key)
+            return Verdict(Action.DEAD_LETTER, reason, key, attempt=record.attempt)
+        return Verdict(Action.ACK, Reason.DUPLICATE, key, result=self._replayed(outcome))
+
+    def _settle_failure(
+        self, lease: _execution.Lease, verdict: Verdict, exc: Exception
+    ) -> Flow[None]:
+        """Release the lease of a handler that raised, or record a dead-letter decision.
+
+        A dead-lettered key is stored as failed before the adapter moves the message: if that
+        move fails (or the worker dies first), the copy that comes back is dead-lettered again
+        without running the handler (see `_duplicate`).
+        """
+        if verdict.action is not Action.DEAD_LETTER:
+            yield from self._release(lease)
+            return
+        try:
+            yield from _execution.settle(lease, "fail", _codec.encode_error(exc), self._policy)
+        except OncelyError as settle_exc:  # the lease recovers on expiry; the broker redelivers
+            logger.error("could not record the dead letter of key=%s: %s", lease.key, settle_exc)
 
     def _release(self, lease: _execution.Lease) -> Flow[None]:
         try:

@@ -26,6 +26,12 @@ Every option below can be given to ``@app.task(...)``:
 * ``oncely_fingerprint``: ``"body"`` (default: the canonical arguments), ``None`` or a callable;
 * ``oncely_dead_letter_queue``: a queue that receives a copy of each dead-lettered task.
 
+The key or fingerprint made from the arguments is their canonical JSON (the same in every
+process and on every redelivery): arguments without one (objects a pickle serializer carries)
+are refused by ``apply_async`` with `oncely.errors.FingerprintError`, and such a message sent
+another way is dead-lettered; with ``oncely_fingerprint=None`` or a callable (and a key that is
+not ``"content"``) they are allowed, and the `oncely.consumers.Delivery` body is empty.
+
 How the runner's verdicts (DESIGN.md section 6) become Celery's:
 
 * ack: the task returns (Celery acks). A completed duplicate returns the first run's stored
@@ -33,9 +39,15 @@ How the runner's verdicts (DESIGN.md section 6) become Celery's:
 * retry: ``self.retry(countdown=...)``: Celery publishes the task again (same id, so same key)
   and acks this delivery. A handler that raised is retried after the policy's ``retry_delay``;
   attempts are counted in the record, not in Celery's ``max_retries``;
-* dead-letter: a copy goes to *oncely_dead_letter_queue* when one is set, then
+* dead-letter: the decision is recorded (a redelivered copy is dead-lettered again without
+  running); a copy goes to *oncely_dead_letter_queue* when one is set, then
   ``Reject(requeue=False)``: RabbitMQ routes the rejected message to the queue's dead-letter
   exchange if it has one. Other brokers drop rejected messages: set a dead-letter queue there.
+  The copy is a task of its own (a new task id, no key header; the original's are in its
+  ``oncely-original-id`` and ``oncely-original-key`` headers), so a worker consuming that
+  queue re-drives it once rather than dead-lettering it forever; a copy dead-lettered in turn
+  is rejected without another copy. If the copy cannot be sent, the task is retried (and
+  dead-lettered again, without running), not acked away.
 
 The task id is the natural key of a Celery message: give the same ``task_id`` to each retry of
 a publish (`celery_options` does, from an HTTP request's key) and duplicates collapse too.
@@ -46,7 +58,9 @@ a publish (`celery_options` does, from an HTTP request's key) and duplicates col
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from oncely._core.codec import Codec
@@ -61,15 +75,19 @@ from oncely.consumers._base import (
     FingerprintSource,
     IdempotentConsumer,
     KeySource,
+    Reason,
+    Verdict,
     seconds,
 )
-from oncely.errors import ConfigurationError, OncelyError
+from oncely.errors import ConfigurationError, FingerprintError
 from oncely.keys import from_header
 
 _celery = require("celery", extra="celery")
 _exceptions = require("celery.exceptions", extra="celery")
 
 __all__ = ["celery_options", "IdempotentTask"]
+
+logger = logging.getLogger(__name__)
 
 
 def celery_options(key: str, *, header: str = KEY_HEADERS[0]) -> dict[str, Any]:
@@ -88,11 +106,22 @@ def celery_options(key: str, *, header: str = KEY_HEADERS[0]) -> dict[str, Any]:
     return {"task_id": key, "headers": {header: key}}
 
 
-def _arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
+def _arguments(
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, *, required: bool = True
+) -> bytes:
+    """The canonical JSON of a task's arguments: the `Delivery.body` keys and fingerprints
+    read, the same in every process and on every redelivery.
+
+    Raises:
+        FingerprintError: An argument has no canonical form (an object a pickle serializer
+            carries, say) and *required*; otherwise the body is empty.
+    """
     try:
-        return canonical_json({"args": list(args), "kwargs": dict(kwargs)}).encode()
-    except OncelyError:  # arguments without a canonical form (pickle serializer)
-        return repr((args, sorted(kwargs.items()))).encode()
+        return canonical_json({"args": list(args or ()), "kwargs": dict(kwargs or {})}).encode()
+    except FingerprintError:
+        if required:
+            raise
+        return b""
 
 
 def _option(task: Any, name: str) -> Any:
@@ -103,6 +132,9 @@ def _option(task: Any, name: str) -> Any:
 
 
 _Task: Any = _celery.Task
+
+_COPY_REASON = "oncely-dead-letter-reason"
+"""The header of a dead-letter copy: why its original was dead-lettered."""
 
 
 class IdempotentTask(_Task):  # type: ignore[misc]
@@ -145,6 +177,33 @@ class IdempotentTask(_Task):  # type: ignore[misc]
             )
         return self._oncely_runner
 
+    def _reads_arguments(self) -> bool:
+        """Whether the key or the fingerprint is made from the task's arguments."""
+        key, fingerprint = _option(self, "oncely_key"), _option(self, "oncely_fingerprint")
+        return bool(key == "content" or fingerprint == "body")
+
+    def _body(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> bytes:
+        try:
+            return _arguments(args, kwargs, required=self._reads_arguments())
+        except FingerprintError as exc:
+            raise FingerprintError(
+                f"the arguments of task {self.name} have no stable canonical form ({exc}): "
+                "pass JSON-like values (dataclasses, dates, UUIDs and decimals are fine), or "
+                "set oncely_fingerprint=None or a callable"
+            ) from exc
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *rest: Any,
+        **options: Any,
+    ) -> Any:
+        """Send the task, refusing arguments whose fingerprint would change between
+        deliveries (`oncely.errors.FingerprintError`, before anything is sent)."""
+        self._body(args, kwargs)
+        return super().apply_async(args, kwargs, *rest, **options)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task once per key; duplicates return the stored result."""
         request = self.request
@@ -152,9 +211,16 @@ class IdempotentTask(_Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         runner = self.oncely
         headers = dict(request.headers or {})
-        delivery = Delivery(_arguments(args, kwargs), headers, request.id, raw=request)
-        # The worker pushed this request already: run() sees it as self.request.
-        verdict = runner.process(delivery, lambda: self.run(*args, **kwargs))
+        try:
+            body = self._body(args, kwargs)
+        except FingerprintError as exc:  # sent by a client that bypassed apply_async's check
+            logger.error("task dead-lettered: %s", exc)
+            runner.stats.add(Reason.INVALID_KEY)
+            verdict = Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
+        else:
+            delivery = Delivery(body, headers, request.id, raw=request)
+            # The worker pushed this request already: run() sees it as self.request.
+            verdict = runner.process(delivery, lambda: self.run(*args, **kwargs))
         if verdict.action is Action.ACK:
             return verdict.result
         if verdict.action is Action.RETRY:
@@ -165,13 +231,45 @@ class IdempotentTask(_Task):  # type: ignore[misc]
                 countdown=seconds(delay),
                 exc=verdict.error,
             )
-        if self.oncely_dead_letter_queue is not None:
-            headers["oncely-dead-letter-reason"] = str(verdict.reason)
-            self.apply_async(
-                args,
-                kwargs,
-                queue=self.oncely_dead_letter_queue,
-                task_id=request.id,
-                headers=headers,
-            )
+        if self.oncely_dead_letter_queue is not None and _COPY_REASON not in headers:
+            try:
+                self._park(args, kwargs, headers, verdict)
+            except Exception as exc:
+                # Not acked away: the decision is in the record, so the task that comes back
+                # is dead-lettered again without running.
+                logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
+                raise self.retry(
+                    args=args,
+                    kwargs=kwargs,
+                    countdown=seconds(runner.policy.retry_delay),
+                    exc=exc,
+                ) from exc
         raise _exceptions.Reject(f"dead-lettered: {verdict.reason}", requeue=False)
+
+    def _park(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        headers: dict[str, Any],
+        verdict: Verdict,
+    ) -> None:
+        """Copy the task to the dead-letter queue as a task of its own.
+
+        The copy gets a new task id and loses the key headers (kept as ``oncely-original-id``
+        and ``oncely-original-key``): under the original key it would only be dead-lettered
+        again by the worker that consumes it. Running it is a re-drive, once; a copy that is
+        dead-lettered in turn is rejected without another copy.
+        """
+        wanted = {name.lower() for name in self.oncely_key_headers}
+        copy = {name: value for name, value in headers.items() if name.lower() not in wanted}
+        copy[_COPY_REASON] = str(verdict.reason)
+        copy["oncely-original-id"] = self.request.id
+        if verdict.key is not None:
+            copy["oncely-original-key"] = verdict.key.partition("|")[2] or verdict.key
+        super().apply_async(
+            args,
+            kwargs,
+            queue=self.oncely_dead_letter_queue,
+            task_id=str(uuid.uuid4()),
+            headers=copy,
+        )

@@ -26,24 +26,28 @@ runner's verdicts (DESIGN.md section 6) become:
   re-delivers from the first unfinished one. With a store that has the batch verbs, the
   partition's records are claimed in one call and each is completed as its handler returns
   (completions grouped into batch calls);
-* retry: Kafka cannot redeliver one record, so the records from the first one to retry on
-  are run again in place, while the partition is still assigned to this member: after a
-  backoff growing from 10 ms when the key is busy with another copy, after the verdict's delay
-  otherwise. Nothing after that record runs meanwhile (effects keep the partition's order);
-  leases already taken for those records are kept, not released, so waiting does not count
-  as an attempt (and extended before use: one taken over meanwhile is claimed again). A
-  revoked partition is left to its new owner, from the committed offset;
-* dead-letter: the record (value, key, headers, plus ``oncely-dead-letter-reason`` and its
-  source ``topic``/``partition``/``offset`` headers) is produced to the dead-letter topic and
-  the delivery confirmed before its offset can be committed. If producing fails, the record is
-  retried, never skipped.
+* retry: Kafka cannot redeliver one record, so the partition is rewound (``seek``) to the
+  first one to retry on and paused: after a backoff growing from 10 ms when the key is busy
+  with another copy, after the verdict's delay otherwise, the records from there are fetched
+  and run again, while the partition is still assigned to this member. Nothing after that
+  record runs meanwhile (effects keep the partition's order); leases already taken for those
+  records are kept, not released, so waiting does not count as an attempt (and extended
+  before use: one taken over meanwhile is claimed again). Each poll runs a
+  fetched record at most once, so the member keeps polling within ``max.poll.interval.ms``
+  and sees *stop* however long the store is down or a record keeps failing. A revoked
+  partition, or one left when the member stops, goes to the next owner from the committed
+  offset (the leases kept for it are released);
+* dead-letter: the decision is recorded first (the key is failed in the store), then the
+  record (value, key, headers, plus ``oncely-dead-letter-reason`` and its source
+  ``topic``/``partition``/``offset`` headers) is produced to the dead-letter topic and the
+  delivery confirmed before its offset can be committed. If producing fails, the record is
+  dead-lettered again on the next round, never skipped, and its handler does not run again.
 
 Records are keyed by their ``Idempotency-Key`` header, else by ``topic/partition/offset``,
 which is stable across redeliveries. Rebalances: with confluent-kafka they happen inside
 ``poll`` (between batches, when nothing is in flight); with aiokafka the revocation callback
-stops the batch at the next round and waits (up to *revoke_timeout*) for the records in
-flight, which commit what they finished. A handler still running after that is harmless:
-the new owner's copy waits for its lease.
+waits (up to *revoke_timeout*) for the round in flight, which commits what it finished. A
+handler still running after that is harmless: the new owner's copy waits for its lease.
 
 .. versionadded:: 0.1.0
 """
@@ -52,12 +56,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from oncely import _execution
 from oncely._core.codec import Codec
 from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
@@ -133,6 +137,15 @@ class _Commit(BrokerOp):
 
 
 @dataclass(frozen=True, slots=True)
+class _Rewind(BrokerOp):
+    """Fetch *partition* again from *offset*, not before *delay* seconds (it is paused)."""
+
+    partition: Partition
+    offset: int
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
 class _DeadLetter(BrokerOp):
     """Produce *record* to *topic* with *headers*, and wait for the broker's confirmation."""
 
@@ -182,6 +195,14 @@ class _KafkaFlows:
         self.poll_timeout = to_timedelta(poll_timeout, "poll_timeout")
         self._assigned: set[Partition] = set()
         self._stopping = False
+        self._stop: threading.Event | asyncio.Event | None = None
+        # Per partition: leases of records blocked behind one to retry (kept across polls),
+        # the next backoff, the offset it must be fetched from, when its pause ends.
+        self._held: dict[Partition, dict[str, Any]] = {}
+        self._backoff: dict[Partition, float] = {}
+        self._next: dict[Partition, int] = {}
+        self._settled: dict[Partition, frozenset[int]] = {}  # offsets past the next, done
+        self._paused: dict[Partition, float] = {}
 
     @property
     def stats(self) -> ConsumerStats:
@@ -214,48 +235,92 @@ class _KafkaFlows:
         return sum(len(records) for records in batch.values())
 
     def _partition_flow(self, partition: Partition, records: Sequence[Any]) -> Flow[None]:
-        """Settle a partition's records in order; commit after each run of settled records."""
-        deliveries = [self._delivery(record) for record in records]
-        settled = [False] * len(records)
-        held: dict[str, Any] = {}  # leases of records blocked behind one to retry
-        backoff = _FIRST_BACKOFF  # a busy key is mostly another partition's copy, done soon
-        first = 0  # every record before it is settled and committed
-        while first < len(records) and (yield _Assigned(partition)):
-            todo = [i for i in range(first, len(records)) if not settled[i]]
-            verdicts = yield from self.consumer.batch_flow(
-                [deliveries[i] for i in todo], ordered=True, held=held
-            )
-            blocker: Verdict | None = None  # the first record to run again decides the wait
-            for i, verdict in zip(todo, verdicts, strict=True):
-                if verdict.action is Action.DEAD_LETTER:
-                    try:
-                        yield self._dead_letter(records[i], verdict)
-                    except Exception as exc:
-                        logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
-                        continue
-                elif verdict.action is Action.RETRY:
-                    blocker = blocker or verdict
+        """One round of a partition's records: settle them in order, commit the settled prefix,
+        and have the rest fetched again after a delay.
+
+        A round runs each record at most once, so a poll never lasts much longer than its
+        handlers: the member keeps polling (within ``max.poll.interval.ms``) and sees its stop
+        and its rebalances between rounds, whatever the store or the handler does.
+        """
+        first = self._coordinates(records[0])[2]
+        expected = self._next.get(partition, first)
+        if first > expected or not (yield _Assigned(partition)):
+            # Records past one still unsettled (a rewind that did not happen), or a partition
+            # revoked or stopping: fetched again from the first unsettled one, or by its owner.
+            yield _Rewind(partition, expected, 0.0)
+            return
+        offsets = [self._coordinates(record)[2] for record in records]
+        known = self._settled.get(partition, frozenset())  # settled past the one to retry
+        settled = [offset in known for offset in offsets]
+        todo = [i for i in range(len(records)) if not settled[i]]
+        held = self._held.setdefault(partition, {})
+        verdicts = yield from self.consumer.batch_flow(
+            [self._delivery(records[i]) for i in todo], ordered=True, held=held
+        )
+        blocker: Verdict | None = None  # the first record to run again decides the wait
+        for i, verdict in zip(todo, verdicts, strict=True):
+            if verdict.action is Action.DEAD_LETTER:
+                try:
+                    yield self._dead_letter(records[i], verdict)
+                except Exception as exc:
+                    # The decision is in the record: the next round dead-letters it again,
+                    # without running the handler.
+                    logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
                     continue
-                settled[i] = True
-            done = first
-            while done < len(records) and settled[done]:
-                done += 1
-            if done > first:  # never past a record that is not settled
-                yield _Commit(partition, self._coordinates(records[done - 1])[2] + 1)
-                first, backoff = done, _FIRST_BACKOFF
-            if first < len(records) and (yield _Assigned(partition)):
-                # Kafka cannot redeliver one record: the unsettled ones run again after a delay.
-                # A key busy elsewhere is mostly a copy in another partition, done in
-                # milliseconds: poll it with a growing backoff, up to the verdict's delay.
-                wait = self.consumer.policy.retry_delay
-                if blocker is not None and blocker.delay is not None:
-                    wait = blocker.delay
-                limit = seconds(wait)
-                busy = blocker is None or blocker.reason in _BUSY
-                yield _execution.Sleep(min(backoff, limit) if busy else limit)
-                backoff *= 2
-        # A revoked partition is left to its new owner, from the committed offset.
-        yield from self.consumer.release_flow(held)
+            elif verdict.action is Action.RETRY:
+                blocker = blocker or verdict
+                continue
+            settled[i] = True
+        done = 0  # records[:done] are settled
+        while done < len(records) and settled[done]:
+            done += 1
+        backoff = self._backoff.get(partition, _FIRST_BACKOFF)
+        if done:  # never past a record that is not settled
+            yield _Commit(partition, offsets[done - 1] + 1)
+            backoff = _FIRST_BACKOFF
+        if done == len(records):
+            self._next.pop(partition, None)
+            self._backoff.pop(partition, None)
+            self._settled.pop(partition, None)
+            return
+        # Kafka cannot redeliver one record: the unsettled ones are fetched again after a delay.
+        # A key busy elsewhere is mostly a copy in another partition, done in milliseconds: poll
+        # it with a growing backoff, up to the verdict's delay.
+        wait = self.consumer.policy.retry_delay
+        if blocker is not None and blocker.delay is not None:
+            wait = blocker.delay
+        limit = seconds(wait)
+        busy = blocker is None or blocker.reason in _BUSY
+        self._next[partition] = offsets[done]
+        self._settled[partition] = frozenset(
+            [offset for offset in known if offset > offsets[-1]]
+            + [offsets[i] for i in range(done, len(records)) if settled[i]]
+        )
+        self._backoff[partition] = backoff * 2
+        yield _Rewind(partition, offsets[done], min(backoff, limit) if busy else limit)
+
+    def _forget(self, partition: Partition) -> dict[str, Any]:
+        """Drop what this member kept for *partition*; return its held leases to release."""
+        self._backoff.pop(partition, None)
+        self._next.pop(partition, None)
+        self._settled.pop(partition, None)
+        self._paused.pop(partition, None)
+        return self._held.pop(partition, None) or {}
+
+    def _abandoned(self, partitions: Collection[Partition]) -> Flow[None]:
+        """Release the leases held for *partitions* (revoked, or the member stops): their
+        records are left to the next owner, from the committed offset."""
+        for partition in partitions:
+            yield from self.consumer.release_flow(self._forget(partition))
+
+    def _due(self) -> tuple[list[Partition], float | None]:
+        """The paused partitions whose delay is over, and the seconds until the next one."""
+        now = time.monotonic()
+        due = [part for part, until in self._paused.items() if until <= now]
+        for part in due:
+            del self._paused[part]
+        left = min(self._paused.values(), default=None)
+        return due, (None if left is None else max(0.0, left - now))
 
     def _dead_letter(self, record: Any, verdict: Verdict) -> _DeadLetter:
         topic, partition, offset = self._coordinates(record)
@@ -271,7 +336,8 @@ class _KafkaFlows:
         return _DeadLetter(self._dead_letter_topic(topic), record, stamped)
 
     def _is_assigned(self, partition: Partition) -> bool:
-        return not self._stopping and partition in self._assigned
+        stopping = self._stopping or (self._stop is not None and self._stop.is_set())
+        return not stopping and partition in self._assigned
 
 
 def _headers(raw: Any) -> list[tuple[str, bytes]]:
@@ -369,8 +435,26 @@ class IdempotentKafkaConsumer(_KafkaFlows):
         self._assigned.update((p.topic, p.partition) for p in partitions)
 
     def _on_revoke(self, _: Any, partitions: list[confluent_kafka.TopicPartition]) -> None:
-        # Called inside consume(): every record fetched before is done and committed.
-        self._assigned.difference_update((p.topic, p.partition) for p in partitions)
+        # Called inside consume(): every record fetched before is settled, committed, or left
+        # (its leases held for the next round, released now) to the new owner.
+        revoked = [(p.topic, p.partition) for p in partitions]
+        self._assigned.difference_update(revoked)
+        self._resume([part for part in revoked if part in self._paused])
+        self._run(self._abandoned(revoked))
+
+    def _resume(self, partitions: Collection[Partition]) -> None:
+        if not partitions:
+            return
+        try:
+            self.client.resume([self._kafka.TopicPartition(*part) for part in partitions])
+        except self._kafka.KafkaException as exc:  # no longer assigned: nothing to resume
+            logger.warning("resuming %s failed: %s", partitions, exc)
+
+    def _run(self, flow: Flow[Any]) -> Any:
+        store = self.consumer.store
+        if not isinstance(store, SyncStore):
+            raise ConfigurationError(f"{type(store).__name__} is not a SyncStore")
+        return run_with(flow, store, self.handler, self._perform)
 
     def _coordinates(self, record: Any) -> tuple[str, int, int]:
         return record.topic(), record.partition(), record.offset()
@@ -387,6 +471,16 @@ class IdempotentKafkaConsumer(_KafkaFlows):
                 self.client.commit(offsets=[offset], asynchronous=False)
             except self._kafka.KafkaException as exc:  # revoked meanwhile: the owner redoes it
                 logger.warning("commit of %s@%d failed: %s", op.partition, op.offset, exc)
+            return None
+        if isinstance(op, _Rewind):
+            position = self._kafka.TopicPartition(*op.partition, op.offset)
+            try:
+                self.client.seek(position)
+                if op.delay > 0:
+                    self.client.pause([position])
+                    self._paused[op.partition] = time.monotonic() + op.delay
+            except self._kafka.KafkaException as exc:  # revoked meanwhile: the owner redoes it
+                logger.warning("rewind of %s to %d failed: %s", op.partition, op.offset, exc)
             return None
         assert isinstance(op, _DeadLetter)
         errors: list[Any] = []
@@ -422,26 +516,37 @@ class IdempotentKafkaConsumer(_KafkaFlows):
             How many records were fetched.
         """
         wait = seconds(timeout if timeout is not None else self.poll_timeout)
-        batch = self._batch(wait)
+        due, left = self._due()
+        self._resume(due)
+        batch = self._batch(wait if left is None else min(wait, left))
         if not batch:
             return 0
-        store = self.consumer.store
-        if not isinstance(store, SyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not a SyncStore")
-        return int(run_with(self._batch_flow(batch), store, self.handler, self._perform))
+        return int(self._run(self._batch_flow(batch)))
 
     def run(self, stop: threading.Event) -> None:
-        """Poll until *stop* is set; a record being retried is left for the next owner."""
+        """Poll until *stop* is set; a record being retried is left for the next owner.
+
+        Each poll runs every fetched record at most once, so *stop* is seen within one round
+        of handlers, however long the store is unavailable or a record keeps failing.
+        """
         self._stopping = False
+        self._stop = stop
         try:
             while not stop.is_set():
                 self.poll()
         finally:
-            self._stopping = False
+            self._stop = None
+            self._leave()
+
+    def _leave(self) -> None:
+        """Give back what waits for a next round: held leases, paused partitions."""
+        self._resume(list(self._paused))
+        self._run(self._abandoned(list(self._held)))
 
     def close(self) -> None:
         """Leave the group (committed offsets stay) and flush the dead-letter producer."""
         self._stopping = True
+        self._leave()
         self.client.close()
         self.producer.flush(seconds(self.poll_timeout))
 
@@ -542,6 +647,16 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
             except self._aiokafka.errors.KafkaError as exc:  # revoked: the owner redoes it
                 logger.warning("commit of %s@%d failed: %s", op.partition, op.offset, exc)
             return None
+        if isinstance(op, _Rewind):
+            position = self._aiokafka.TopicPartition(*op.partition)
+            try:
+                self.client.seek(position, op.offset)
+                if op.delay > 0:
+                    self.client.pause(position)
+                    self._paused[op.partition] = time.monotonic() + op.delay
+            except self._aiokafka.errors.KafkaError as exc:  # revoked: the owner redoes it
+                logger.warning("rewind of %s to %d failed: %s", op.partition, op.offset, exc)
+            return None
         assert isinstance(op, _DeadLetter)
         try:
             await self.producer.send_and_wait(
@@ -560,32 +675,60 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
             How many records were fetched.
         """
         wait = seconds(timeout if timeout is not None else self.poll_timeout)
+        due, left = self._due()
+        self._resume(due)
+        if left is not None:
+            wait = min(wait, left)
         fetched = await self.client.getmany(
             timeout_ms=int(wait * 1000), max_records=self.batch_size
         )
         batch = {(tp.topic, tp.partition): records for tp, records in fetched.items() if records}
         if not batch:
             return 0
-        store = self.consumer.store
-        if not isinstance(store, AsyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
         self._idle.clear()
         try:
-            return int(await arun_with(self._batch_flow(batch), store, self.handler, self._perform))
+            return int(await self._arun(self._batch_flow(batch)))
         finally:
             self._idle.set()
 
+    async def _arun(self, flow: Flow[Any]) -> Any:
+        store = self.consumer.store
+        if not isinstance(store, AsyncStore):
+            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        return await arun_with(flow, store, self.handler, self._perform)
+
+    def _resume(self, partitions: Collection[Partition]) -> None:
+        for part in partitions:
+            try:
+                self.client.resume(self._aiokafka.TopicPartition(*part))
+            except self._aiokafka.errors.KafkaError as exc:  # no longer assigned
+                logger.warning("resuming %s failed: %s", part, exc)
+
     async def arun(self, stop: asyncio.Event | None = None) -> None:
-        """Poll until *stop* is set (or the task is cancelled)."""
-        while stop is None or not stop.is_set():
-            await self.apoll()
+        """Poll until *stop* is set (or the task is cancelled); a record being retried is left
+        for the next owner.
+
+        Each poll runs every fetched record at most once, so *stop* is seen within one round
+        of handlers, however long the store is unavailable or a record keeps failing.
+        """
+        self._stop = stop
+        try:
+            while stop is None or not stop.is_set():
+                await self.apoll()
+        finally:
+            self._stop = None
+            self._resume(list(self._paused))
+            await self._arun(self._abandoned(list(self._held)))
 
     async def _revoked(self, partitions: Collection[Any]) -> None:
-        self._assigned.difference_update((tp.topic, tp.partition) for tp in partitions)
-        try:  # the batch stops at the next record boundary and commits what is done
+        revoked = [(tp.topic, tp.partition) for tp in partitions]
+        self._assigned.difference_update(revoked)
+        try:  # the batch ends its round, commits what is done and rewinds the rest
             await asyncio.wait_for(self._idle.wait(), seconds(self.revoke_timeout))
         except asyncio.TimeoutError:
             logger.warning("records still in flight after revocation; their new owner waits")
+        self._resume([part for part in revoked if part in self._paused])
+        await self._arun(self._abandoned(revoked))
 
     def _assigned_now(self, partitions: Collection[Any]) -> None:
         self._assigned.update((tp.topic, tp.partition) for tp in partitions)

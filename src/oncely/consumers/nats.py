@@ -8,7 +8,7 @@
     async def on_order(msg: nats.aio.msg.Msg) -> None:
         await charge(json.loads(msg.data))
 
-    await js.subscribe("orders.*", durable="billing", cb=on_order, manual_ack=True,
+    await js.subscribe("orders.*", durable="billing", cb=on_order.callback, manual_ack=True,
                        config=ConsumerConfig(max_deliver=10, ack_wait=30))
     # or, pulling: for msg in await sub.fetch(10): await on_order(msg)
     # or, a fetched batch at once (one claim round trip with a batching store):
@@ -27,9 +27,16 @@ does not redeliver a slow message after ``ack_wait``. A worker killed mid-handle
 heartbeats: JetStream redelivers after ``ack_wait`` and the copy runs once the dead worker's
 lease has ended.
 
+nats-py wants a coroutine function as ``cb=``: pass the handler's `IdempotentHandler.callback`
+(the handler object itself is awaited like a function, but nats-py's check refuses objects).
+
 JetStream gives up on a message after the consumer's ``max_deliver`` deliveries, silently for
 the application. Pass the same *max_deliver* here: the last delivery is then dead-lettered
-rather than dropped, whatever the verdict. Keep `ConsumerPolicy.max_attempts` below it.
+rather than dropped. Except when its key is running elsewhere (in progress, or our lease was
+taken over): a ``nak`` would never be redelivered and ``term()`` would drop a message another
+worker may still fail, so the last delivery is held (``in_progress()``) and decided again after
+the verdict's delay, until that worker's outcome is known (a duplicate then, acked). Keep
+`ConsumerPolicy.max_attempts` below *max_deliver*.
 
 .. versionadded:: 0.1.0
 """
@@ -57,6 +64,7 @@ from oncely.consumers._base import (
     FingerprintSource,
     IdempotentConsumer,
     KeySource,
+    Reason,
     Verdict,
     ano_broker,
     arun_with,
@@ -80,6 +88,9 @@ MessageHandler: TypeAlias = "Callable[[Msg], Awaitable[Any]]"
 
 DEAD_LETTER_HEADERS = ("Oncely-Dead-Letter-Reason", "Oncely-Source-Subject", "Oncely-Source-Seq")
 """Headers added to a dead-lettered copy: why, and where it came from."""
+
+_ELSEWHERE = frozenset({Reason.IN_PROGRESS, Reason.LEASE_LOST})
+"""Retries because another worker runs the key: its outcome decides the message."""
 
 
 def _message_id(msg: Msg) -> str | None:
@@ -163,13 +174,22 @@ class IdempotentHandler:
 
     async def __call__(self, msg: Msg) -> Verdict:
         """Process one delivery and ack, nak or term it; return the verdict."""
-        verdict = await self.consumer.aprocess(
-            self._delivery(msg), functools.partial(self._run, msg)
-        )
-        await self._settle(msg, verdict)
-        return verdict
+        return await self._settle(msg, await self._process(msg))
 
-    async def _settle(self, msg: Msg, verdict: Verdict) -> None:
+    async def callback(self, msg: Msg) -> None:
+        """`__call__` as a coroutine function: what nats-py's ``subscribe(cb=...)`` accepts."""
+        await self(msg)
+
+    async def _process(self, msg: Msg) -> Verdict:
+        return await self.consumer.aprocess(self._delivery(msg), functools.partial(self._run, msg))
+
+    async def _settle(self, msg: Msg, verdict: Verdict) -> Verdict:
+        """Ack, nak or term *msg* as *verdict* says; return the verdict that decided it."""
+        while verdict.reason in _ELSEWHERE and self._last_delivery(msg):
+            # Never redelivered after a nak, and term() would drop it while the other copy may
+            # still fail: hold it, and ask again once the other worker may be done.
+            await self._hold(msg, verdict)
+            verdict = await self._process(msg)
         action = verdict.action
         if action is Action.RETRY and self._last_delivery(msg):
             logger.error("message dead-lettered: key=%s reached max_deliver", verdict.key)
@@ -182,6 +202,16 @@ class IdempotentHandler:
             await msg.nak(delay=seconds(verdict.delay))
         else:
             await msg.nak()
+        return verdict
+
+    async def _hold(self, msg: Msg, verdict: Verdict) -> None:
+        """Keep *msg* from redelivery for the verdict's delay (at most `progress_interval`)."""
+        try:
+            await msg.in_progress()
+        except Exception as exc:  # ack_wait decides; the next decision may still get through
+            logger.warning("in_progress failed for %s: %s", msg.subject, exc)
+        delay = verdict.delay if verdict.delay is not None else self.consumer.policy.retry_delay
+        await asyncio.sleep(min(seconds(delay), seconds(self.progress_interval)))
 
     async def batch(self, msgs: Sequence[Msg]) -> list[Verdict]:
         """Process a fetched batch (a pull subscription's ``fetch``) and settle each message.
@@ -202,9 +232,10 @@ class IdempotentHandler:
         deliveries = [self._delivery(msg) for msg in msgs]
         flow = self.consumer.batch_flow(deliveries)
         verdicts = await arun_with(flow, store, self._run, ano_broker)
-        for msg, verdict in zip(msgs, verdicts, strict=True):
-            await self._settle(msg, verdict)  # acks are buffered publishes: no task each
-        return verdicts
+        # Acks are buffered publishes: no task each.
+        return [
+            await self._settle(msg, verdict) for msg, verdict in zip(msgs, verdicts, strict=True)
+        ]
 
     def _delivery(self, msg: Msg) -> Delivery:
         return Delivery(msg.data, dict(msg.headers or {}), _message_id(msg), raw=msg)
