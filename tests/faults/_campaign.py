@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _workers
+from tests.faults import _http, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -31,7 +31,8 @@ from tests.faults._proxy import FaultProxy
 from tests.faults._servers import OwnRedis, free_port
 
 STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
-ENTRIES = ("sync", "async", "guard", "guard_async")
+ENTRIES = ("sync", "async", "guard", "guard_async", "asgi", "wsgi", "httpx")
+HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
 PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
@@ -44,14 +45,19 @@ FAULTS = (
     "skew",
     *PROXIED,
     "restart",
+    "disconnect",
 )
 
 _SERVER_CLOCK = {"postgres", "redis", "redis_cluster", "tiered"}
 _PROXYABLE = {"postgres", "redis", "tiered"}
 
 
-def applicable(store: str, fault: str) -> bool:
-    """Whether *fault* means something for *store*."""
+def applicable(store: str, entry: str, fault: str) -> bool:
+    """Whether *fault* means something for *store* and *entry*."""
+    if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
+        return store in ("redis", "postgres") and fault in ("none", "disconnect")
+    if fault == "disconnect":
+        return False
     if store == "memory":  # one process: nothing to kill, stop or proxy
         return fault in ("none", "slow")
     if fault == "skew":
@@ -100,6 +106,46 @@ class Services:
     effects: Effects | None = None
     tmp: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="oncely-faults-"))
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
+    servers: dict[tuple[str, str], tuple[int, Any]] = field(default_factory=dict)
+    server_events: History = field(default_factory=lambda: History("servers"))
+    server_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def server(self, kind: str, store: str, lease: float) -> int:
+        """The port of the *kind* server (``asgi``/``wsgi``) on *store*, started on first use."""
+        with self.server_lock:
+            if (kind, store) not in self.servers:
+                assert self.effects is not None
+                config = {
+                    "store": self.store_spec(Plan(-1, store, kind, "none", 0, lease, 0), None),
+                    "effects": {"url": self.effects.url, "schema": self.effects.schema},
+                    "lease": lease,
+                    "ttl": 60.0,
+                }
+                ctx = multiprocessing.get_context("forkserver")
+                reader, writer = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_http.serve, args=(kind, config, writer), daemon=True)
+                process.start()
+                writer.close()
+                if not reader.poll(30):
+                    process.kill()
+                    raise RuntimeError(f"the {kind} server on {store} did not start")
+                port = int(reader.recv()["port"])
+                threading.Thread(target=self._read_server, args=(reader,), daemon=True).start()
+                self.servers[(kind, store)] = (port, process)
+            return self.servers[(kind, store)][0]
+
+    def _read_server(self, reader: Any) -> None:
+        try:
+            while True:
+                event = reader.recv()
+                with self.server_lock:
+                    self.server_events.add(event)
+        except (EOFError, OSError):
+            pass
+
+    def server_events_for(self, keys: Sequence[str]) -> list[dict[str, Any]]:
+        with self.server_lock:
+            return [event for event in self.server_events.events if event.get("key") in keys]
 
     @property
     def pg_store_url(self) -> str:
@@ -123,6 +169,9 @@ class Services:
 
         import psycopg
 
+        for _, process in self.servers.values():
+            process.kill()
+            process.join(5)
         if self.redis is not None:
             self.redis.stop()
         if self.effects is not None:
@@ -131,7 +180,9 @@ class Services:
             conn.execute(f'DROP SCHEMA IF EXISTS "faults_store_{self.run}" CASCADE')
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def store_spec(self, plan: Plan, proxy: FaultProxy | None) -> dict[str, Any]:
+    def store_spec(
+        self, plan: Plan, proxy: FaultProxy | None, redis: OwnRedis | None = None
+    ) -> dict[str, Any]:
         namespace = f"faults-{self.run}-{plan.index}"
         if plan.store == "memory":
             return {"url": "memory://"}
@@ -145,8 +196,9 @@ class Services:
         if plan.store == "redis_cluster":
             assert self.redis_cluster is not None
             return {"url": self.redis_cluster, "options": {"namespace": namespace}}
-        assert self.redis is not None
-        port = proxy.port if proxy is not None else self.redis.port
+        redis = redis or self.redis
+        assert redis is not None
+        port = proxy.port if proxy is not None else redis.port
         url = f"redis://127.0.0.1:{port}/0"
         if plan.store == "tiered":
             url = f"tiered+{url}"
@@ -159,6 +211,19 @@ class Services:
         return self.redis.port
 
 
+def combinations(
+    stores: Sequence[str] = STORES,
+    entries: Sequence[str] = ENTRIES,
+    faults: Sequence[str] = FAULTS,
+) -> list[tuple[str, str, str]]:
+    """Every applicable store x entry point x fault."""
+    return [
+        (store, entry, fault)
+        for store, entry, fault in itertools.product(stores, entries, faults)
+        if applicable(store, entry, fault)
+    ]
+
+
 def plans(
     seed: int,
     count: int,
@@ -169,18 +234,14 @@ def plans(
 ) -> list[Plan]:
     """*count* plans, covering every applicable store x entry x fault before repeating."""
     rng = random.Random(seed)
-    combos = [
-        (store, entry, fault)
-        for store, entry, fault in itertools.product(stores, entries, faults)
-        if applicable(store, fault)
-    ]
+    combos = combinations(stores, entries, faults)
     result: list[Plan] = []
     while combos and len(result) < count:
         rng.shuffle(combos)
         for store, entry, fault in combos[: count - len(result)]:
             keys = 1 if fault.startswith(("stop", "zombie")) else rng.randint(1, 3)
             if fault == "latency":
-                keys = 4
+                keys = 6
             result.append(Plan(len(result), store, entry, fault, keys, lease, rng.randrange(2**31)))
     return result
 
@@ -265,8 +326,47 @@ def _patterns(store: str, verb: str) -> bytes:
     return hashlib.sha1(sources()[verb].encode()).hexdigest().encode()
 
 
+def run_http_history(plan: Plan, services: Services) -> Result:
+    """Clients of one HTTP entry point; ``disconnect`` makes the first request's read time out
+    between the two chunks of the response (the httpx transport's own retries included)."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=60.0, keys=keys)
+    lock = threading.Lock()
+    # The WSGI middleware sends a response once it is whole: the httpx transport meets a
+    # body that stops midway on the ASGI server, which streams.
+    port = services.server("wsgi" if plan.entry == "wsgi" else "asgi", plan.store, plan.lease)
+    deadline = now() + 4 * plan.lease + 15
+    threads = [
+        threading.Thread(
+            target=_http.call,
+            args=(history, lock, port),
+            kwargs={
+                "entry": plan.entry,
+                "order": key,
+                "disconnect": plan.fault == "disconnect",
+                "deadline": deadline,
+            },
+        )
+        for key in keys
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    time.sleep(0.3)  # the servers' last events (a stream's end) are on their way
+    history.events += services.server_events_for(keys)
+    history.events.sort(key=lambda event: event["t"])
+    faults = [plan.fault] if plan.fault != "none" else []
+    assert services.effects is not None
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.entry in HTTP_ENTRIES:
+        return run_http_history(plan, services)
     started = now()
     rng = random.Random(plan.seed)
     lease = plan.lease
@@ -274,6 +374,11 @@ def run_history(plan: Plan, services: Services) -> Result:
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
     history = History(plan.name, ttl=ttl, keys=keys)
     lock = threading.Lock()
+    own: OwnRedis | None = None
+    if plan.fault == "restart":  # a server of its own: the crash must not reach other histories
+        with services.restart_lock:
+            own = OwnRedis(free_port(24500 + rng.randrange(1500)))
+            own.start()
     proxy: FaultProxy | None = None
     if plan.fault in PROXIED:
         proxy = FaultProxy(services.target_port(plan.store))
@@ -289,20 +394,20 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault in ("slow", "skew", "restart"):
         hold = 2 * lease
     elif plan.fault == "latency":
-        hold = 2.5 * lease
+        hold = 3 * lease
     elif plan.fault == "reset":
         hold = lease / 2
     a = {
         **base,
         "worker": "A",
-        "store": services.store_spec(plan, proxy),
+        "store": services.store_spec(plan, proxy, own),
         "ops": [{"op": f"A-{key}", "key": key, "hold": hold} for key in keys],
         "concurrent": plan.fault in ("slow", "skew", "latency", "restart"),
     }
     b = {
         **base,
         "worker": "B",
-        "store": services.store_spec(plan, None),
+        "store": services.store_spec(plan, None, own),
         "ops": [{"op": f"B-{key}", "key": key} for key in keys],
         "retry_for": 4 * lease + 15,
         "retry_gap": 0.1,
@@ -346,17 +451,19 @@ def run_history(plan: Plan, services: Services) -> Result:
             worker.wait_for(lambda event: sum(map(ran, history.events)) >= wanted)
             retrier = start({**b, "ops": [{"op": f"B0-{key}", "key": key} for key in keys]})
             if plan.fault == "restart":
-                assert services.redis is not None
-                with services.restart_lock:
-                    services.redis.restart()
+                assert own is not None
+                own.restart()
                 faults.append("restart")
             elif plan.fault == "reset":
                 assert proxy is not None
                 proxy.reset()
             elif plan.fault == "latency":
                 assert proxy is not None
-                proxy.latency = lease * 0.6
-                time.sleep(lease)
+                # A hiccup a heartbeat must ride out: for two leases, each request takes a
+                # quarter of the lease longer (an extend lands every 7/12 of a lease). Six
+                # leases extended one after the other take a lease and a half per round.
+                proxy.latency = lease / 4
+                time.sleep(lease * 2)
                 proxy.latency = 0.0
             worker.join()
             retrier.join()
@@ -369,12 +476,16 @@ def run_history(plan: Plan, services: Services) -> Result:
             process.kill()
         if proxy is not None:
             proxy.close()
+        if own is not None:
+            own.stop()
     with lock:
         events = list(history.events)
     history.events = events
     faults += [event["kind"] for event in events if event["ev"] == "fault"]
-    if plan.fault in ("slow", "skew", "latency", "reset", "cut@claim", "cut@complete"):
+    if plan.fault in ("slow", "skew", "latency", "reset"):
         faults.append(plan.fault)
+    if plan.fault.startswith("cut") and proxy is not None and proxy.cuts:
+        faults.append(plan.fault)  # counted only when a reply was actually cut
     rows = services.effects.rows(keys)
     return Result(plan, history, check(history, rows), faults, now() - started)
 

@@ -64,6 +64,9 @@ class _Run:
     key: str
     worker: str
     token: int
+    lease: str
+    """The store key its lease is on: tokens compare only within one (an HTTP client's
+    new request gets a new idempotency key for the same order)."""
     start: float
     end: float = math.inf
     effect_at: float | None = None
@@ -173,7 +176,12 @@ def _runs(events: Sequence[Event]) -> list[_Run]:
         kind = event["ev"]
         if kind == "run":
             runs[event["op"]] = _Run(
-                event["op"], event["key"], event["worker"], int(event["token"]), event["t"]
+                event["op"],
+                event["key"],
+                event["worker"],
+                int(event["token"]),
+                event.get("lease", event["key"]),
+                event["t"],
             )
         elif kind == "effect" and event["accepted"] and event["op"] in runs:
             runs[event["op"]].effect_at = event["t"]
@@ -184,7 +192,11 @@ def _runs(events: Sequence[Event]) -> list[_Run]:
 
 def _judge_runs(key: str, runs: list[_Run], excused: set[str], ttl: float) -> list[Anomaly]:
     anomalies: list[Anomaly] = []
-    for earlier, later in itertools.pairwise(runs):
+    by_lease: dict[str, list[_Run]] = defaultdict(list)
+    for run in runs:
+        by_lease[run.lease].append(run)
+    pairs = [pair for same in by_lease.values() for pair in itertools.pairwise(same)]
+    for earlier, later in pairs:
         if later.token <= earlier.token:
             anomalies.append(
                 Anomaly(

@@ -4,8 +4,9 @@
 (threads and blocking sockets: a proxy must keep working while the test's event loop is busy).
 Faults, each switched on and off at run time:
 
-- ``latency``: every request chunk waits this long before it is forwarded (a slow store or a
-  hiccup; per connection, so concurrent connections are delayed concurrently).
+- ``latency``: every request waits this long before it is forwarded (a slow network or a store
+  hiccup). A delay, not a queue: requests that follow each other are each delayed by it, they do
+  not wait for each other's delay.
 - ``cut_reply(pattern)``: the next request that contains *pattern* reaches the server, and its
   reply is dropped and the connection reset: the write happened, the client got an error.
 - ``reset()``: reset every live connection; ``down()``/``up()``: refuse and reset, then accept.
@@ -14,6 +15,7 @@ Faults, each switched on and off at run time:
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import struct
 import threading
@@ -134,10 +136,23 @@ class FaultProxy:
             threading.Thread(target=self._replies, args=(link,), daemon=True).start()
 
     def _requests(self, link: _Link) -> None:
+        due: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+        threading.Thread(target=self._forward, args=(link, due), daemon=True).start()
         try:
             while data := link.client.recv(65536):
-                if self.latency:
-                    time.sleep(self.latency)
+                due.put((time.monotonic() + self.latency, data))
+        except OSError:
+            pass
+        finally:
+            due.put((0.0, b""))
+
+    def _forward(self, link: _Link, due: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        try:
+            while True:
+                at, data = due.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, at - time.monotonic()))
                 if self._take_pattern(data):
                     link.cut = True
                 link.server.sendall(data)

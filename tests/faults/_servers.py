@@ -61,8 +61,12 @@ class OwnRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self._wait_ready()
-        self._load_scripts()
+        try:
+            self._wait_ready()
+            self._load_scripts()
+        except BaseException:
+            self.kill()
+            raise
 
     def _load_scripts(self) -> None:
         """Load oncely's scripts, as a server in service has them: a reply cut by a fault
