@@ -138,6 +138,7 @@ def main() -> int:
         plans,
         postgres=os.environ["ONCELY_TEST_POSTGRES_URL"],
         redis_cluster=os.environ.get("ONCELY_TEST_REDIS_CLUSTER_URL"),
+        kafka=os.environ.get("ONCELY_TEST_KAFKA_BOOTSTRAP"),
         parallel=args.parallel,
         progress=progress,
     )

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _http, _workers
+from tests.faults import _http, _kafka, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -31,7 +31,7 @@ from tests.faults._proxy import FaultProxy
 from tests.faults._servers import OwnRedis, free_port
 
 STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
-ENTRIES = ("sync", "async", "guard", "guard_async", "asgi", "wsgi", "httpx")
+ENTRIES = ("sync", "async", "guard", "guard_async", "asgi", "wsgi", "httpx", "kafka")
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
@@ -46,6 +46,7 @@ FAULTS = (
     *PROXIED,
     "restart",
     "disconnect",
+    "redelivery",
 )
 
 _SERVER_CLOCK = {"postgres", "redis", "redis_cluster", "tiered"}
@@ -56,7 +57,9 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
-    if fault == "disconnect":
+    if entry == "kafka":  # ordered batches redelivered past their lease
+        return store in ("redis", "postgres") and fault == "redelivery"
+    if fault in ("disconnect", "redelivery"):
         return False
     if store == "memory":  # one process: nothing to kill, stop or proxy
         return fault in ("none", "slow")
@@ -101,6 +104,7 @@ class Services:
 
     postgres: str
     redis_cluster: str | None
+    kafka: str | None = None
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     redis: OwnRedis | None = None
     effects: Effects | None = None
@@ -363,10 +367,34 @@ def run_http_history(plan: Plan, services: Services) -> Result:
     return Result(plan, history, check(history, rows), faults, now() - started)
 
 
+def run_kafka_history(plan: Plan, services: Services) -> Result:
+    """Two Kafka consumers of one scope, one batch redelivered past its lease (`_kafka`)."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k0"]
+    history = History(plan.name, ttl=300.0)
+    assert services.effects is not None
+    assert services.kafka is not None
+    spec = services.store_spec(plan, None)
+    faults = _kafka.run(
+        history,
+        threading.Lock(),
+        bootstrap=services.kafka,
+        store_url=spec["url"],
+        namespace=spec["options"]["namespace"],
+        effects=services.effects,
+        keys=keys,
+        lease=plan.lease,
+    )
+    rows = services.effects.rows([keys[0], f"{keys[0]}-blocker"])
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
     if plan.entry in HTTP_ENTRIES:
         return run_http_history(plan, services)
+    if plan.entry == "kafka":
+        return run_kafka_history(plan, services)
     started = now()
     rng = random.Random(plan.seed)
     lease = plan.lease
@@ -533,6 +561,7 @@ def run(
     *,
     postgres: str,
     redis_cluster: str | None,
+    kafka: str | None = None,
     parallel: int = 4,
     progress: Callable[[Result], None] | None = None,
 ) -> Report:
@@ -542,7 +571,7 @@ def run(
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["oncely", "redis", "redis.asyncio", "psycopg", "psycopg_pool", "tests.faults._workers"]
     )
-    services = Services(postgres, redis_cluster)
+    services = Services(postgres, redis_cluster, kafka)
     try:
         services.open(sorted({plan.store for plan in plans_}))
         results: list[Result] = []

@@ -14,7 +14,13 @@ import pytest
 from tests.conftest import service_url
 from tests.faults import _campaign
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.redis_cluster, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.redis,
+    pytest.mark.redis_cluster,
+    pytest.mark.kafka,
+    pytest.mark.slow,
+]
 
 HISTORIES = len(_campaign.combinations())
 
@@ -26,6 +32,7 @@ def test_the_campaign_finds_no_anomaly() -> None:
         plans,
         postgres=service_url("ONCELY_TEST_POSTGRES_URL"),
         redis_cluster=service_url("ONCELY_TEST_REDIS_CLUSTER_URL"),
+        kafka=service_url("ONCELY_TEST_KAFKA_BOOTSTRAP"),
         parallel=6,
     )
     faults = report.faults()
