@@ -16,7 +16,8 @@ The promise, as the checker reads it:
 - ``phantom_in_progress``: a client was told the key is in progress while no run held it
   (nor any killed or stopped worker): a lease that nobody runs under, until it expires.
 - ``acked_not_run``: a message was acknowledged but no write for it stands.
-- ``unfinished``: no client ever got a result for the key.
+- ``unfinished``: no client ever got a result for the key (or was told it ran and its result
+  cannot be had: a response cut short is never replayed, by design).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tests.faults._history import UNKNOWN_ERRORS, Event, History
+from tests.faults._history import FINAL_ERRORS, UNKNOWN_ERRORS, Event, History
 
 KINDS = (
     "double_effect",
@@ -160,7 +161,8 @@ def check(history: History, effects: Iterable[Mapping[str, Any]]) -> list[Anomal
             )
 
     invoked = {event["key"] for event in history.of("invoke")} | set(history.keys)
-    for key in sorted(invoked - set(oks)):
+    ended = {event["key"] for event in history.of("fail") if event["error"] in FINAL_ERRORS}
+    for key in sorted(invoked - set(oks) - ended):
         anomalies.append(Anomaly("unfinished", key, "no client ever got a result"))
     return anomalies
 

@@ -23,8 +23,21 @@ from typing import Any
 
 Event = dict[str, Any]
 
-UNKNOWN_ERRORS = frozenset({"StoreUnavailableError", "TimeoutError", "ReadTimeout", "killed"})
+UNKNOWN_ERRORS = frozenset(
+    {
+        "StoreUnavailableError",
+        "TimeoutError",
+        "ReadTimeout",
+        "killed",
+        "ResultUnavailableError",
+        "OutcomeUnknownError",
+    }
+)
 """Client errors that leave the outcome unknown: the operation may or may not have run."""
+
+FINAL_ERRORS = frozenset({"ResultUnavailableError", "OutcomeUnknownError"})
+"""Client errors that end the client's story: the operation ran (or may have) and will not run
+again, but its result cannot be had (a response cut short is never replayed, by design)."""
 
 
 def now() -> float:

@@ -199,15 +199,26 @@ def call(
                         json={"order": order},
                         headers={**headers, "Idempotency-Key": key},
                     )
-        except httpx.TimeoutException as exc:
-            record("fail", op, error="ReadTimeout", message=str(exc)[:200])
-        except httpx.HTTPError as exc:
-            record("fail", op, error="killed", message=f"{type(exc).__name__}: {exc}"[:200])
+        except Exception as exc:
+            if type(exc).__name__ != "OutcomeUnknownError":
+                if not isinstance(exc, httpx.HTTPError):
+                    raise
+                if isinstance(exc, httpx.TimeoutException):
+                    record("fail", op, error="ReadTimeout", message=str(exc)[:200])
+                else:
+                    message = f"{type(exc).__name__}: {exc}"[:200]
+                    record("fail", op, error="killed", message=message)
+            else:  # the transport knows the request may have run: a new key could run it twice
+                record("fail", op, error="OutcomeUnknownError", message=str(exc)[:200])
+                return
         else:
             if reply.status_code == 201:
                 record("ok", op, value=reply.json())
                 if entry == "httpx" or attempt > 1:
                     return
+            elif reply.status_code == 500 and "response-not-stored" in reply.text:
+                record("fail", op, error="ResultUnavailableError", message=reply.text[:200])
+                return  # it ran, and will never run again: its answer is not replayable
             else:
                 status = reply.status_code
                 record("fail", op, error="InProgressError" if status == 409 else str(status))
