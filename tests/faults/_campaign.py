@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _http, _kafka, _workers
+from tests.faults import _http, _kafka, _streams, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -31,7 +31,17 @@ from tests.faults._proxy import FaultProxy
 from tests.faults._servers import OwnRedis, free_port
 
 STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
-ENTRIES = ("sync", "async", "guard", "guard_async", "asgi", "wsgi", "httpx", "kafka")
+ENTRIES = (
+    "sync",
+    "async",
+    "guard",
+    "guard_async",
+    "asgi",
+    "wsgi",
+    "httpx",
+    "kafka",
+    "redis_streams",
+)
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
@@ -57,6 +67,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
+    if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
+        return store == "redis" and fault in ("none", "kill@mid")
     if entry == "kafka":  # ordered batches redelivered past their lease
         return store in ("redis", "postgres") and fault == "redelivery"
     if fault in ("disconnect", "redelivery"):
@@ -257,11 +269,15 @@ class _Process:
     """A worker process (forkserver) and the thread that reads its events into the history."""
 
     def __init__(
-        self, configs: list[dict[str, Any]], history: History, lock: threading.Lock
+        self,
+        configs: Any,
+        history: History,
+        lock: threading.Lock,
+        target: Callable[[Any, Any], None] = _workers.main,
     ) -> None:
         ctx = multiprocessing.get_context("forkserver")
         reader, writer = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_workers.main, args=(configs, writer), daemon=True)
+        self.process = ctx.Process(target=target, args=(configs, writer), daemon=True)
         self.process.start()
         writer.close()
         self.history = history
@@ -389,8 +405,57 @@ def run_kafka_history(plan: Plan, services: Services) -> Result:
     return Result(plan, history, check(history, rows), faults, now() - started)
 
 
+def run_streams_history(plan: Plan, services: Services) -> Result:
+    """Two members of a Redis Streams group; with ``kill@mid``, A dies in its first handler."""
+    import redis
+
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=300.0, keys=keys)
+    lock = threading.Lock()
+    assert services.redis is not None
+    assert services.effects is not None
+    stream, group = f"oncely-faults-{services.run}-h{plan.index}", "members"
+    with redis.Redis.from_url(services.redis.url) as client:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+        for key in keys:
+            client.xadd(stream, {"Idempotency-Key": key, "body": key})
+    base = {
+        "redis": services.redis.url,
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "stream": stream,
+        "group": group,
+        "lease": plan.lease,
+    }
+    killed = plan.fault == "kill@mid"
+    members: list[_Process] = []
+    try:
+        members.append(
+            _Process({**base, "worker": "A", "kill_first": killed}, history, lock, _streams.member)
+        )
+        if killed:  # B joins once A has its first entry, so that A surely gets one
+            members[0].wait_for(lambda event: event["ev"] == "fault")
+        members.append(_Process({**base, "worker": "B"}, history, lock, _streams.member))
+        acked = _streams.settle(services.redis.url, stream, group, keys, 4 * plan.lease + 15)
+    finally:
+        for each in members:
+            if each.process.is_alive():
+                assert each.process.pid is not None
+                os.kill(each.process.pid, 15)
+            each.join(10)
+    with lock:
+        for key in sorted(acked):
+            history.add({"ev": "ack", "op": f"ack-{key}", "key": key, "worker": group, "t": now()})
+    faults = [event["kind"] for event in history.of("fault")]
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.entry == "redis_streams":
+        return run_streams_history(plan, services)
     if plan.entry in HTTP_ENTRIES:
         return run_http_history(plan, services)
     if plan.entry == "kafka":

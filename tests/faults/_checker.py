@@ -16,8 +16,9 @@ The promise, as the checker reads it:
 - ``phantom_in_progress``: a client was told the key is in progress while no run held it
   (nor any killed or stopped worker): a lease that nobody runs under, until it expires.
 - ``acked_not_run``: a message was acknowledged but no write for it stands.
-- ``unfinished``: no client ever got a result for the key (or was told it ran and its result
-  cannot be had: a response cut short is never replayed, by design).
+- ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
+  told it ran and its result cannot be had is finished: a response cut short is never
+  replayed, by design).
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def check(history: History, effects: Iterable[Mapping[str, Any]]) -> list[Anomal
 
     invoked = {event["key"] for event in history.of("invoke")} | set(history.keys)
     ended = {event["key"] for event in history.of("fail") if event["error"] in FINAL_ERRORS}
+    ended |= {event["key"] for event in history.of("ack")}  # a message's story ends at its ack
     for key in sorted(invoked - set(oks) - ended):
         anomalies.append(Anomaly("unfinished", key, "no client ever got a result"))
     return anomalies
