@@ -21,13 +21,17 @@ import datetime
 import os
 import platform
 import shlex
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+# The repository's src comes after PYTHONPATH: a mutation check points PYTHONPATH at another
+# build of oncely and runs the same campaign against it.
+sys.path[:0] = [str(ROOT)]
+sys.path.append(str(ROOT / "src"))
 
 from tests.faults import _campaign  # noqa: E402
 from tests.faults._checker import KINDS  # noqa: E402
@@ -104,6 +108,10 @@ def refresh_docs() -> None:
     DOCS.write_text(head + docs_block(RESULTS.read_text()) + tail)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--histories", type=int, default=1000)
@@ -119,6 +127,8 @@ def main() -> int:
     if args.docs_only:
         refresh_docs()
         return 0
+    # A SIGTERM unwinds like Ctrl-C, so the campaign stops its servers and drops its schemas.
+    signal.signal(signal.SIGTERM, _interrupt)
     command = "python benchmarks/faults/run.py " + shlex.join(sys.argv[1:])
     load_start = _load()
     plans = _campaign.plans(

@@ -471,11 +471,9 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault == "restart":  # a server of its own: the crash must not reach other histories
         with services.restart_lock:
             own = OwnRedis(free_port(24500 + rng.randrange(1500)))
-            own.start()
     proxy: FaultProxy | None = None
     if plan.fault in PROXIED:
         proxy = FaultProxy(services.target_port(plan.store))
-        proxy.up()
     assert services.effects is not None
     base: dict[str, Any] = {
         "entry": plan.entry,
@@ -527,6 +525,11 @@ def run_history(plan: Plan, services: Services) -> Result:
         return bool(event["ev"] == "run")
 
     try:
+        if own is not None:
+            with services.restart_lock:  # one server starting at a time: ports stay distinct
+                own.start()
+        if proxy is not None:
+            proxy.up()
         if plan.store == "memory":  # one process: A and the retrying B are its threads
             start(a, b).join()
         elif plan.fault.startswith(("stop", "zombie")):
