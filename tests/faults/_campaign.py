@@ -1,0 +1,654 @@
+"""Generate fault-injected histories from a seed, run them against real stores, check them.
+
+A history is one store, one entry point and one fault: worker A runs a few operations and
+meets the fault; worker B is a client retrying the same keys until it gets their results
+(concurrently with A, or after it, as the fault needs). `run` returns every history's
+anomalies (`tests.faults._checker`) and the faults injected, by kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing
+import os
+import random
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.faults import _http, _kafka, _streams, _workers
+from tests.faults._checker import Anomaly, check
+from tests.faults._effects import Effects
+from tests.faults._history import History, now
+from tests.faults._proxy import FaultProxy
+from tests.faults._servers import OwnRedis, free_port
+
+STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
+ENTRIES = (
+    "sync",
+    "async",
+    "guard",
+    "guard_async",
+    "asgi",
+    "wsgi",
+    "httpx",
+    "kafka",
+    "redis_streams",
+)
+HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
+KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
+STOPS = ("stop@claim", "stop@mid")
+PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
+FAULTS = (
+    "none",
+    *KILLS,
+    *STOPS,
+    "zombie@ttl=lease",
+    "slow",
+    "skew",
+    *PROXIED,
+    "restart",
+    "disconnect",
+    "redelivery",
+)
+
+_SERVER_CLOCK = {"postgres", "redis", "redis_cluster", "tiered"}
+_PROXYABLE = {"postgres", "redis", "tiered"}
+
+
+def applicable(store: str, entry: str, fault: str) -> bool:
+    """Whether *fault* means something for *store* and *entry*."""
+    if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
+        return store in ("redis", "postgres") and fault in ("none", "disconnect")
+    if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
+        return store == "redis" and fault in ("none", "kill@mid")
+    if entry == "kafka":  # ordered batches redelivered past their lease
+        return store in ("redis", "postgres") and fault == "redelivery"
+    if fault in ("disconnect", "redelivery"):
+        return False
+    if store == "memory":  # one process: nothing to kill, stop or proxy
+        return fault in ("none", "slow")
+    if fault == "skew":
+        return store in _SERVER_CLOCK  # SQLite judges time by the host's clock, by design
+    if fault in PROXIED:
+        return store in _PROXYABLE and not (store == "tiered" and fault == "cut@claim")
+    if fault == "restart":
+        return store in ("redis", "tiered")
+    if fault == "zombie@ttl=lease":
+        return store in ("redis", "redis_cluster", "tiered", "postgres", "sqlite")
+    return True
+
+
+@dataclass
+class Plan:
+    index: int
+    store: str
+    entry: str
+    fault: str
+    keys: int
+    lease: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"h{self.index}:{self.store}/{self.entry}/{self.fault}"
+
+
+@dataclass
+class Result:
+    plan: Plan
+    history: History
+    anomalies: list[Anomaly]
+    faults: list[str]
+    seconds: float
+
+
+@dataclass
+class Services:
+    """The servers a campaign uses, and what it made on them (dropped by `close`)."""
+
+    postgres: str
+    redis_cluster: str | None
+    kafka: str | None = None
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    redis: OwnRedis | None = None
+    effects: Effects | None = None
+    tmp: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="oncely-faults-"))
+    restart_lock: threading.Lock = field(default_factory=threading.Lock)
+    servers: dict[tuple[str, str], tuple[int, Any]] = field(default_factory=dict)
+    server_events: History = field(default_factory=lambda: History("servers"))
+    server_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def server(self, kind: str, store: str, lease: float) -> int:
+        """The port of the *kind* server (``asgi``/``wsgi``) on *store*, started on first use."""
+        with self.server_lock:
+            if (kind, store) not in self.servers:
+                assert self.effects is not None
+                config = {
+                    "store": self.store_spec(Plan(-1, store, kind, "none", 0, lease, 0), None),
+                    "effects": {"url": self.effects.url, "schema": self.effects.schema},
+                    "lease": lease,
+                    "ttl": 60.0,
+                }
+                ctx = multiprocessing.get_context("forkserver")
+                reader, writer = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_http.serve, args=(kind, config, writer), daemon=True)
+                process.start()
+                writer.close()
+                if not reader.poll(30):
+                    process.kill()
+                    raise RuntimeError(f"the {kind} server on {store} did not start")
+                port = int(reader.recv()["port"])
+                threading.Thread(target=self._read_server, args=(reader,), daemon=True).start()
+                self.servers[(kind, store)] = (port, process)
+            return self.servers[(kind, store)][0]
+
+    def _read_server(self, reader: Any) -> None:
+        try:
+            while True:
+                event = reader.recv()
+                with self.server_lock:
+                    self.server_events.add(event)
+        except (EOFError, OSError):
+            pass
+
+    def server_events_for(self, keys: Sequence[str]) -> list[dict[str, Any]]:
+        with self.server_lock:
+            return [event for event in self.server_events.events if event.get("key") in keys]
+
+    @property
+    def pg_store_url(self) -> str:
+        sep = "&" if "?" in self.postgres else "?"
+        return f"{self.postgres}{sep}schema=faults_store_{self.run}&application_name=oncely_faults"
+
+    def open(self, stores: Sequence[str]) -> None:
+        self.effects = Effects(self.postgres, f"faults_fx_{self.run}")
+        self.effects.create()
+        if "postgres" in stores:
+            from oncely.stores.postgres import PostgresStore
+
+            with PostgresStore.from_url(self.pg_store_url) as store:
+                store.migrate()
+        if {"redis", "tiered"} & set(stores):
+            self.redis = OwnRedis(free_port(24500 + random.randrange(1000)))
+            self.redis.start()
+
+    def close(self) -> None:
+        import shutil
+
+        import psycopg
+
+        for _, process in self.servers.values():
+            process.kill()
+            process.join(5)
+        if self.redis is not None:
+            self.redis.stop()
+        if self.effects is not None:
+            self.effects.drop()
+        with psycopg.connect(self.postgres, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "faults_store_{self.run}" CASCADE')
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def store_spec(
+        self, plan: Plan, proxy: FaultProxy | None, redis: OwnRedis | None = None
+    ) -> dict[str, Any]:
+        namespace = f"faults-{self.run}-{plan.index}"
+        if plan.store == "memory":
+            return {"url": "memory://"}
+        if plan.store == "sqlite":
+            return {"url": f"sqlite:///{self.tmp}/h{plan.index}.db"}
+        if plan.store == "postgres":
+            url = self.pg_store_url
+            if proxy is not None:
+                url = url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+            return {"url": url, "options": {"namespace": namespace}}
+        if plan.store == "redis_cluster":
+            assert self.redis_cluster is not None
+            return {"url": self.redis_cluster, "options": {"namespace": namespace}}
+        redis = redis or self.redis
+        assert redis is not None
+        port = proxy.port if proxy is not None else redis.port
+        url = f"redis://127.0.0.1:{port}/0"
+        if plan.store == "tiered":
+            url = f"tiered+{url}"
+        return {"url": url, "options": {"namespace": namespace}}
+
+    def target_port(self, store: str) -> int:
+        if store == "postgres":
+            return 5432
+        assert self.redis is not None
+        return self.redis.port
+
+
+def combinations(
+    stores: Sequence[str] = STORES,
+    entries: Sequence[str] = ENTRIES,
+    faults: Sequence[str] = FAULTS,
+) -> list[tuple[str, str, str]]:
+    """Every applicable store x entry point x fault."""
+    return [
+        (store, entry, fault)
+        for store, entry, fault in itertools.product(stores, entries, faults)
+        if applicable(store, entry, fault)
+    ]
+
+
+def plans(
+    seed: int,
+    count: int,
+    stores: Sequence[str] = STORES,
+    entries: Sequence[str] = ENTRIES,
+    faults: Sequence[str] = FAULTS,
+    lease: float = 1.5,
+) -> list[Plan]:
+    """*count* plans, covering every applicable store x entry x fault before repeating."""
+    rng = random.Random(seed)
+    combos = combinations(stores, entries, faults)
+    result: list[Plan] = []
+    while combos and len(result) < count:
+        rng.shuffle(combos)
+        for store, entry, fault in combos[: count - len(result)]:
+            keys = 1 if fault.startswith(("stop", "zombie")) else rng.randint(1, 3)
+            if fault == "latency":
+                keys = 6
+            result.append(Plan(len(result), store, entry, fault, keys, lease, rng.randrange(2**31)))
+    return result
+
+
+# -- running one history ---------------------------------------------------------------------
+
+
+class _Process:
+    """A worker process (forkserver) and the thread that reads its events into the history."""
+
+    def __init__(
+        self,
+        configs: Any,
+        history: History,
+        lock: threading.Lock,
+        target: Callable[[Any, Any], None] = _workers.main,
+    ) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        reader, writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=target, args=(configs, writer), daemon=True)
+        self.process.start()
+        writer.close()
+        self.history = history
+        self.lock = lock
+        self.seen = threading.Condition(lock)
+        self.thread = threading.Thread(target=self._read, args=(reader,), daemon=True)
+        self.thread.start()
+
+    def _read(self, reader: Any) -> None:
+        try:
+            while True:
+                event = reader.recv()
+                with self.seen:
+                    self.history.add(event)
+                    self.seen.notify_all()
+        except (EOFError, OSError):
+            pass
+        finally:
+            reader.close()
+            with self.seen:
+                self.seen.notify_all()
+
+    def wait_for(self, test: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.seen:
+            while True:
+                if any(test(event) for event in self.history.events):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.thread.is_alive():
+                    return any(test(event) for event in self.history.events)
+                self.seen.wait(min(left, 0.2))
+
+    def wait_stopped(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.process.pid}/stat") as stat:
+                    if stat.read().rpartition(")")[2].split()[0] == "T":
+                        return
+            except OSError:
+                return
+            time.sleep(0.01)
+
+    def join(self, timeout: float = 60.0) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+        self.thread.join(5)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            assert self.process.pid is not None
+            os.kill(self.process.pid, 9)
+            self.process.join(5)
+
+
+def _patterns(store: str, verb: str) -> bytes:
+    if store == "postgres":
+        return {
+            "complete": b"SET status = $1, result = $2",
+            "claim": b"oncely_claim(",
+        }[verb]
+    from oncely.stores.redis._scripts import sources
+
+    return hashlib.sha1(sources()[verb].encode()).hexdigest().encode()
+
+
+def run_http_history(plan: Plan, services: Services) -> Result:
+    """Clients of one HTTP entry point; ``disconnect`` makes the first request's read time out
+    between the two chunks of the response (the httpx transport's own retries included)."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=60.0, keys=keys)
+    lock = threading.Lock()
+    # The WSGI middleware sends a response once it is whole: the httpx transport meets a
+    # body that stops midway on the ASGI server, which streams.
+    port = services.server("wsgi" if plan.entry == "wsgi" else "asgi", plan.store, plan.lease)
+    deadline = now() + 4 * plan.lease + 15
+    threads = [
+        threading.Thread(
+            target=_http.call,
+            args=(history, lock, port),
+            kwargs={
+                "entry": plan.entry,
+                "order": key,
+                "disconnect": plan.fault == "disconnect",
+                "deadline": deadline,
+            },
+        )
+        for key in keys
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    time.sleep(0.3)  # the servers' last events (a stream's end) are on their way
+    history.events += services.server_events_for(keys)
+    history.events.sort(key=lambda event: event["t"])
+    faults = [plan.fault] if plan.fault != "none" else []
+    assert services.effects is not None
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+def run_kafka_history(plan: Plan, services: Services) -> Result:
+    """Two Kafka consumers of one scope, one batch redelivered past its lease (`_kafka`)."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k0"]
+    history = History(plan.name, ttl=300.0)
+    assert services.effects is not None
+    assert services.kafka is not None
+    spec = services.store_spec(plan, None)
+    faults = _kafka.run(
+        history,
+        threading.Lock(),
+        bootstrap=services.kafka,
+        store_url=spec["url"],
+        namespace=spec["options"]["namespace"],
+        effects=services.effects,
+        keys=keys,
+        lease=plan.lease,
+    )
+    rows = services.effects.rows([keys[0], f"{keys[0]}-blocker"])
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+def run_streams_history(plan: Plan, services: Services) -> Result:
+    """Two members of a Redis Streams group; with ``kill@mid``, A dies in its first handler."""
+    import redis
+
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=300.0, keys=keys)
+    lock = threading.Lock()
+    assert services.redis is not None
+    assert services.effects is not None
+    stream, group = f"oncely-faults-{services.run}-h{plan.index}", "members"
+    with redis.Redis.from_url(services.redis.url) as client:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+        for key in keys:
+            client.xadd(stream, {"Idempotency-Key": key, "body": key})
+    base = {
+        "redis": services.redis.url,
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "stream": stream,
+        "group": group,
+        "lease": plan.lease,
+    }
+    killed = plan.fault == "kill@mid"
+    members: list[_Process] = []
+    try:
+        members.append(
+            _Process({**base, "worker": "A", "kill_first": killed}, history, lock, _streams.member)
+        )
+        if killed:  # B joins once A has its first entry, so that A surely gets one
+            members[0].wait_for(lambda event: event["ev"] == "fault")
+        members.append(_Process({**base, "worker": "B"}, history, lock, _streams.member))
+        acked = _streams.settle(services.redis.url, stream, group, keys, 4 * plan.lease + 15)
+    finally:
+        for each in members:
+            if each.process.is_alive():
+                assert each.process.pid is not None
+                os.kill(each.process.pid, 15)
+            each.join(10)
+    with lock:
+        for key in sorted(acked):
+            history.add({"ev": "ack", "op": f"ack-{key}", "key": key, "worker": group, "t": now()})
+    faults = [event["kind"] for event in history.of("fault")]
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+def run_history(plan: Plan, services: Services) -> Result:
+    """Run one history: its workers, its fault, then the check."""
+    if plan.entry == "redis_streams":
+        return run_streams_history(plan, services)
+    if plan.entry in HTTP_ENTRIES:
+        return run_http_history(plan, services)
+    if plan.entry == "kafka":
+        return run_kafka_history(plan, services)
+    started = now()
+    rng = random.Random(plan.seed)
+    lease = plan.lease
+    ttl = lease if plan.fault == "zombie@ttl=lease" else 60.0
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=ttl, keys=keys)
+    lock = threading.Lock()
+    own: OwnRedis | None = None
+    if plan.fault == "restart":  # a server of its own: the crash must not reach other histories
+        with services.restart_lock:
+            own = OwnRedis(free_port(24500 + rng.randrange(1500)))
+    proxy: FaultProxy | None = None
+    if plan.fault in PROXIED:
+        proxy = FaultProxy(services.target_port(plan.store))
+    assert services.effects is not None
+    base: dict[str, Any] = {
+        "entry": plan.entry,
+        "lease": lease,
+        "ttl": ttl,
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+    }
+    hold = 0.05
+    if plan.fault in ("slow", "skew", "restart"):
+        hold = 2 * lease
+    elif plan.fault == "latency":
+        hold = 3 * lease
+    elif plan.fault == "reset":
+        hold = lease / 2
+    a = {
+        **base,
+        "worker": "A",
+        "store": services.store_spec(plan, proxy, own),
+        "ops": [{"op": f"A-{key}", "key": key, "hold": hold} for key in keys],
+        "concurrent": plan.fault in ("slow", "skew", "latency", "restart"),
+    }
+    b = {
+        **base,
+        "worker": "B",
+        "store": services.store_spec(plan, None, own),
+        "ops": [{"op": f"B-{key}", "key": key} for key in keys],
+        "retry_for": 4 * lease + 15,
+        "retry_gap": 0.1,
+    }
+    faults: list[str] = []
+    point = plan.fault.partition("@")[2]
+    if plan.fault.startswith(("kill", "stop", "zombie")):
+        action = "kill" if plan.fault.startswith("kill") else "stop"
+        point = "mid" if action == "stop" and point not in ("claim", "mid") else point
+        a["fault"] = {"op": f"A-{rng.choice(keys)}", "point": point, "action": action}
+    if plan.fault == "skew":
+        a["skew"] = rng.choice((-1, 1)) * 300.0
+        b["skew"] = -a["skew"]
+    if proxy is not None and plan.fault.startswith("cut"):
+        proxy.cut_reply(_patterns(plan.store, point))
+    processes: list[_Process] = []
+
+    def start(*configs: dict[str, Any]) -> _Process:
+        process = _Process(list(configs), history, lock)
+        processes.append(process)
+        return process
+
+    def ran(event: dict[str, Any]) -> bool:
+        return bool(event["ev"] == "run")
+
+    try:
+        if own is not None:
+            with services.restart_lock:  # one server starting at a time: ports stay distinct
+                own.start()
+        if proxy is not None:
+            proxy.up()
+        if plan.store == "memory":  # one process: A and the retrying B are its threads
+            start(a, b).join()
+        elif plan.fault.startswith(("stop", "zombie")):
+            worker = start(a)
+            if worker.wait_for(lambda event: event["ev"] == "fault"):
+                worker.wait_stopped()
+                # B retries at once: it takes the key over as soon as the lease has expired,
+                # well within the record's retention (ttl), while A stays stopped.
+                start({**b, "ops": [{"op": f"B-{key}", "key": key} for key in keys]}).join()
+                assert worker.process.pid is not None
+                os.kill(worker.process.pid, 18)  # SIGCONT: the zombie wakes up
+            worker.join()
+        elif plan.fault in ("slow", "skew", "restart", "latency", "reset"):
+            worker = start(a)
+            wanted = len(keys) if plan.fault == "latency" else 1
+            worker.wait_for(lambda event: sum(map(ran, history.events)) >= wanted)
+            retrier = start({**b, "ops": [{"op": f"B0-{key}", "key": key} for key in keys]})
+            if plan.fault == "restart":
+                assert own is not None
+                own.restart()
+                faults.append("restart")
+            elif plan.fault == "reset":
+                assert proxy is not None
+                proxy.reset()
+            elif plan.fault == "latency":
+                assert proxy is not None
+                # A hiccup a heartbeat must ride out: for two leases, each request takes a
+                # quarter of the lease longer (an extend lands every 7/12 of a lease). Six
+                # leases extended one after the other take a lease and a half per round.
+                proxy.latency = lease / 4
+                time.sleep(lease * 2)
+                proxy.latency = 0.0
+            worker.join()
+            retrier.join()
+        else:
+            start(a).join()
+        if plan.store != "memory":
+            start(b).join()  # the final read: every key's result, replayed
+    finally:
+        for process in processes:
+            process.kill()
+        if proxy is not None:
+            proxy.close()
+        if own is not None:
+            own.stop()
+    with lock:
+        events = list(history.events)
+    history.events = events
+    faults += [event["kind"] for event in events if event["ev"] == "fault"]
+    if plan.fault in ("slow", "skew", "latency", "reset"):
+        faults.append(plan.fault)
+    if plan.fault.startswith("cut") and proxy is not None and proxy.cuts:
+        faults.append(plan.fault)  # counted only when a reply was actually cut
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+# -- a campaign ------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    results: list[Result]
+    seconds: float
+
+    @property
+    def anomalies(self) -> list[tuple[Plan, Anomaly]]:
+        return [(result.plan, anomaly) for result in self.results for anomaly in result.anomalies]
+
+    def faults(self) -> Counter[str]:
+        return Counter(kind for result in self.results for kind in result.faults)
+
+    def table(self) -> str:
+        """A markdown summary: histories and anomalies per store x fault, faults by kind."""
+        by = Counter((r.plan.store, r.plan.fault) for r in self.results)
+        bad = Counter((r.plan.store, r.plan.fault) for r in self.results for _ in r.anomalies)
+        stores = sorted({r.plan.store for r in self.results}, key=STORES.index)
+        fault_names = sorted({r.plan.fault for r in self.results}, key=FAULTS.index)
+        lines = [
+            "| fault | " + " | ".join(stores) + " |",
+            "|---|" + "---|" * len(stores),
+        ]
+        for fault in fault_names:
+            cells = []
+            for store in stores:
+                count = by[(store, fault)]
+                cells.append("" if not count else f"{count} / {bad[(store, fault)]}")
+            lines.append(f"| {fault} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def lines(self) -> Iterator[str]:
+        for plan, anomaly in self.anomalies:
+            yield f"ANOMALY seed={plan.seed} {plan.name}: {anomaly}"
+
+
+def run(
+    plans_: Sequence[Plan],
+    *,
+    postgres: str,
+    redis_cluster: str | None,
+    kafka: str | None = None,
+    parallel: int = 4,
+    progress: Callable[[Result], None] | None = None,
+) -> Report:
+    """Run *plans_* (at most *parallel* at once) against fresh services; always clean up."""
+    started = now()
+    # Workers fork from a server that imported the drivers once (a no-op once it runs).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["oncely", "redis", "redis.asyncio", "psycopg", "psycopg_pool", "tests.faults._workers"]
+    )
+    services = Services(postgres, redis_cluster, kafka)
+    try:
+        services.open(sorted({plan.store for plan in plans_}))
+        results: list[Result] = []
+        with ThreadPoolExecutor(parallel) as pool:
+            for result in pool.map(lambda plan: run_history(plan, services), plans_):
+                results.append(result)
+                if progress is not None:
+                    progress(result)
+    finally:
+        services.close()
+    return Report(results, now() - started)
