@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import decimal
 import enum
-import json
 import os
 import pickle
 import platform
