@@ -1,4 +1,9 @@
-"""oncely's pytest plugin (loaded automatically where oncely is installed).
+"""oncely's pytest plugin. Turn it on in your ``conftest.py``::
+
+    pytest_plugins = ["oncely.pytest_plugin"]
+
+(or with ``pytest -p oncely.pytest_plugin``). It is not registered automatically: pytest would
+then rewrite the assertions of the whole oncely package in every project that installs it.
 
 Fixtures:
 
