@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import logging
 import multiprocessing
 import os
 import shutil
@@ -846,11 +847,19 @@ class _SlowProxy:
 
 
 def test_event_loop_shutdown_closes_a_busy_loop_pool(
-    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str
+    base_url: str,
+    schema: str,
+    admin: psycopg.Connection[Any],
+    app: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """asyncio.run ends while the loop's pool is still opening a connection: the loop finishes
     at once (psycopg_pool's workers alone would swallow the cancellation and keep it waiting)
     and takes the pool's sessions with it; the next loop gets a pool of its own."""
+    # psycopg_pool logs each cancelled connection attempt with its traceback; pytest's log
+    # capture would keep those records, their frames and so the half-open connection alive
+    # until the test ends, and the session would count as leaked.
+    monkeypatch.setattr(logging.getLogger("psycopg.pool"), "propagate", False)
     params = psycopg.conninfo.conninfo_to_dict(base_url)
     proxy = _SlowProxy(
         str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432), delay=1.5
