@@ -19,6 +19,7 @@ SUBMODULES = {
     "http",
     "errors",
     "guard",
+    "inbox",
     "keys",
     "stores",
     "testing",

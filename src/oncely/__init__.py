@@ -52,6 +52,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.guard import Guard
+from oncely.inbox import Inbox
 from oncely.stores import open_store
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "Guard",
     "idempotent",
     "IdempotentFunction",
+    "Inbox",
     "InProgress",
     "InProgressError",
     "InvalidKeyError",

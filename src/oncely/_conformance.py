@@ -1,4 +1,5 @@
-"""The store conformance suite: every row of DESIGN.md section 2, run against a real store.
+"""The store conformance suite: every row of the state machine (docs/contract.md), run against
+a real store.
 
 Every test runs twice, through the sync verbs and through the async verbs. Stores that take an
 injected clock (memory, SQLite) are driven by a `FrozenClock`; stores judged by a server's clock

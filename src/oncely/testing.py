@@ -4,7 +4,7 @@
   a ``with`` block; the pytest fixture ``oncely_store`` does it for one test.
 * `disabled`: run decorated functions unprotected inside a block (each call logs a warning).
 * `FrozenClock`: a clock that moves only when told, for deterministic expiry tests.
-* `StoreConformance`: the one test suite every store must pass (DESIGN.md sections 2 and 3).
+* `StoreConformance`: the one test suite every store must pass (docs/contract.md).
   Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis.
 
 .. code-block:: python

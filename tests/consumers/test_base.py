@@ -1,4 +1,5 @@
-"""The broker-agnostic runner: every row of DESIGN.md section 6 as a decision, sync and async."""
+"""The broker-agnostic runner: every row of the consumer contract (docs/guides/consumers.md)
+as a decision, sync and async."""
 
 from __future__ import annotations
 

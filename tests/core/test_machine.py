@@ -1,4 +1,5 @@
-"""One test per row of DESIGN.md section 2, against the pure reference machine."""
+"""One test per row of the state machine (docs/contract.md), against the pure reference
+machine."""
 
 from __future__ import annotations
 

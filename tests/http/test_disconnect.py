@@ -1,12 +1,13 @@
 """A response cut short after the handler ran: the record is completed, never released.
 
-DESIGN.md section 5: "handler started sending a response and the client went away: the record
-is completed (or marked not replayable), never released, since the handler ran". The apps
-here are Starlette and FastAPI endpoints behind the ASGI middleware, driven in process by a
-server that plays both disconnect behaviours of the ASGI spec: 2.4 (``send`` raises `OSError`
-once the client is gone) and 2.3 (``send`` is silently dropped, ``receive`` answers
-``http.disconnect`` and Starlette cancels the streaming task). ``test_servers.py`` runs the
-same story through a real uvicorn process and a client that times out.
+The HTTP contract (docs/guides/http.md): "handler started sending a response and the client
+went away: the record is completed (or marked not replayable), never released, since the
+handler ran". The apps here are Starlette and FastAPI endpoints behind the ASGI middleware,
+driven in process by a server that plays both disconnect behaviours of the ASGI spec: 2.4
+(``send`` raises `OSError` once the client is gone) and 2.3 (``send`` is silently dropped,
+``receive`` answers ``http.disconnect`` and Starlette cancels the streaming task).
+``test_servers.py`` runs the same story through a real uvicorn process and a client that times
+out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The HTTP suite: DESIGN.md section 5, run against every adapter x every store.
+"""The HTTP suite: the HTTP contract (docs/guides/http.md), run against every adapter x every store.
 
 Each test drives one of the example payments APIs (bare ASGI, bare WSGI, FastAPI, Starlette,
 Flask, Django) in process, and counts the payment effect in the example's SQLite ledger.

@@ -1,4 +1,5 @@
-"""DESIGN.md section 5 as pure functions: `oncely.http._semantics` and the shared flows.
+"""The HTTP contract (docs/guides/http.md) as pure functions: `oncely.http._semantics` and
+the shared flows.
 
 No app, no server, no store: the flows are fed their replies by hand (they are sans-I/O), so
 every row of the table is pinned down here before the HTTP suite runs it through real adapters.

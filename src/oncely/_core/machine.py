@@ -1,4 +1,4 @@
-"""Reference semantics of the record state machine (DESIGN.md section 2), as pure functions.
+"""Reference semantics of the record state machine (docs/contract.md), as pure functions.
 
 The memory and SQLite stores run these functions inside their atomic section; every other store
 implements the same table in its own atomic operation and is tested against these functions.

@@ -23,7 +23,7 @@ class SyncStore(Protocol):
     """A store called from synchronous code. Each verb is one atomic transition."""
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
-        """Take the lease on *key*, or say why not (DESIGN.md section 2).
+        """Take the lease on *key*, or say why not (docs/contract.md).
 
         *ttl* is how long an in-progress record is kept at the least, so that its fencing token
         survives the lease.

@@ -20,7 +20,7 @@ __all__ = [
 
 
 class Status(str, enum.Enum):
-    """The state of a record (DESIGN.md section 2).
+    """The state of a record (docs/contract.md).
 
     ``RELEASED`` is a tombstone: it answers claims as if absent, but keeps the fencing token so
     tokens never repeat while a worker holding an older one may still be alive.

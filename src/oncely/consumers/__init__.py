@@ -1,7 +1,8 @@
 """Idempotent message consumers: a message takes effect once however often it is delivered.
 
-The broker-agnostic decisions (DESIGN.md section 6) live in `IdempotentConsumer`; one module per
-broker translates them into that broker's verbs, and imports its driver only when it is used:
+The broker-agnostic decisions (docs/guides/consumers.md) live in `IdempotentConsumer`; one
+module per broker translates them into that broker's verbs, and imports its driver only when
+it is used:
 
 * `oncely.consumers.rabbitmq`: aio-pika (``oncely[rabbitmq]``)
 * `oncely.consumers.kafka`: confluent-kafka and aiokafka (``oncely[kafka]``)

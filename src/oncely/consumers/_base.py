@@ -1,4 +1,5 @@
-"""The broker-agnostic consumer runner: DESIGN.md section 6 as pure decisions.
+"""The broker-agnostic consumer runner: the consumer contract (docs/guides/consumers.md) as
+pure decisions.
 
 A broker adapter turns each delivery into a `Delivery` (body, headers, the broker's message id),
 asks `IdempotentConsumer` for a `Verdict`, and translates the verdict into the broker's verbs:
@@ -219,7 +220,7 @@ FingerprintSource: TypeAlias = "Literal['body'] | Callable[[Delivery], Any] | No
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConsumerPolicy:
-    """How an idempotent consumer treats deliveries (DESIGN.md section 6). Immutable.
+    """How an idempotent consumer treats deliveries (docs/guides/consumers.md). Immutable.
 
     Attributes:
         lease: How long a handler may run before another worker may take the message over; the

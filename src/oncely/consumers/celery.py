@@ -32,7 +32,7 @@ are refused by ``apply_async`` with `oncely.errors.FingerprintError`, and such a
 another way is dead-lettered; with ``oncely_fingerprint=None`` or a callable (and a key that is
 not ``"content"``) they are allowed, and the `oncely.consumers.Delivery` body is empty.
 
-How the runner's verdicts (DESIGN.md section 6) become Celery's:
+How the runner's verdicts (docs/guides/consumers.md) become Celery's:
 
 * ack: the task returns (Celery acks). A completed duplicate returns the first run's stored
   result without running;

@@ -17,7 +17,7 @@ confluent-kafka, `AsyncIdempotentKafkaConsumer` an async one on aiokafka.
     consumer.run(stop_event)
 
 Kafka has no acknowledgement per message, only a committed offset per partition, so the
-runner's verdicts (DESIGN.md section 6) become:
+runner's verdicts (docs/guides/consumers.md) become:
 
 * ack: the record is done. Each partition's share of a fetched batch goes through the runner
   in order (`IdempotentConsumer.batch_flow` with ``ordered=True``; partitions concurrently with

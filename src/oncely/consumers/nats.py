@@ -14,7 +14,7 @@
     # or, a fetched batch at once (one claim round trip with a batching store):
     #     await on_order.batch(await sub.fetch(100))
 
-How the runner's verdicts reach the broker (DESIGN.md section 6):
+How the runner's verdicts reach the broker (docs/guides/consumers.md):
 
 * ack: ``msg.ack()``, only once the record is completed (or for a completed duplicate);
 * retry: ``msg.nak(delay=...)`` when the key is busy elsewhere or the store is unreachable;

@@ -11,7 +11,7 @@
     queue = await channel.declare_queue("orders", arguments=dead_letter_arguments("orders.dead"))
     await queue.consume(on_order)          # no_ack=False (the default): oncely acks
 
-How the runner's verdicts reach the broker (DESIGN.md section 6):
+How the runner's verdicts reach the broker (docs/guides/consumers.md):
 
 * ack: ``message.ack()``, only once the record is completed (or the message is a completed
   duplicate);

@@ -11,7 +11,7 @@
     consumer.create_group()
     consumer.run(stop_event)          # or: await consumer.arun() with redis.asyncio and async def
 
-How the runner's verdicts reach the stream (DESIGN.md section 6):
+How the runner's verdicts reach the stream (docs/guides/consumers.md):
 
 * ack: one ``XACK`` per poll for the entries whose records are completed (or that are
   completed duplicates). Each poll's entries go through the runner as one batch

@@ -1,7 +1,7 @@
 """HTTP integrations: server middleware (ASGI, WSGI) and a retrying httpx client transport.
 
-The middleware implements DESIGN.md section 5: unsafe requests carrying an ``Idempotency-Key``
-take effect once, repeats get the stored response byte for byte (with
+The middleware implements the HTTP contract (docs/guides/http.md): unsafe requests carrying
+an ``Idempotency-Key`` take effect once, repeats get the stored response byte for byte (with
 ``Idempotent-Replayed: true``), concurrent repeats get 409, a reused key with another request
 gets 422, and a store outage answers 503 instead of running unprotected.
 

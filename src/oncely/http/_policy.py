@@ -44,7 +44,7 @@ DEFAULT_METHODS: frozenset[str] = frozenset({"POST", "PATCH"})
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HttpPolicy:
-    """How the HTTP middleware treats requests (DESIGN.md section 5). Immutable.
+    """How the HTTP middleware treats requests (docs/guides/http.md). Immutable.
 
     Attributes:
         methods: The methods whose requests are protected (default POST and PATCH). Safe methods

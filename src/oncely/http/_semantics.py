@@ -1,4 +1,4 @@
-"""The HTTP rules of DESIGN.md section 5, as pure functions: no I/O, no framework imports.
+"""The HTTP contract (docs/guides/http.md) as pure functions: no I/O, no framework imports.
 
 Everything the ASGI and WSGI middleware decide comes from here: which requests are covered,
 reading the ``Idempotency-Key`` header (quoted or bare), the key's scope and the request's

@@ -1,4 +1,4 @@
-"""ASGI middleware: answer repeats of unsafe requests from the store (DESIGN.md section 5).
+"""ASGI middleware: answer repeats of unsafe requests from the store (docs/guides/http.md).
 
 A pure ASGI middleware (never Starlette's ``BaseHTTPMiddleware``), so it works with FastAPI,
 Starlette, Litestar or a bare ASGI app, keeps streaming responses streaming, and imports no

@@ -1,4 +1,4 @@
-"""WSGI middleware: answer repeats of unsafe requests from the store (DESIGN.md section 5).
+"""WSGI middleware: answer repeats of unsafe requests from the store (docs/guides/http.md).
 
 Wraps any WSGI app (Flask, Django, Falcon, a bare function) and imports no framework. Every rule
 comes from `oncely.http._semantics` and every store step from the shared flows in

@@ -45,7 +45,8 @@ BEGIN
 END
 $$;
 
--- claim: the whole of DESIGN.md section 2's claim row in one call, judged by the server clock.
+-- claim: the whole claim row of the state machine (docs/contract.md) in one call, judged by
+-- the server clock.
 --
 -- A single SQL statement cannot do this race-free under READ COMMITTED: a row inserted by a
 -- concurrent claimer after the statement's snapshot is invisible to its reads, and INSERT ...

@@ -1,0 +1,363 @@
+"""The transactional inbox: the record commits or rolls back with the caller's own writes.
+
+Real PostgreSQL (psycopg sync and async, SQLAlchemy) and SQLite (sqlite3) in files; concurrent
+duplicates are separate connections in separate threads, as two workers would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import oncely
+from oncely.inbox import Inbox
+from tests.conftest import service_url
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[tuple[str, str]]:
+    """(base URL, schema): a schema of this module's own, migrated, with an orders table."""
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_inbox_{uuid.uuid4().hex[:10]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}"
+    with oncely.open_store(url) as store:
+        store.migrate()  # type: ignore[attr-defined]
+    with psycopg.connect(base, autocommit=True) as connection:
+        connection.execute(f'CREATE TABLE "{schema}".orders (id text PRIMARY KEY, amount int)')
+    yield base, schema
+    with psycopg.connect(base, autocommit=True) as connection:
+        connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def pg_store(pg: tuple[str, str]) -> Iterator[Any]:
+    base, schema = pg
+    store = oncely.open_store(f"{base}{'&' if '?' in base else '?'}schema={schema}")
+    yield store
+    store.close()
+
+
+def pg_connect(pg: tuple[str, str]) -> psycopg.Connection[Any]:
+    base, schema = pg
+    connection = psycopg.connect(base)
+    connection.execute(f'SET search_path TO "{schema}"')
+    connection.commit()
+    return connection
+
+
+@pytest.fixture
+def sqlite_path(tmp_path: Path) -> Path:
+    path = tmp_path / "app.db"
+    with oncely.open_store(f"sqlite:///{path}"):  # creates the oncely tables
+        pass
+    with sqlite3.connect(path) as connection:
+        connection.execute("CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER)")
+    return path
+
+
+def sqlite_connect(path: Path) -> sqlite3.Connection:
+    connection = sqlite3.connect(path, isolation_level=None, timeout=10)
+    connection.execute("PRAGMA journal_mode=WAL")
+    return connection
+
+
+def pg_orders(pg: tuple[str, str]) -> list[tuple[str, int]]:
+    with pg_connect(pg) as connection:
+        return connection.execute("SELECT id, amount FROM orders ORDER BY id").fetchall()
+
+
+# -- PostgreSQL -----------------------------------------------------------------------------------
+
+
+def place_order_pg(inbox: Inbox, connection: Any, order: str, amount: int) -> Any:
+    with (
+        connection.transaction(),
+        inbox.claim(
+            connection, order, scope="orders.place", fingerprint={"amount": amount}
+        ) as entry,
+    ):
+        if entry.replayed:
+            return entry.result
+        connection.execute("INSERT INTO orders VALUES (%s, %s)", (order, amount))
+        entry.complete({"order": order, "token": entry.token})
+    return {"order": order, "token": entry.token}
+
+
+@pytest.mark.postgres
+def test_postgres_commit_then_replay(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        first = place_order_pg(inbox, connection, order, 500)
+        again = place_order_pg(inbox, connection, order, 500)
+        with pytest.raises(oncely.FingerprintMismatchError):
+            place_order_pg(inbox, connection, order, 900)
+    assert first == again == {"order": order, "token": 1}
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 500)]
+    record = pg_store.get(f"orders.place|{order}")
+    assert record.status is oncely.Status.COMPLETED
+
+
+@pytest.mark.postgres
+def test_postgres_rollback_leaves_nothing(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        with pytest.raises(RuntimeError), connection.transaction():
+            with inbox.claim(connection, order, scope="orders.place") as entry:
+                connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+                entry.complete("done")
+            raise RuntimeError("the caller's transaction fails after the block")
+        assert pg_store.get(f"orders.place|{order}") is None
+        place_order_pg(inbox, connection, order, 1)  # runs: nothing was recorded
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 1)]
+
+
+@pytest.mark.postgres
+def test_postgres_block_error_rolls_back_to_the_claim(pg: tuple[str, str], pg_store: Any) -> None:
+    """The block raised: its writes and the claim are undone; the caller's transaction goes on."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        with connection.transaction():
+            connection.execute("INSERT INTO orders VALUES (%s, 7)", (order + "-before",))
+            with pytest.raises(ValueError), inbox.claim(connection, order, scope="s"):
+                connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+                raise ValueError("declined")
+        assert pg_store.get(f"s|{order}") is None
+    ids = [row[0] for row in pg_orders(pg)]
+    assert order + "-before" in ids
+    assert order not in ids
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("first_commits", [True, False], ids=["commits", "rolls-back"])
+def test_postgres_concurrent_duplicate_waits_then_replays_or_runs(
+    pg: tuple[str, str], pg_store: Any, first_commits: bool
+) -> None:
+    inbox = Inbox(pg_store, wait_timeout=20)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    claimed, finish = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def first() -> None:
+        with pg_connect(pg) as connection:
+            try:
+                with connection.transaction():
+                    with inbox.claim(connection, order, scope="s") as entry:
+                        connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+                        entry.complete("first")
+                    claimed.set()
+                    finish.wait(10)
+                    if not first_commits:
+                        raise RuntimeError("rolled back")
+            except RuntimeError:
+                pass
+
+    def second() -> None:
+        claimed.wait(10)
+        with (
+            pg_connect(pg) as connection,
+            connection.transaction(),
+            inbox.claim(connection, order, scope="s") as entry,
+        ):
+            if entry.replayed:
+                outcome["second"] = ("replayed", entry.result)
+            else:
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (order,))
+                entry.complete("second")
+                outcome["second"] = ("ran", entry.token)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    claimed.wait(10)
+    threading.Timer(0.5, finish.set).start()  # the second is waiting in its claim by then
+    for thread in threads:
+        thread.join(30)
+    rows = [row for row in pg_orders(pg) if row[0] == order]
+    if first_commits:
+        assert outcome["second"] == ("replayed", "first")
+        assert rows == [(order, 1)]
+    else:
+        assert outcome["second"][0] == "ran"
+        assert rows == [(order, 2)]
+
+
+@pytest.mark.postgres
+def test_postgres_duplicate_raises_at_once_when_asked(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store, on_conflict="raise")
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with (
+        pg_connect(pg) as holder,
+        holder.transaction(),
+        inbox.claim(holder, order, scope="s") as entry,
+    ):
+        entry.complete("x")
+        with pg_connect(pg) as other, other.transaction():
+            with pytest.raises(oncely.InProgressError) as raised:
+                inbox.claim(other, order, scope="s").__enter__()
+            assert raised.value.retry_after <= timedelta(seconds=1)
+            other.execute("SELECT 1")  # the other transaction is still usable
+
+
+@pytest.mark.postgres
+def test_postgres_a_live_lease_elsewhere_is_respected(pg: tuple[str, str], pg_store: Any) -> None:
+    """A key claimed by the decorator (a lease, committed) is in progress for the inbox."""
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    claim = pg_store.claim(f"s|{order}", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1))
+    assert isinstance(claim, oncely.Acquired)
+    inbox = Inbox(pg_store, on_conflict="raise")
+    with (
+        pg_connect(pg) as connection,
+        connection.transaction(),
+        pytest.raises(oncely.InProgressError),
+    ):
+        inbox.claim(connection, order, scope="s").__enter__()
+
+
+@pytest.mark.postgres
+def test_postgres_needs_a_transaction(pg: tuple[str, str], pg_store: Any) -> None:
+    with (
+        psycopg.connect(pg[0], autocommit=True) as connection,
+        pytest.raises(oncely.ConfigurationError, match="transaction"),
+    ):
+        Inbox(pg_store).claim(connection, "k", scope="s").__enter__()
+
+
+@pytest.mark.postgres
+def test_postgres_async(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    base, schema = pg
+
+    async def place() -> Any:
+        async with await psycopg.AsyncConnection.connect(base) as connection:
+            await connection.execute(f'SET search_path TO "{schema}"')
+            async with (
+                connection.transaction(),
+                inbox.aclaim(connection, order, scope="s") as entry,
+            ):
+                if entry.replayed:
+                    return entry.result
+                await connection.execute("INSERT INTO orders VALUES (%s, 3)", (order,))
+                entry.complete("async")
+            return "ran"
+
+    assert asyncio.run(place()) == "ran"
+    assert asyncio.run(place()) == "async"
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 3)]
+
+
+@pytest.mark.postgres
+def test_postgres_sqlalchemy_session(pg: tuple[str, str], pg_store: Any) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session
+
+    base, schema = pg
+    engine = sqlalchemy.create_engine(base.replace("postgresql://", "postgresql+psycopg://", 1))
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    for _ in range(2):
+        with Session(engine) as session, session.begin():
+            session.execute(sqlalchemy.text(f'SET LOCAL search_path TO "{schema}"'))
+            with inbox.claim(session, order, scope="s") as entry:
+                if not entry.replayed:
+                    session.execute(
+                        sqlalchemy.text("INSERT INTO orders VALUES (:id, 4)"), {"id": order}
+                    )
+    engine.dispose()
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 4)]
+
+
+# -- SQLite ---------------------------------------------------------------------------------------
+
+
+def place_order_sqlite(inbox: Inbox, connection: sqlite3.Connection, order: str) -> Any:
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        with inbox.claim(connection, order, scope="orders.place") as entry:
+            if entry.replayed:
+                result = entry.result
+            else:
+                connection.execute("INSERT INTO orders VALUES (?, 5)", (order,))
+                entry.complete(result := {"order": order})
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    connection.execute("COMMIT")
+    return result
+
+
+def test_sqlite_commit_then_replay(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+    connection = sqlite_connect(sqlite_path)
+    assert place_order_sqlite(inbox, connection, "o-1") == {"order": "o-1"}
+    assert place_order_sqlite(inbox, connection, "o-1") == {"order": "o-1"}
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+    record = store.get("orders.place|o-1")
+    assert record is not None
+    assert record.status is oncely.Status.COMPLETED
+    store.close()
+
+
+def test_sqlite_rollback_leaves_nothing(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+    connection = sqlite_connect(sqlite_path)
+    connection.execute("BEGIN IMMEDIATE")
+    with inbox.claim(connection, "o-2", scope="s") as entry:
+        connection.execute("INSERT INTO orders VALUES ('o-2', 1)")
+        entry.complete("x")
+    connection.execute("ROLLBACK")
+    assert store.get("s|o-2") is None
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+    store.close()
+
+
+def test_sqlite_concurrent_duplicates_run_once(sqlite_path: Path) -> None:
+    """Eight connections race for one key: the write lock serialises them, one runs."""
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+    barrier = threading.Barrier(8)
+    results: list[Any] = []
+
+    def worker() -> None:
+        connection = sqlite_connect(sqlite_path)
+        barrier.wait()
+        results.append(place_order_sqlite(inbox, connection, "o-3"))
+        connection.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [{"order": "o-3"}] * 8
+    check = sqlite_connect(sqlite_path)
+    assert check.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+    store.close()
+
+
+def test_sqlite_needs_a_transaction(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    with pytest.raises(oncely.ConfigurationError, match="BEGIN IMMEDIATE"):
+        Inbox(store).claim(sqlite_connect(sqlite_path), "k", scope="s").__enter__()
+    store.close()
+
+
+def test_inbox_needs_a_sql_store() -> None:
+    with pytest.raises(oncely.ConfigurationError, match="PostgresStore or an SQLiteStore"):
+        Inbox(oncely.open_store("memory://"))
