@@ -54,3 +54,16 @@ def test_api_reference_is_current() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (ROOT / "docs/reference.md").read_text() == module.render()
+
+
+def test_benchmark_figures_are_current() -> None:
+    """The docs' figures are the results files' (regenerate: python scripts/gen_figures.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_figures", ROOT / "scripts/gen_figures.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for page in module.PAGES:
+        assert module.render(page.read_text()) == page.read_text(), page
