@@ -361,3 +361,63 @@ def test_sqlite_needs_a_transaction(sqlite_path: Path) -> None:
 def test_inbox_needs_a_sql_store() -> None:
     with pytest.raises(oncely.ConfigurationError, match="PostgresStore or an SQLiteStore"):
         Inbox(oncely.open_store("memory://"))
+
+
+DJANGO_APP = """
+import sys
+import django
+from django.conf import settings
+
+settings.configure(
+    DATABASES={
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sys.argv[1],
+            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
+        }
+    },
+    INSTALLED_APPS=[],
+)
+django.setup()
+from django.db import connection, transaction
+
+import oncely
+
+store = oncely.open_store("sqlite:///" + sys.argv[1])
+inbox = oncely.Inbox(store)
+
+
+def place(order):
+    with transaction.atomic():
+        with inbox.claim(connection, order, scope="orders.place") as entry:
+            if entry.replayed:
+                return entry.result
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO orders VALUES (%s, 6)", [order])
+            entry.complete("placed " + order)
+            return "ran"
+
+
+print(place("o-9"), place("o-9"))
+try:
+    inbox.claim(connection, "o-10", scope="s").__enter__()
+except oncely.ConfigurationError as exc:
+    print("outside atomic:", "atomic" in str(exc))
+with connection.cursor() as cursor:
+    cursor.execute("SELECT count(*) FROM orders")
+    print(cursor.fetchone()[0])
+"""
+
+
+def test_django_connection_inside_atomic(sqlite_path: Path, tmp_path: Path) -> None:
+    """Django's connection inside transaction.atomic(): the order and its record commit as one."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "django_inbox.py"
+    script.write_text(DJANGO_APP)
+    result = subprocess.run(
+        [sys.executable, str(script), str(sqlite_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["ran placed o-9", "outside atomic: True", "1"]
