@@ -421,3 +421,33 @@ def test_django_connection_inside_atomic(sqlite_path: Path, tmp_path: Path) -> N
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:3] == ["ran placed o-9", "outside atomic: True", "1"]
+
+
+@pytest.mark.postgres
+def test_postgres_sqlalchemy_async_session(pg: tuple[str, str], pg_store: Any) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    base, schema = pg
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    async def place() -> str:
+        engine = create_async_engine(base.replace("postgresql://", "postgresql+psycopg://", 1))
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                await session.execute(sqlalchemy.text(f'SET LOCAL search_path TO "{schema}"'))
+                async with inbox.aclaim(session, order, scope="s") as entry:
+                    if entry.replayed:
+                        return str(entry.result)
+                    await session.execute(
+                        sqlalchemy.text("INSERT INTO orders VALUES (:id, 8)"), {"id": order}
+                    )
+                    entry.complete("async session")
+                    return "ran"
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(place()) == "ran"
+    assert asyncio.run(place()) == "async session"
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 8)]
