@@ -493,30 +493,46 @@ def _no_answer(lease: Lease, timeout: float) -> None:
 async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
     """Extend at once (a third of the lease has passed when this starts), then every third.
 
-    An extend that has not answered within its `_beat_timeout` is cancelled: a failed beat.
+    An extend that has not answered within its `_beat_timeout` is a failed beat, but it is not
+    cancelled: cancelling a query in flight costs its connection, and the next extend would
+    first have to open one over the same slow network. The next beat sends another extend
+    beside it (two at most in flight), and whichever answers moves the lease's known end.
     """
     loop = asyncio.get_running_loop()
     interval = _interval(lease)
-    expires = loop.time() + lease.lease.total_seconds() - interval
+    seconds = lease.lease.total_seconds()
+    expires = loop.time() + seconds - interval
     this = asyncio.current_task()
-    while lease.heartbeat is this:  # it goes on while a settle is retried; stopped after it
-        sent = loop.time()
-        timeout = _beat_timeout(interval, expires, sent)
-        try:
-            answer = await asyncio.wait_for(
-                store.aextend(lease.key, lease.token, lease=lease.lease), timeout
+    in_flight: list[tuple[float, asyncio.Future[LeaseLost | None]]] = []
+    try:
+        while lease.heartbeat is this:  # it goes on while a settle is retried; stopped after it
+            sent = loop.time()
+            if len(in_flight) < 2:
+                extend = store.aextend(lease.key, lease.token, lease=lease.lease)
+                in_flight.append((sent, asyncio.ensure_future(extend)))
+            timeout = _beat_timeout(interval, expires, sent)
+            done, _ = await asyncio.wait(
+                [task for _, task in in_flight],
+                timeout=timeout,
+                return_when=asyncio.FIRST_COMPLETED,
             )
-        except asyncio.TimeoutError:
-            if not lease.settling:
+            if not done and not lease.settling:
                 _no_answer(lease, timeout)
-        except Exception as exc:  # the next beat may succeed; the lease is not lost yet
-            if not lease.settling:
-                logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
-        else:
-            if not _beat_answered(lease, answer):
-                return
-            expires = sent + lease.lease.total_seconds()
-        await asyncio.sleep(max(sent + interval - loop.time(), 0))
+            for started, task in [pair for pair in in_flight if pair[1].done()]:
+                in_flight.remove((started, task))
+                try:
+                    answer = task.result()
+                except Exception as exc:  # the next beat may succeed; the lease is not lost yet
+                    if not lease.settling:
+                        logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
+                else:
+                    if not _beat_answered(lease, answer):
+                        return
+                    expires = max(expires, started + seconds)
+            await asyncio.sleep(max(sent + interval - loop.time(), 0))
+    finally:
+        for _, task in in_flight:
+            task.cancel()
 
 
 @dataclass(slots=True, eq=False)

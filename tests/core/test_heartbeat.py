@@ -356,3 +356,39 @@ def test_the_heartbeat_goes_on_while_complete_is_retried() -> None:
     assert not asyncio.run(main()).lease_lost
     assert len(astore.probes) == 4
     assert all(isinstance(p, InProgress) for p in astore.probes), astore.probes
+
+
+class _SlowExtends(MemoryStore):
+    """Every async extend answers a little later than a beat: too slow for the beat's timeout,
+    in time for the lease (a store behind a slow network)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def aextend(self, key: str, token: int, *, lease: timedelta) -> Any:
+        await asyncio.sleep(self.delay)
+        return await super().aextend(key, token, lease=lease)
+
+
+def test_slow_async_extends_still_keep_the_lease() -> None:
+    """An extend slower than a beat but faster than the lease is waited for, not cancelled:
+    cancelled, none would ever land (and on a real driver the cancel costs the connection)."""
+    lease = 0.6
+    store = _SlowExtends(delay=lease / 3 * 1.25)
+
+    async def main() -> list[Any]:
+        answers: list[Any] = []
+        async with Guard(store, "k", lease=lease) as guard:
+            for _ in range(6):  # three leases: only the heartbeat keeps it
+                await asyncio.sleep(lease / 2)
+                answers.append(
+                    await store.aclaim(
+                        guard.key, "", lease=timedelta(seconds=lease), ttl=timedelta(hours=1)
+                    )
+                )
+            guard.complete("done")
+        return answers
+
+    answers = asyncio.run(main())
+    assert all(isinstance(answer, InProgress) for answer in answers), answers

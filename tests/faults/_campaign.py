@@ -351,7 +351,7 @@ def run_http_history(plan: Plan, services: Services) -> Result:
     between the two chunks of the response (the httpx transport's own retries included)."""
     started = now()
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
-    history = History(plan.name, ttl=60.0, keys=keys)
+    history = History(plan.name, ttl=60.0, keys=keys, lease=plan.lease)
     lock = threading.Lock()
     # The WSGI middleware sends a response once it is whole: the httpx transport meets a
     # body that stops midway on the ASGI server, which streams.
@@ -387,7 +387,7 @@ def run_kafka_history(plan: Plan, services: Services) -> Result:
     """Two Kafka consumers of one scope, one batch redelivered past its lease (`_kafka`)."""
     started = now()
     keys = [f"h{plan.index}-{services.run}-k0"]
-    history = History(plan.name, ttl=300.0)
+    history = History(plan.name, ttl=300.0, lease=plan.lease)
     assert services.effects is not None
     assert services.kafka is not None
     spec = services.store_spec(plan, None)
@@ -411,7 +411,7 @@ def run_streams_history(plan: Plan, services: Services) -> Result:
 
     started = now()
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
-    history = History(plan.name, ttl=300.0, keys=keys)
+    history = History(plan.name, ttl=300.0, keys=keys, lease=plan.lease)
     lock = threading.Lock()
     assert services.redis is not None
     assert services.effects is not None
@@ -465,7 +465,7 @@ def run_history(plan: Plan, services: Services) -> Result:
     lease = plan.lease
     ttl = lease if plan.fault == "zombie@ttl=lease" else 60.0
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
-    history = History(plan.name, ttl=ttl, keys=keys)
+    history = History(plan.name, ttl=ttl, keys=keys, lease=plan.lease)
     lock = threading.Lock()
     own: OwnRedis | None = None
     if plan.fault == "restart":  # a server of its own: the crash must not reach other histories

@@ -14,7 +14,9 @@ The promise, as the checker reads it:
 - ``failed_but_applied``: a client was told its operation failed, yet that operation's write
   was accepted.
 - ``phantom_in_progress``: a client was told the key is in progress while no run held it
-  (nor any killed or stopped worker): a lease that nobody runs under, until it expires.
+  (nor any killed or stopped worker, nor another client's claim whose outcome it could not
+  learn, for one lease after it: that claim may have been applied with its reply lost):
+  a lease that nobody runs under, until it expires.
 - ``acked_not_run``: a message was acknowledged but no write for it stands.
 - ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
   told it ran and its result cannot be had is finished: a response cut short is never
@@ -136,15 +138,31 @@ def check(history: History, effects: Iterable[Mapping[str, Any]]) -> list[Anomal
             )
 
     faulted_keys = {event["key"] for event in history.of("fault") if event.get("excuses")}
+    invoked = {(event["key"], event["op"]): event["t"] for event in history.of("invoke")}
+    unknown_claims = [  # (key, op, from, until): may hold the key, unknown to its client
+        (
+            event["key"],
+            event["op"],
+            invoked.get((event["key"], event["op"]), event["t"]),
+            event["t"] + history.lease,
+        )
+        for event in history.of("fail")
+        if event["error"] in UNKNOWN_ERRORS
+    ]
     for event in history.of("fail"):
         key = event["key"]
         if event["error"] != "InProgressError" or key in faulted_keys:
             continue
         at = event["t"]
-        holders = [
+        holders: list[Any] = [
             run
             for run in by_key.get(key, [])
             if run.start <= at + _SLACK and run.end >= at - _SLACK and run.op != event["op"]
+        ]
+        holders += [
+            op
+            for claimed_key, op, start, until in unknown_claims
+            if claimed_key == key and op != event["op"] and start <= at and at <= until + _SLACK
         ]
         if not holders:
             anomalies.append(

@@ -52,6 +52,8 @@ class History:
     name: str
     ttl: float = 3600.0
     """The record ttl in seconds: a key may run again once its outcome has expired."""
+    lease: float = 0.0
+    """The lease in seconds: a claim whose reply was lost may hold its key that long."""
     events: list[Event] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     """The keys the history's clients must end with a result for."""

@@ -195,3 +195,23 @@ def test_in_progress_with_no_run_holding_the_key_is_a_phantom() -> None:
         {"ev": "ok", "op": "A-1", "value": {"op": "A-1", "token": 1}},
     )
     assert check(held, [_row("A-1", 1)]) == []
+
+
+def test_in_progress_within_a_lease_of_a_claim_whose_reply_was_lost_is_no_phantom() -> None:
+    """A's claim failed with the store unreachable (a restart): it may have been applied, so
+    the key may be held for one lease; B told in progress then is as promised, later not."""
+
+    def story(b_at: float) -> History:
+        history = _history(
+            {"ev": "invoke", "op": "A-1"},
+            {"ev": "fail", "op": "A-1", "error": "StoreUnavailableError"},
+            {"ev": "invoke", "op": "B-1"},
+            {"ev": "fail", "op": "B-1", "error": "InProgressError"},
+            *_ran("C-1", 1),
+        )
+        history.lease = 1.5
+        history.events[2]["t"] = history.events[3]["t"] = b_at
+        return history
+
+    assert check(story(2.0), [_row("C-1", 1)]) == []  # within 1.5 s (+ slack) of A's failure
+    assert _kinds(story(4.0), [_row("C-1", 1)]) == ["phantom_in_progress"]
