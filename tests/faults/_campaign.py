@@ -43,6 +43,7 @@ ENTRIES = (
     "redis_streams",
     "rabbitmq",
     "nats",
+    "kafka_group",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
@@ -59,7 +60,10 @@ FAULTS = (
     "restart",
     "disconnect",
     "redelivery",
+    "rebalance@join",
+    "rebalance@kill",
 )
+REBALANCES = ("rebalance@join", "rebalance@kill")
 
 _SERVER_CLOCK = {"postgres", "redis", "redis_cluster", "tiered"}
 _PROXYABLE = {"postgres", "redis", "tiered"}
@@ -73,9 +77,11 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return store == "redis" and fault in ("none", "kill@mid")
     if entry in ("rabbitmq", "nats"):  # a member killed before or after its write, redelivered
         return store in ("redis", "postgres") and fault in ("kill@mid", "kill@effect")
+    if entry == "kafka_group":  # partitions move between two members while records run
+        return store in ("redis", "postgres") and fault in REBALANCES
     if entry == "kafka":  # ordered batches redelivered past their lease
         return store in ("redis", "postgres") and fault == "redelivery"
-    if fault in ("disconnect", "redelivery"):
+    if fault in ("disconnect", "redelivery", *REBALANCES):
         return False
     if store == "memory":  # one process: nothing to kill, stop or proxy
         return fault in ("none", "slow")
@@ -516,8 +522,58 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
     return Result(plan, history, check(history, rows), faults, now() - started)
 
 
+def run_group_history(plan: Plan, services: Services) -> Result:
+    """Two members of one Kafka consumer group; partitions move while records are in flight."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(4 * _kafka.PARTITIONS)]
+    history = History(plan.name, ttl=300.0, keys=keys)
+    lock = threading.Lock()
+    assert services.effects is not None
+    assert services.kafka is not None
+    topic = f"oncely-faults-{services.run}-h{plan.index}"
+    where = _kafka.create(services.kafka, topic, keys)
+    base = {
+        "bootstrap": services.kafka,
+        "topic": topic,
+        "group": topic,
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "lease": plan.lease,
+        "hold": 0.25,
+    }
+    joined = plan.fault == "rebalance@join"
+    members: list[_Process] = []
+    faults: list[str] = []
+    try:
+        a = {**base, "worker": "A"} if joined else {**base, "worker": "A", "kill_at": 2}
+        members.append(_Process(a, history, lock, _kafka.member))
+        if joined:  # B joins once A runs: A's partitions are revoked under its handlers
+            members[0].wait_for(lambda event: event["ev"] == "run")
+        members.append(_Process({**base, "worker": "B"}, history, lock, _kafka.member))
+        acked = _kafka.settle(services.kafka, topic, topic, where, 4 * plan.lease + 30)
+        if joined:
+            with lock:
+                if any(e["ev"] == "run" and e["worker"] == "B" for e in history.events):
+                    faults.append(plan.fault)  # counted only when B took a share
+    finally:
+        for each in members:
+            if each.process.is_alive():
+                assert each.process.pid is not None
+                os.kill(each.process.pid, 15)
+            each.join(15)
+        _kafka.drop(services.kafka, topic)
+    with lock:
+        for key in sorted(acked):
+            history.add({"ev": "ack", "op": f"ack-{key}", "key": key, "worker": topic, "t": now()})
+    faults += [event["kind"] for event in history.of("fault")]
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.entry == "kafka_group":
+        return run_group_history(plan, services)
     if plan.entry in ("rabbitmq", "nats"):
         return run_broker_history(plan, services)
     if plan.entry == "redis_streams":
