@@ -525,7 +525,7 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
 def run_group_history(plan: Plan, services: Services) -> Result:
     """Two members of one Kafka consumer group; partitions move while records are in flight."""
     started = now()
-    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(4 * _kafka.PARTITIONS)]
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(6 * _kafka.PARTITIONS)]
     history = History(plan.name, ttl=300.0, keys=keys)
     lock = threading.Lock()
     assert services.effects is not None
@@ -539,7 +539,7 @@ def run_group_history(plan: Plan, services: Services) -> Result:
         "store": services.store_spec(plan, None),
         "effects": {"url": services.effects.url, "schema": services.effects.schema},
         "lease": plan.lease,
-        "hold": 0.25,
+        "hold": 0.3,
     }
     joined = plan.fault == "rebalance@join"
     members: list[_Process] = []
