@@ -1,5 +1,6 @@
 """RabbitMQ and NATS JetStream through their adapters (`oncely.consumers.rabbitmq`,
-`oncely.consumers.nats`): two member processes of one queue (one durable JetStream consumer);
+`oncely.consumers.nats`, and the FastStream middleware `oncely.consumers.faststream` on a
+RabbitMQ broker): two member processes of one queue (one durable JetStream consumer);
 member A is SIGKILLed in its first handler, before its fenced write (``kill@mid``) or after it,
 before the adapter completes the record and acks (``kill@effect``). RabbitMQ redelivers the
 dead member's message at once, JetStream after ``ack_wait``; member B waits out A's lease and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -56,8 +58,13 @@ async def _member(config: dict[str, Any], pipe: Any) -> None:
         with lock:
             pipe.send({"ev": ev, "op": op, "key": key, "worker": worker, "t": now(), **fields})
 
+    running: dict[str, str] = {}  # op -> key, the handlers in flight in this process
+
     def die(op: str, key: str, point: str) -> None:
         event("fault", op, key, kind=f"kill@{point}", excuses=True)
+        for other, its_key in running.items():  # they die too (FastStream runs several)
+            if other != op:
+                event("fault", other, its_key, kind=f"kill@{point}", excuses=True, along=True)
         os.kill(os.getpid(), signal.SIGKILL)
         threading.Event().wait()
 
@@ -66,6 +73,7 @@ async def _member(config: dict[str, Any], pipe: Any) -> None:
         current = oncely.current_lease()
         assert current is not None
         event("run", op, key, token=current.token)
+        running[op] = key
         try:
             async with await psycopg.AsyncConnection.connect(effects.url, autocommit=True) as conn:
                 if await effects.abegin(conn, key, current.token) is not None:
@@ -79,6 +87,7 @@ async def _member(config: dict[str, Any], pipe: Any) -> None:
                 if kill == "effect":
                     die(op, key, "effect")
         finally:
+            running.pop(op, None)
             event("end", op, key)
 
     def settled(key: str, verdict: Any) -> None:
@@ -88,7 +97,7 @@ async def _member(config: dict[str, Any], pipe: Any) -> None:
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    consume = _rabbitmq if config["broker"] == "rabbitmq" else _nats
+    consume = {"rabbitmq": _rabbitmq, "nats": _nats, "faststream": _faststream}[config["broker"]]
     try:
         await consume(config, store, policy, effect, settled, stop)
     finally:
@@ -165,6 +174,37 @@ async def _nats(
         await client.close()
 
 
+async def _faststream(
+    config: dict[str, Any],
+    store: Any,
+    policy: Any,
+    effect: Callable[[str], Awaitable[None]],
+    settled: Callable[[str, Any], None],
+    stop: asyncio.Event,
+) -> None:
+    """The FastStream middleware on a RabbitMQ broker (it settles the message itself)."""
+    from faststream.rabbit import RabbitBroker, RabbitQueue
+
+    from oncely.consumers import Verdict
+    from oncely.consumers.faststream import IdempotencyMiddleware
+
+    class Watched(IdempotencyMiddleware):
+        async def _settle(self, msg: Any, verdict: Verdict) -> None:
+            await super()._settle(msg, verdict)
+            settled(str((msg.headers or {})["Idempotency-Key"]), verdict)
+
+    broker = RabbitBroker(config["url"], logger=None)
+    broker.add_middleware(Watched(store, group=config["group"], policy=policy))
+
+    @broker.subscriber(RabbitQueue(config["queue"], durable=False))
+    async def handle(body: dict[str, Any]) -> None:
+        await effect(body["order"])
+
+    async with broker:
+        await broker.start()
+        await stop.wait()
+
+
 # -- the broker's side (the campaign process) --------------------------------------------------
 
 
@@ -188,7 +228,8 @@ class RabbitQueue:
             channel = await connection.channel()
             await channel.declare_queue(self.name)
             for key in keys:
-                message = amqp_message(key.encode(), key)
+                body = json.dumps({"order": key}).encode()
+                message = amqp_message(body, key, content_type="application/json")
                 await channel.default_exchange.publish(message, routing_key=self.name)
 
     def unacked(self) -> set[str]:

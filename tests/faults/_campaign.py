@@ -43,9 +43,12 @@ ENTRIES = (
     "redis_streams",
     "rabbitmq",
     "nats",
+    "faststream",
     "kafka_group",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
+BROKER_ENTRIES = ("rabbitmq", "nats", "faststream")
+"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's on RabbitMQ."""
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
 PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
@@ -75,7 +78,7 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
     if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
         return store == "redis" and fault in ("none", "kill@mid")
-    if entry in ("rabbitmq", "nats"):  # a member killed before or after its write, redelivered
+    if entry in BROKER_ENTRIES:  # a member killed before or after its write, redelivered
         return store in ("redis", "postgres") and fault in ("kill@mid", "kill@effect")
     if entry == "kafka_group":  # partitions move between two members while records run
         return store in ("redis", "postgres") and fault in REBALANCES
@@ -465,7 +468,8 @@ def run_streams_history(plan: Plan, services: Services) -> Result:
 
 
 def run_broker_history(plan: Plan, services: Services) -> Result:
-    """Two members of a RabbitMQ queue or a JetStream consumer; A dies in its first handler."""
+    """Two members of a RabbitMQ queue (aio-pika or FastStream) or a JetStream consumer; A dies
+    in its first handler."""
     started = now()
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
     history = History(plan.name, ttl=300.0, keys=keys)
@@ -473,7 +477,7 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
     assert services.effects is not None
     name = f"oncely-faults-{services.run}-h{plan.index}"
     broker: _brokers.RabbitQueue | _brokers.NatsStream
-    if plan.entry == "rabbitmq":
+    if plan.entry in ("rabbitmq", "faststream"):
         assert services.rabbitmq is not None
         broker = _brokers.RabbitQueue(services.rabbitmq, name)
         base = {"url": services.rabbitmq, "queue": name}
@@ -517,7 +521,7 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
                 history.add(
                     {"ev": "ack", "op": f"ack-{key}", "key": key, "worker": name, "t": now()}
                 )
-    faults = [event["kind"] for event in history.of("fault")]
+    faults = [event["kind"] for event in history.of("fault") if not event.get("along")]
     rows = services.effects.rows(keys)
     return Result(plan, history, check(history, rows), faults, now() - started)
 
@@ -574,7 +578,7 @@ def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
     if plan.entry == "kafka_group":
         return run_group_history(plan, services)
-    if plan.entry in ("rabbitmq", "nats"):
+    if plan.entry in BROKER_ENTRIES:
         return run_broker_history(plan, services)
     if plan.entry == "redis_streams":
         return run_streams_history(plan, services)
