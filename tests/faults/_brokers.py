@@ -244,7 +244,7 @@ class RabbitQueue:
         left: set[str] = set()
         async with connection:
             channel = await connection.channel()
-            queue = await channel.get_queue(self.name)
+            queue = await channel.declare_queue(self.name)  # made by `publish`, or now
             while (message := await queue.get(no_ack=True, fail=False)) is not None:
                 left.add(str((message.headers or {})["Idempotency-Key"]))
             await queue.delete(if_unused=False, if_empty=False)
@@ -294,7 +294,8 @@ class NatsStream:
                 floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
             except nats.js.errors.NotFoundError:  # no member ever subscribed
                 floor = 0
-            await js.delete_stream(self.name)
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_stream(self.name)
         finally:
             await client.close()
         return {key for key, seq in self.sequences.items() if (seq or 0) > (floor or 0)}

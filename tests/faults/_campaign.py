@@ -492,7 +492,6 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
         "group": name,
         "lease": plan.lease,
     }
-    broker.publish(keys)
     members: list[_Process] = []
 
     def events() -> list[dict[str, Any]]:
@@ -500,6 +499,7 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
             return list(history.events)
 
     try:
+        broker.publish(keys)  # inside: the queue or stream is deleted whatever happens
         kill = plan.fault.partition("@")[2]
         members.append(
             _Process({**base, "worker": "A", "kill": kill}, history, lock, _brokers.member)
