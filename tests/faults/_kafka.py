@@ -8,6 +8,7 @@ again under the lease it held across the rounds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -221,6 +222,89 @@ def member(config: dict[str, Any], pipe: Any) -> None:
     consumer.close()
     store.close()
     pipe.close()
+
+
+def async_member(config: dict[str, Any], pipe: Any) -> None:
+    """A group member on aiokafka (`AsyncIdempotentKafkaConsumer`): its partitions can be
+    revoked while its handlers run, which a ``revoked`` event with ``mid`` says."""
+    asyncio.run(_async_member(config, pipe))
+
+
+async def _async_member(config: dict[str, Any], pipe: Any) -> None:
+    import signal
+
+    import aiokafka
+    import psycopg
+
+    from oncely.consumers import ConsumerPolicy
+    from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer
+
+    worker = config["worker"]
+    effects = Effects(config["effects"]["url"], config["effects"]["schema"])
+    store: Any = oncely.open_store(config["store"]["url"], **config["store"].get("options", {}))
+    runs = iter(range(1, 10_000))
+
+    def event(ev: str, op: str, key: str, **fields: Any) -> None:
+        pipe.send({"ev": ev, "op": op, "key": key, "worker": worker, "t": now(), **fields})
+
+    async def handle(record: Any) -> None:
+        key = json.loads(record.value)["order"]
+        op = f"{worker}-p{record.partition}@{record.offset}.{next(runs)}"
+        current = oncely.current_lease()
+        assert current is not None
+        event("run", op, key, token=current.token)
+        try:
+            async with await psycopg.AsyncConnection.connect(effects.url, autocommit=True) as conn:
+                if await effects.abegin(conn, key, current.token) is not None:
+                    return
+                await asyncio.sleep(config["hold"])  # in flight: the rebalance lands here
+                accepted = await effects.awrite(conn, key, op, current.token)
+                event("effect", op, key, token=current.token, accepted=accepted)
+                if not accepted:
+                    raise Fenced(f"{op}'s write was rejected")
+        finally:
+            event("end", op, key)
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    producer = aiokafka.AIOKafkaProducer(bootstrap_servers=config["bootstrap"])
+    client = aiokafka.AIOKafkaConsumer(
+        bootstrap_servers=config["bootstrap"],
+        group_id=config["group"],
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=400,
+        rebalance_timeout_ms=2000,
+    )
+    consumer = AsyncIdempotentKafkaConsumer(
+        client,
+        [config["topic"]],
+        handle,
+        store=store,
+        producer=producer,
+        scope=f"faults-{config['group']}",
+        policy=ConsumerPolicy(lease=timedelta(seconds=config["lease"]), ttl=timedelta(minutes=5)),
+        poll_timeout=0.1,
+        batch_size=4,
+    )
+    revoke = consumer._revoked  # the test's own probe, as tests/consumers do
+
+    async def watched(partitions: Any) -> None:
+        mid = not consumer._idle.is_set()
+        event("revoked", f"{worker}-revoke", "", mid=mid, partitions=len(partitions))
+        await revoke(partitions)
+
+    consumer._revoked = watched  # type: ignore[method-assign]  # a probe, not a patch
+    await producer.start()
+    await client.start()
+    try:
+        await consumer.arun(stop)
+    finally:
+        await client.stop()
+        await producer.stop()
+        await store.aclose()
+        pipe.close()
 
 
 def create(bootstrap: str, topic: str, keys: list[str]) -> dict[str, int]:
