@@ -149,6 +149,8 @@ def main() -> int:
         postgres=os.environ["ONCELY_TEST_POSTGRES_URL"],
         redis_cluster=os.environ.get("ONCELY_TEST_REDIS_CLUSTER_URL"),
         kafka=os.environ.get("ONCELY_TEST_KAFKA_BOOTSTRAP"),
+        rabbitmq=os.environ.get("ONCELY_TEST_RABBITMQ_URL"),
+        nats=os.environ.get("ONCELY_TEST_NATS_URL"),
         parallel=args.parallel,
         progress=progress,
     )

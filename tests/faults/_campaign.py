@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _http, _kafka, _streams, _workers
+from tests.faults import _brokers, _http, _kafka, _streams, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -41,8 +41,14 @@ ENTRIES = (
     "httpx",
     "kafka",
     "redis_streams",
+    "rabbitmq",
+    "nats",
+    "faststream",
+    "kafka_group",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
+BROKER_ENTRIES = ("rabbitmq", "nats", "faststream")
+"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's on RabbitMQ."""
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
 PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
@@ -57,7 +63,10 @@ FAULTS = (
     "restart",
     "disconnect",
     "redelivery",
+    "rebalance@join",
+    "rebalance@kill",
 )
+REBALANCES = ("rebalance@join", "rebalance@kill")
 
 _SERVER_CLOCK = {"postgres", "redis", "redis_cluster", "tiered"}
 _PROXYABLE = {"postgres", "redis", "tiered"}
@@ -69,9 +78,13 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
     if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
         return store == "redis" and fault in ("none", "kill@mid")
+    if entry in BROKER_ENTRIES:  # a member killed before or after its write, redelivered
+        return store in ("redis", "postgres") and fault in ("kill@mid", "kill@effect")
+    if entry == "kafka_group":  # partitions move between two members while records run
+        return store in ("redis", "postgres") and fault in REBALANCES
     if entry == "kafka":  # ordered batches redelivered past their lease
         return store in ("redis", "postgres") and fault == "redelivery"
-    if fault in ("disconnect", "redelivery"):
+    if fault in ("disconnect", "redelivery", *REBALANCES):
         return False
     if store == "memory":  # one process: nothing to kill, stop or proxy
         return fault in ("none", "slow")
@@ -117,6 +130,8 @@ class Services:
     postgres: str
     redis_cluster: str | None
     kafka: str | None = None
+    rabbitmq: str | None = None
+    nats: str | None = None
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     redis: OwnRedis | None = None
     effects: Effects | None = None
@@ -452,8 +467,122 @@ def run_streams_history(plan: Plan, services: Services) -> Result:
     return Result(plan, history, check(history, rows), faults, now() - started)
 
 
+def run_broker_history(plan: Plan, services: Services) -> Result:
+    """Two members of a RabbitMQ queue (aio-pika or FastStream) or a JetStream consumer; A dies
+    in its first handler."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
+    history = History(plan.name, ttl=300.0, keys=keys)
+    lock = threading.Lock()
+    assert services.effects is not None
+    name = f"oncely-faults-{services.run}-h{plan.index}"
+    broker: _brokers.RabbitQueue | _brokers.NatsStream
+    if plan.entry in ("rabbitmq", "faststream"):
+        assert services.rabbitmq is not None
+        broker = _brokers.RabbitQueue(services.rabbitmq, name)
+        base = {"url": services.rabbitmq, "queue": name}
+    else:
+        assert services.nats is not None
+        broker = _brokers.NatsStream(services.nats, name)
+        base = {"url": services.nats, "stream": name}
+    base |= {
+        "broker": plan.entry,
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "group": name,
+        "lease": plan.lease,
+    }
+    members: list[_Process] = []
+
+    def events() -> list[dict[str, Any]]:
+        with lock:
+            return list(history.events)
+
+    try:
+        broker.publish(keys)  # inside: the queue or stream is deleted whatever happens
+        kill = plan.fault.partition("@")[2]
+        members.append(
+            _Process({**base, "worker": "A", "kill": kill}, history, lock, _brokers.member)
+        )
+        # B joins once A has its first message, so that A surely gets one
+        members[0].wait_for(lambda event: event["ev"] == "fault")
+        members.append(_Process({**base, "worker": "B"}, history, lock, _brokers.member))
+        _brokers.wait_settled(events, keys, 4 * plan.lease + _brokers.ACK_WAIT + 15)
+    finally:
+        for each in members:
+            if each.process.is_alive():
+                assert each.process.pid is not None
+                os.kill(each.process.pid, 15)
+            each.join(10)
+        unacked = broker.unacked()
+    with lock:
+        for key in keys:
+            if key not in unacked:
+                history.add(
+                    {"ev": "ack", "op": f"ack-{key}", "key": key, "worker": name, "t": now()}
+                )
+    faults = [event["kind"] for event in history.of("fault") if not event.get("along")]
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+def run_group_history(plan: Plan, services: Services) -> Result:
+    """Two members of one Kafka consumer group; partitions move while records are in flight."""
+    started = now()
+    keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(6 * _kafka.PARTITIONS)]
+    history = History(plan.name, ttl=300.0, keys=keys)
+    lock = threading.Lock()
+    assert services.effects is not None
+    assert services.kafka is not None
+    topic = f"oncely-faults-{services.run}-h{plan.index}"
+    where = _kafka.create(services.kafka, topic, keys)
+    base = {
+        "bootstrap": services.kafka,
+        "topic": topic,
+        "group": topic,
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "lease": plan.lease,
+        "hold": 0.3,
+    }
+    joined = plan.fault == "rebalance@join"
+    members: list[_Process] = []
+    faults: list[str] = []
+    try:
+        a = {**base, "worker": "A"} if joined else {**base, "worker": "A", "kill_at": 2}
+        # aiokafka's members can lose partitions while their handlers run; confluent's only
+        # between rounds (in a poll), so a confluent member is killed mid-handler instead.
+        target = _kafka.async_member if joined else _kafka.member
+        members.append(_Process(a, history, lock, target))
+        if joined:  # B joins once A runs: A's partitions are revoked under its handlers
+            members[0].wait_for(lambda event: event["ev"] == "run")
+        members.append(_Process({**base, "worker": "B"}, history, lock, target))
+        acked = _kafka.settle(services.kafka, topic, topic, where, 4 * plan.lease + 30)
+        if joined:
+            with lock:
+                if any(e["ev"] == "revoked" and e["mid"] for e in history.events):
+                    faults.append(plan.fault)  # counted only when it hit handlers in flight
+    finally:
+        for each in members:
+            if each.process.is_alive():
+                assert each.process.pid is not None
+                os.kill(each.process.pid, 15)
+            each.join(15)
+        _kafka.drop(services.kafka, topic)
+    with lock:
+        for key in sorted(acked):
+            history.add({"ev": "ack", "op": f"ack-{key}", "key": key, "worker": topic, "t": now()})
+    faults += [event["kind"] for event in history.of("fault")]
+    rows = services.effects.rows(keys)
+    return Result(plan, history, check(history, rows), faults, now() - started)
+
+
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.entry == "kafka_group":
+        return run_group_history(plan, services)
+    if plan.entry in BROKER_ENTRIES:
+        return run_broker_history(plan, services)
     if plan.entry == "redis_streams":
         return run_streams_history(plan, services)
     if plan.entry in HTTP_ENTRIES:
@@ -631,6 +760,8 @@ def run(
     postgres: str,
     redis_cluster: str | None,
     kafka: str | None = None,
+    rabbitmq: str | None = None,
+    nats: str | None = None,
     parallel: int = 4,
     progress: Callable[[Result], None] | None = None,
 ) -> Report:
@@ -640,7 +771,7 @@ def run(
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["oncely", "redis", "redis.asyncio", "psycopg", "psycopg_pool", "tests.faults._workers"]
     )
-    services = Services(postgres, redis_cluster, kafka)
+    services = Services(postgres, redis_cluster, kafka, rabbitmq, nats)
     try:
         services.open(sorted({plan.store for plan in plans_}))
         results: list[Result] = []

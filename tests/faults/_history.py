@@ -9,7 +9,11 @@ Every record is a plain dict (it crosses a process pipe): ``ev`` names its kind.
 - ``ok`` / ``fail``: the client got a result (``value``) or an error (``error``, its type).
 - ``fault``: the campaign injected ``kind`` on ``op`` (``excuses``: the op's worker stopped
   being a live lease holder, so another may take its key over).
-- ``ack``: a consumer acknowledged the message ``key``.
+- ``ack``: a consumer acknowledged the message ``key`` (read from the broker, for the broker
+  adapters).
+- ``settled``, ``revoked``: what a consumer member saw (it acked ``key``; the group revoked its
+  partitions, ``mid``: with handlers in flight): the campaign waits on them, the checker does
+  not read them.
 
 An ``invoke`` with neither ``ok`` nor ``fail`` is an *unknown* outcome (the client died or
 timed out), as is a ``fail`` whose error says the outcome is not known.

@@ -19,6 +19,8 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.redis_cluster,
     pytest.mark.kafka,
+    pytest.mark.rabbitmq,
+    pytest.mark.nats,
     pytest.mark.slow,
 ]
 
@@ -33,6 +35,8 @@ def test_the_campaign_finds_no_anomaly() -> None:
         postgres=service_url("ONCELY_TEST_POSTGRES_URL"),
         redis_cluster=service_url("ONCELY_TEST_REDIS_CLUSTER_URL"),
         kafka=service_url("ONCELY_TEST_KAFKA_BOOTSTRAP"),
+        rabbitmq=service_url("ONCELY_TEST_RABBITMQ_URL"),
+        nats=service_url("ONCELY_TEST_NATS_URL"),
         parallel=6,
     )
     faults = report.faults()
