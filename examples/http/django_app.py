@@ -67,7 +67,7 @@ def charge(request: HttpRequest) -> HttpResponse:
     charged = _ledger().charge(payment)
     if simulation.fail == "raise":
         raise SimulatedFailure("the handler failed after charging")
-    status = 500 if simulation.fail == "500" else 201
+    status = simulation.status
     content = simulation.body(charged)
     response: HttpResponse | StreamingHttpResponse
     if simulation.chunks == 1:

@@ -222,6 +222,31 @@ class TestFirstAndRepeat:
         assert second.replayed
         assert second.body == first.body
 
+    @pytest.mark.parametrize("status", [401, 403, 408, 409, 422, 423, 425, 429])
+    def test_refusals_are_not_stored_and_a_retry_executes(
+        self, api: Api, key: str, status: int
+    ) -> None:
+        """A 4xx that says "not carried out, may succeed later" releases the lease."""
+        first = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        second = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+
+        assert first.status == second.status == status
+        assert not second.replayed
+        assert api.ledger.count() == 2
+        third = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        assert not third.replayed
+        assert api.ledger.count() == 3
+
+    @pytest.mark.parametrize("status", [400, 404, 410, 412])
+    def test_other_4xx_outcomes_are_stored(self, api: Api, key: str, status: int) -> None:
+        """The rest of 4xx is an outcome: stored and replayed."""
+        first = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        second = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+
+        assert first.status == second.status == status
+        assert second.replayed
+        assert api.ledger.count() == 1
+
     def test_streamed_response_is_stored_byte_for_byte(self, api: Api, key: str) -> None:
         """A response sent in several chunks is stored whole."""
         first = api.post(key=key, json_body=PAYMENT, params={"chunks": 5, "pad": 3000})
