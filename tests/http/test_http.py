@@ -275,6 +275,28 @@ class TestConflicts:
             assert reply.status == 409 or (reply.status == 201 and reply.body == executed[0].body)
         assert api.ledger.count() == 1
 
+    def test_in_progress_retry_after_is_short_whatever_the_lease(
+        self, make_api: Callable[..., Api], key: str
+    ) -> None:
+        """A 409's Retry-After is about a second, never the lease's remaining time (30 s)."""
+        api = make_api(HttpPolicy(lease=30))
+        slow = {"delay": 1.5}
+
+        def first() -> Reply:
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        def duplicate() -> Reply:
+            time.sleep(0.5)
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        replies = api.concurrently([first, duplicate])
+
+        conflicts = [reply for reply in replies if reply.status == 409]
+        assert len(conflicts) == 1, [reply.status for reply in replies]
+        problem(conflicts[0], 409, "idempotency-key-in-use")
+        assert conflicts[0].header("retry-after") == "1"
+        assert api.ledger.count() == 1
+
     def test_same_key_different_request_is_422(self, api: Api, key: str) -> None:
         """A key reused for another body, query or media is a client bug: 422, nothing runs."""
         api.post(key=key, json_body=PAYMENT)

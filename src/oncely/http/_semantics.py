@@ -16,7 +16,7 @@ key empty, too long, not a valid header string          400 (`key_invalid`), not
 body over `HttpPolicy.max_request_bytes`                413 (`request_too_large`), nothing stored
 first request                                           executed; stored if `HttpPolicy.stores`
 repeat of a completed request                           stored response + marker (`replayed`)
-repeat while the first runs                             409 + Retry-After (`in_progress`)
+repeat while the first runs                             409 + Retry-After: 1 (`in_progress`)
 same key, other fingerprint                             422 (`mismatch`)
 store unreachable                                       503 + Retry-After (`unavailable`)
 handler answered 5xx or raised                          not stored; the lease is released
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HOP_BY_HOP",
+    "IN_PROGRESS_RETRY_AFTER",
     "SAFE_METHODS",
     "HttpRequest",
     "Plan",
@@ -394,9 +395,15 @@ def request_too_large(policy: HttpPolicy) -> Response:
     )
 
 
-def in_progress(retry_after: timedelta) -> Response:
-    """409 with ``Retry-After``: a request with this key is still being processed."""
-    value = retry_after_value(retry_after)
+IN_PROGRESS_RETRY_AFTER: Final = timedelta(seconds=1)
+"""The ``Retry-After`` of a 409: a hint to poll again soon. Never the lease's remaining time,
+which is up to a whole lease (30 s by default) and would make clients give up or wait long after
+the first request finished."""
+
+
+def in_progress() -> Response:
+    """409 with a short ``Retry-After``: a request with this key is still being processed."""
+    value = retry_after_value(IN_PROGRESS_RETRY_AFTER)
     return problem(
         409,
         "idempotency-key-in-use",
