@@ -329,6 +329,23 @@ class TestConflicts:
         assert bob_again.body == bob_first.body
         assert api.ledger.count() == 3
 
+    def test_cookie_sessions_are_isolated(self, api: Api, key: str) -> None:
+        """Without Authorization, the cookies name the principal: a second session with the same
+        key and body runs its own operation instead of receiving the first one's response."""
+        alice = [("cookie", "sessionid=alice; theme=dark")]
+        bob = [("cookie", "sessionid=bob; theme=dark")]
+        alice_first = api.post(key=key, json_body=PAYMENT, headers=alice)
+        bob_first = api.post(key=key, json_body=PAYMENT, headers=bob)
+
+        assert alice_first.status == bob_first.status == 201
+        assert not bob_first.replayed
+        assert bob_first.body != alice_first.body
+        assert api.ledger.count() == 2
+        alice_again = api.post(key=key, json_body=PAYMENT, headers=alice)
+        assert alice_again.replayed
+        assert alice_again.body == alice_first.body
+        assert api.ledger.count() == 2
+
     def test_same_key_on_another_route_is_another_operation(self, api: Api, key: str) -> None:
         """The default scope includes the route."""
         assert api.post("/payments", key=key, json_body=PAYMENT).status == 201

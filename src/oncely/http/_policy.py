@@ -80,8 +80,9 @@ class HttpPolicy:
         ttl: How long a stored response is replayed (a timedelta or seconds; default 24 h).
         lease: How long a request may run before a duplicate may take over; the heartbeat
             extends it every third of it while the handler runs (default 30 s).
-        scope: The scope of a key: by default method + route + a digest of ``Authorization``,
-            so one client can never replay another client's response.
+        scope: The scope of a key: by default method + route + a digest of the principal (the
+            framework's authenticated user, else ``Authorization``, else the cookies), so one
+            client can never replay another client's response (`default_scope`).
         fingerprint: What defines the operation: by default method + path + sorted query +
             body (JSON bodies canonicalised). A key reused with another fingerprint gets 422.
         stored_statuses: Response statuses that are stored and replayed (default: below 500,

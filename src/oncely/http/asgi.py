@@ -141,7 +141,14 @@ class IdempotencyMiddleware:
             return
         messages, body = buffered
         request = HttpRequest(
-            method, path, route, scope.get("query_string", b""), tuple(headers), body
+            method,
+            path,
+            route,
+            scope.get("query_string", b""),
+            tuple(headers),
+            body,
+            # Set by Starlette's AuthenticationMiddleware when it runs before this one.
+            _semantics.user_principal(scope.get("user")),
         )
         plan = _semantics.plan(request, decision, policy)
         receive = _BufferedReceive(messages, receive)
