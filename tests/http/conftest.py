@@ -45,6 +45,7 @@ ADAPTERS = [
     pytest.param("flask_app", id="flask"),
     pytest.param("django_app", id="django"),
     pytest.param("django_asgi_app", id="django-asgi"),
+    pytest.param("django_middleware_app", id="django-middleware"),
 ]
 
 ASGI = {"asgi_app", "fastapi_app", "starlette_app", "django_asgi_app"}

@@ -1,18 +1,21 @@
 """The principal in the default scope: the framework's user where it knows one (Starlette's
 ``scope["user"]``, WSGI's ``REMOTE_USER``), else ``Authorization``, else the cookies.
 Cookie sessions across every adapter are in ``test_http.py``
-(``test_cookie_sessions_are_isolated``); Django's ``request.user`` in ``test_django.py``."""
+(``test_cookie_sessions_are_isolated``)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import itertools
 import uuid
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+from anyio.from_thread import BlockingPortal
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware import Middleware
@@ -22,10 +25,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import oncely
-from oncely.http import HttpRequest, default_scope
+from oncely.http import HttpPolicy, HttpRequest, default_scope
 from oncely.http._semantics import user_principal
 from oncely.http.asgi import IdempotencyMiddleware as AsgiMiddleware
 from oncely.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
+from tests.http._harness import Api, FaultyStore, Reply
 
 
 class _HeaderUser(AuthenticationBackend):
@@ -158,3 +162,27 @@ def test_user_principal_reads_authenticated_users_only() -> None:
     assert user_principal(_User(True, username="ann")) == "username=ann"
     assert user_principal(SimpleUser("ann")) in ("identity=ann", "username=ann")
     assert user_principal(_User(True)) is None
+
+
+def test_django_request_user_is_the_principal(portal: BlockingPortal, tmp_path: Path) -> None:
+    """Under ``oncely.http.django.IdempotencyMiddleware`` (after authentication), two users with
+    the same key, body and cookies run two operations; one user replays whatever the cookies."""
+    module = importlib.import_module("django_middleware_app")
+    ledger = importlib.import_module("_payments").Ledger(tmp_path / "payments.db")
+    store = FaultyStore(oncely.open_store("memory://"))
+    api = Api(module.create_app(store, ledger, HttpPolicy()), "wsgi", portal, ledger, store)
+    key = str(uuid.uuid4())
+    body = {"amount": 5, "currency": "EUR"}
+
+    def post(user: str, cookie: str) -> Reply:
+        return api.post(key=key, json_body=body, headers=[("x-user", user), ("cookie", cookie)])
+
+    alice, bob = post("alice", "sid=shared"), post("bob", "sid=shared")
+
+    assert (alice.status, bob.status) == (201, 201)
+    assert not bob.replayed
+    assert ledger.count() == 2
+    again = post("alice", "sid=other")
+    assert again.replayed
+    assert again.body == alice.body
+    assert ledger.count() == 2
