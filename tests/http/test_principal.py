@@ -186,3 +186,42 @@ def test_django_request_user_is_the_principal(portal: BlockingPortal, tmp_path: 
     assert again.replayed
     assert again.body == alice.body
     assert ledger.count() == 2
+
+
+def test_django_middleware_under_django_asgi(tmp_path: Path) -> None:
+    """The sync Django middleware under Django's ASGI handler (Django runs it in a thread):
+    the principal and the view's `idempotent_route` options hold there too."""
+    from django.core.handlers.asgi import ASGIHandler
+    from django.test.utils import override_settings
+
+    module = importlib.import_module("django_middleware_app")
+    django_app = importlib.import_module("django_app")
+    ledger = importlib.import_module("_payments").Ledger(tmp_path / "payments.db")
+    django_app.LEDGER, django_app.ASGI = ledger, True
+    store = oncely.open_store("memory://")
+    with override_settings(MIDDLEWARE=module.MIDDLEWARE, ONCELY_STORE=store, ONCELY_HTTP=None):
+        app = ASGIHandler()
+    key = str(uuid.uuid4())
+    body = {"amount": 5, "currency": "EUR"}
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            replies = [
+                await client.post(
+                    "/payments", json=body, headers={"idempotency-key": key, "x-user": user}
+                )
+                for user in ("alice", "bob", "alice")
+            ]
+            replies.append(await client.post("/transfers", json=body))  # the key is required
+            return replies
+
+    alice, bob, again, missing = anyio.run(go)
+
+    assert (alice.status_code, bob.status_code, again.status_code) == (201, 201, 201)
+    assert "idempotent-replayed" not in bob.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == alice.content
+    assert missing.status_code == 400
+    assert missing.json()["code"] == "idempotency-key-missing"
+    assert ledger.count() == 2
