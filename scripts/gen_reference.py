@@ -18,6 +18,7 @@ SECTIONS = [
     ("oncely.http.asgi", ["IdempotencyMiddleware"]),
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
     ("oncely.http.flask", ["Idempotency"]),
+    ("oncely.http.django", ["IdempotencyMiddleware"]),
     ("oncely.inbox", ["InboxEntry", "AsyncInboxEntry"]),
 ]
 OPTIONAL = [

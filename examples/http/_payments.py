@@ -2,9 +2,9 @@
 
 The payment effect is one row in a SQLite table, so "executed exactly once" can be counted.
 The endpoints take a few query parameters that simulate trouble, used by the tests and the
-demo: ``delay`` (seconds of work), ``fail`` (``500`` answers 500 after the charge, ``raise``
-raises after it), ``pad`` (bytes of padding in the response) and ``chunks`` (send the response
-body in that many pieces).
+demo: ``delay`` (seconds of work), ``fail`` (a status such as ``500`` or ``409`` is answered
+after the charge, ``raise`` raises after it), ``pad`` (bytes of padding in the response) and
+``chunks`` (send the response body in that many pieces).
 """
 
 from __future__ import annotations
@@ -133,6 +133,11 @@ class Simulation:
             pad=int(query.get("pad", 0) or 0),
             chunks=max(1, int(query.get("chunks", 1) or 1)),
         )
+
+    @property
+    def status(self) -> int:
+        """The status the handler answers after charging: ``fail=<status>`` or 201."""
+        return int(self.fail) if self.fail.isdigit() else 201
 
     def body(self, document: dict[str, Any]) -> bytes:
         """The response body: the document, padded as asked."""

@@ -60,7 +60,7 @@ def create_app(store: oncely.AsyncStore, ledger: Ledger, policy: HttpPolicy | No
         charged = ledger.charge(payment)
         if simulation.fail == "raise":
             raise SimulatedFailure("the handler failed after charging")
-        status = 500 if simulation.fail == "500" else 201
+        status = simulation.status
         content = simulation.body(charged)
         response_headers = [
             (b"content-type", b"application/json"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import django
@@ -52,6 +52,9 @@ if not settings.configured:
 LEDGER: Ledger | None = None
 """The ledger of the app made last by `create_app`."""
 
+ASGI = False
+"""Whether the app made last runs under Django's ASGI handler (``django_asgi_app.py``)."""
+
 
 def _ledger() -> Ledger:
     assert LEDGER is not None, "call create_app() first"
@@ -67,7 +70,7 @@ def charge(request: HttpRequest) -> HttpResponse:
     charged = _ledger().charge(payment)
     if simulation.fail == "raise":
         raise SimulatedFailure("the handler failed after charging")
-    status = 500 if simulation.fail == "500" else 201
+    status = simulation.status
     content = simulation.body(charged)
     response: HttpResponse | StreamingHttpResponse
     if simulation.chunks == 1:
@@ -77,7 +80,13 @@ def charge(request: HttpRequest) -> HttpResponse:
         def pieces() -> Iterator[bytes]:
             yield from simulation.pieces(content)
 
-        response = StreamingHttpResponse(pieces(), status=status, content_type="application/json")
+        async def async_pieces() -> AsyncIterator[bytes]:
+            for piece in simulation.pieces(content):
+                yield piece
+
+        # Django serves a sync iterator under ASGI (and an async one under WSGI) with a warning.
+        stream = async_pieces() if ASGI else pieces()
+        response = StreamingHttpResponse(stream, status=status, content_type="application/json")
         response["Content-Length"] = str(len(content))
     for name, value in payment_headers(charged["id"]):
         if name == "set-cookie":
@@ -130,8 +139,8 @@ def create_app(store: oncely.SyncStore, ledger: Ledger, policy: HttpPolicy | Non
     """Django's WSGI handler wrapped in the middleware (the ledger is process-wide)."""
     from django.core.wsgi import get_wsgi_application
 
-    global LEDGER
-    LEDGER = ledger
+    global ASGI, LEDGER
+    LEDGER, ASGI = ledger, False
     return IdempotencyMiddleware(get_wsgi_application(), store=store, policy=policy)
 
 

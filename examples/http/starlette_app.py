@@ -49,7 +49,7 @@ def create_app(
         charged = ledger.charge(payment)
         if simulation.fail == "raise":
             raise SimulatedFailure("the handler failed after charging")
-        status = 500 if simulation.fail == "500" else 201
+        status = simulation.status
         content = simulation.body(charged)
         headers = dict(payment_headers(charged["id"]))
         if simulation.chunks == 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -58,7 +59,7 @@ def create_app(store: oncely.SyncStore, ledger: Ledger, policy: HttpPolicy | Non
         charged = ledger.charge(payment)
         if simulation.fail == "raise":
             raise SimulatedFailure("the handler failed after charging")
-        status = "500 Internal Server Error" if simulation.fail == "500" else "201 Created"
+        status = f"{simulation.status} {HTTPStatus(simulation.status).phrase}"
         content = simulation.body(charged)
         start_response(
             status,

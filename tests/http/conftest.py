@@ -1,10 +1,11 @@
 """Fixtures of the HTTP suite: every adapter x every store.
 
 Adapters are the example apps under ``examples/http`` (bare ASGI, bare WSGI, FastAPI,
-Starlette, Flask, Django); stores are memory, SQLite, PostgreSQL and Redis, each opened once per
-session with a unique namespace (server URLs from the environment: a missing one fails, it is
-never skipped; deselect with ``-m "not postgres and not redis"``). Async apps all run on one
-event loop in a background thread, which the stores' per-loop clients stay bound to.
+Starlette, Flask, Django under WSGI and ASGI); stores are memory, SQLite, PostgreSQL and Redis,
+each opened once per session with a unique namespace (server URLs from the environment: a
+missing one fails, it is never skipped; deselect with ``-m "not postgres and not redis"``).
+Async apps all run on one event loop in a background thread, which the stores' per-loop
+clients stay bound to.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ ADAPTERS = [
     pytest.param("starlette_app", id="starlette"),
     pytest.param("flask_app", id="flask"),
     pytest.param("django_app", id="django"),
+    pytest.param("django_asgi_app", id="django-asgi"),
+    pytest.param("django_middleware_app", id="django-middleware"),
 ]
 
-ASGI = {"asgi_app", "fastapi_app", "starlette_app"}
+ASGI = {"asgi_app", "fastapi_app", "starlette_app", "django_asgi_app"}
 
 LEASE = 0.6
 """The suite's lease in seconds: short, so a lost lease shows within a test."""

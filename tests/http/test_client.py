@@ -160,11 +160,21 @@ def test_last_error_is_raised_when_attempts_run_out(client: Any) -> None:
 
 
 def test_retry_after_is_honoured(client: Any) -> None:
-    """A 409's Retry-After (whole seconds) is waited for, not the tiny backoff."""
-    server = Server((409, {"Retry-After": "1"}), 201)
+    """A 429's Retry-After (whole seconds) is waited for, not the tiny backoff."""
+    server = Server((429, {"Retry-After": "1"}), 201)
     started = time.monotonic()
     assert client(server)().status_code == 201
     assert time.monotonic() - started >= 1.0
+
+
+def test_in_progress_is_retried_within_the_budget(client: Any) -> None:
+    """A 409 is polled again within the budget, even when its Retry-After names a whole lease:
+    the request in progress may finish any moment."""
+    server = Server((409, {"Retry-After": "30"}), (409, {"Retry-After": "30"}), 201)
+    response = client(server, max_elapsed=30, max_backoff=0.01)()
+    assert response.status_code == 201
+    assert len(server.requests) == 3
+    assert len(set(server.keys)) == 1
 
 
 def test_retry_after_beyond_the_time_budget_returns_the_response(client: Any) -> None:

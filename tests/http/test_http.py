@@ -222,6 +222,31 @@ class TestFirstAndRepeat:
         assert second.replayed
         assert second.body == first.body
 
+    @pytest.mark.parametrize("status", [401, 403, 408, 409, 422, 423, 425, 429])
+    def test_refusals_are_not_stored_and_a_retry_executes(
+        self, api: Api, key: str, status: int
+    ) -> None:
+        """A 4xx that says "not carried out, may succeed later" releases the lease."""
+        first = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        second = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+
+        assert first.status == second.status == status
+        assert not second.replayed
+        assert api.ledger.count() == 2
+        third = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        assert not third.replayed
+        assert api.ledger.count() == 3
+
+    @pytest.mark.parametrize("status", [400, 404, 410, 412])
+    def test_other_4xx_outcomes_are_stored(self, api: Api, key: str, status: int) -> None:
+        """The rest of 4xx is an outcome: stored and replayed."""
+        first = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+        second = api.post(key=key, json_body=PAYMENT, params={"fail": status})
+
+        assert first.status == second.status == status
+        assert second.replayed
+        assert api.ledger.count() == 1
+
     def test_streamed_response_is_stored_byte_for_byte(self, api: Api, key: str) -> None:
         """A response sent in several chunks is stored whole."""
         first = api.post(key=key, json_body=PAYMENT, params={"chunks": 5, "pad": 3000})
@@ -248,6 +273,28 @@ class TestConflicts:
         assert len(executed) == 1
         for reply in replies:
             assert reply.status == 409 or (reply.status == 201 and reply.body == executed[0].body)
+        assert api.ledger.count() == 1
+
+    def test_in_progress_retry_after_is_short_whatever_the_lease(
+        self, make_api: Callable[..., Api], key: str
+    ) -> None:
+        """A 409's Retry-After is about a second, never the lease's remaining time (30 s)."""
+        api = make_api(HttpPolicy(lease=30))
+        slow = {"delay": 1.5}
+
+        def first() -> Reply:
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        def duplicate() -> Reply:
+            time.sleep(0.5)
+            return api.post(key=key, json_body=PAYMENT, params=slow)
+
+        replies = api.concurrently([first, duplicate])
+
+        conflicts = [reply for reply in replies if reply.status == 409]
+        assert len(conflicts) == 1, [reply.status for reply in replies]
+        problem(conflicts[0], 409, "idempotency-key-in-use")
+        assert conflicts[0].header("retry-after") == "1"
         assert api.ledger.count() == 1
 
     def test_same_key_different_request_is_422(self, api: Api, key: str) -> None:
@@ -281,6 +328,23 @@ class TestConflicts:
         assert bob_again.replayed
         assert bob_again.body == bob_first.body
         assert api.ledger.count() == 3
+
+    def test_cookie_sessions_are_isolated(self, api: Api, key: str) -> None:
+        """Without Authorization, the cookies name the principal: a second session with the same
+        key and body runs its own operation instead of receiving the first one's response."""
+        alice = [("cookie", "sessionid=alice; theme=dark")]
+        bob = [("cookie", "sessionid=bob; theme=dark")]
+        alice_first = api.post(key=key, json_body=PAYMENT, headers=alice)
+        bob_first = api.post(key=key, json_body=PAYMENT, headers=bob)
+
+        assert alice_first.status == bob_first.status == 201
+        assert not bob_first.replayed
+        assert bob_first.body != alice_first.body
+        assert api.ledger.count() == 2
+        alice_again = api.post(key=key, json_body=PAYMENT, headers=alice)
+        assert alice_again.replayed
+        assert alice_again.body == alice_first.body
+        assert api.ledger.count() == 2
 
     def test_same_key_on_another_route_is_another_operation(self, api: Api, key: str) -> None:
         """The default scope includes the route."""

@@ -15,9 +15,10 @@ FRAMEWORKS = [
 
 
 def test_importing_the_middleware_imports_no_framework() -> None:
-    """``import oncely.http.asgi`` / ``.wsgi`` load no framework, server or HTTP client."""
+    """``import oncely.http.asgi`` / ``.wsgi`` / ``.django`` load no framework, server or HTTP
+    client (the Django middleware imports Django when Django builds it)."""
     code = (
-        "import sys, oncely.http, oncely.http.asgi, oncely.http.wsgi\n"
+        "import sys, oncely.http, oncely.http.asgi, oncely.http.wsgi, oncely.http.django\n"
         f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -25,7 +26,14 @@ def test_importing_the_middleware_imports_no_framework() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["oncely.http", "oncely.http.asgi", "oncely.http.wsgi", "oncely.http.client"]
+    "module",
+    [
+        "oncely.http",
+        "oncely.http.asgi",
+        "oncely.http.wsgi",
+        "oncely.http.django",
+        "oncely.http.client",
+    ],
 )
 def test_public_names_are_exported_and_sorted(module: str) -> None:
     """Every public module declares a sorted ``__all__`` naming what exists."""

@@ -43,6 +43,7 @@ from oncely.http import (
     default_fingerprint,
     default_scope,
 )
+from oncely.http._policy import REFUSAL_STATUSES
 from oncely.http._routes import RouteMatch, RouteTable, compile_pattern, idempotent_route
 from oncely.http._semantics import Response, ResponseCapture
 from oncely.keys import from_header
@@ -217,11 +218,12 @@ class TestBegin:
         answer = begin(Script(claim=Replay(record(stored))), HttpPolicy(replay_header=("X-R", "1")))
         assert answer.headers == ((b"x-r", b"1"),)
 
-    def test_repeat_while_the_first_executes_is_409_with_retry_after(self) -> None:
-        answer = begin(Script(claim=InProgress(timedelta(seconds=2.2))))
+    def test_repeat_while_the_first_executes_is_409_with_a_short_retry_after(self) -> None:
+        """Retry-After is a short hint to poll again, never the lease's remaining time."""
+        answer = begin(Script(claim=InProgress(timedelta(seconds=25))))
 
         assert answer.status == 409
-        assert dict(answer.headers)[b"retry-after"] == b"3"
+        assert dict(answer.headers)[b"retry-after"] == b"1"
         assert document(answer)["code"] == "idempotency-key-in-use"
 
     def test_retry_after_is_at_least_one_second(self) -> None:
@@ -307,8 +309,8 @@ class TestFinish:
         capture.complete = True
         return capture
 
-    @pytest.mark.parametrize("status", [200, 201, 204, 301, 400, 404, 409, 422, 499])
-    def test_responses_below_500_are_stored(self, status: int) -> None:
+    @pytest.mark.parametrize("status", [200, 201, 204, 301, 400, 404, 410, 412, 499])
+    def test_outcomes_below_500_are_stored(self, status: int) -> None:
         script = Script(complete=None)
         drive(_flow.finish(self.lease(), self.capture(status, b"ab", b"cd"), POLICY), script)
 
@@ -319,8 +321,8 @@ class TestFinish:
         assert stored.body == b"abcd"
         assert stored.headers == ((b"content-type", b"text/plain"),)  # no set-cookie
 
-    @pytest.mark.parametrize("status", [500, 502, 503, 504])
-    def test_5xx_is_not_stored_and_the_lease_is_released(self, status: int) -> None:
+    @pytest.mark.parametrize("status", [401, 403, 408, 409, 422, 423, 425, 429, 500, 502, 503, 504])
+    def test_refusals_and_5xx_are_not_stored_and_the_lease_is_released(self, status: int) -> None:
         script = Script(release=None)
         drive(_flow.finish(self.lease(), self.capture(status, b"oops"), POLICY), script)
         assert script.verbs == ["release"]
@@ -635,7 +637,10 @@ class TestPolicy:
         assert policy.covers("POST")
         assert not policy.covers("PUT")
         assert policy.stores(499)
+        assert policy.stores(400)
         assert not policy.stores(500)
+        assert not any(policy.stores(status) for status in REFUSAL_STATUSES)
+        assert repr(policy.stored_statuses) == "DEFAULT_STORED_STATUSES"
         assert policy.core.lease == timedelta(seconds=30)
         assert policy.environ_key == "HTTP_IDEMPOTENCY_KEY"
         assert policy.header_name == b"idempotency-key"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.cookiejar
 import json
 import re
 import select
@@ -72,6 +73,12 @@ class Running:
 
     def client(self, **options: Any) -> httpx.Client:
         options.setdefault("timeout", 10)
+        # No cookie jar: the example apps set a cookie, and cookies are part of the default
+        # scope, so a client that kept them would send each repeat as another principal's.
+        options.setdefault(
+            "cookies",
+            http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
+        )
         return httpx.Client(base_url=self.url, **options)
 
 

@@ -7,6 +7,8 @@ gets 422, and a store outage answers 503 instead of running unprotected.
 
 * `oncely.http.asgi.IdempotencyMiddleware`: FastAPI, Starlette, Litestar, any ASGI app.
 * `oncely.http.wsgi.IdempotencyMiddleware`: Flask, Django, any WSGI app.
+* `oncely.http.django.IdempotencyMiddleware`: Django's ``settings.MIDDLEWARE`` (``request.user``
+  is the principal).
 * `oncely.http.client.IdempotentTransport` and ``AsyncIdempotentTransport``: httpx transports
   that give each logical request one key and retry it safely (needs ``oncely[httpx]``).
 

@@ -48,7 +48,7 @@ EXIT_LEDGER_FAILED = 1
 EXIT_ABORTED = 3
 
 LEASE_SECONDS = 1.0
-"""The server's lease: short, so a 409's Retry-After is short too."""
+"""The server's lease: short, so a copy left by a dropped connection is taken over soon."""
 
 _LEDGER_SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger (

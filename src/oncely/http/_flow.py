@@ -9,7 +9,7 @@ One request, in order::
 
     begin    claim ─┬─ Acquired  → lease (heartbeat started)  → the app runs
                     ├─ Replay    → stored response + marker
-                    ├─ InProgress→ 409 + Retry-After
+                    ├─ InProgress→ 409 + Retry-After: 1
                     ├─ Mismatch  → 422
                     └─ store down→ 503 + Retry-After (or pass through, if fail-open)
     finish   the app sent its last body chunk (held back until this returns):
@@ -70,8 +70,8 @@ def begin(
     `PASS_THROUGH`."""
     try:
         outcome = yield from _execution.acquire(plan.key, plan.fingerprint, policy.core)
-    except InProgressError as exc:
-        return _semantics.in_progress(exc.retry_after)
+    except InProgressError:
+        return _semantics.in_progress()
     except FingerprintMismatchError:
         return _semantics.mismatch(policy)
     except CorruptRecordError as exc:  # never a reason to run again, fail-open or not

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, to_timedelta
 from oncely.errors import ConfigurationError
@@ -26,6 +26,8 @@ from oncely.http._semantics import (
 
 __all__ = [
     "DEFAULT_METHODS",
+    "DEFAULT_STORED_STATUSES",
+    "REFUSAL_STATUSES",
     "FingerprintFunc",
     "HttpPolicy",
     "RouteOptions",
@@ -40,6 +42,28 @@ FingerprintFunc: TypeAlias = Callable[[HttpRequest], Any]
 
 DEFAULT_METHODS: frozenset[str] = frozenset({"POST", "PATCH"})
 """The methods covered unless configured: the unsafe methods that are not idempotent already."""
+
+REFUSAL_STATUSES: Final = frozenset({401, 403, 408, 409, 422, 423, 425, 429})
+"""4xx statuses that say the request was not carried out and may succeed later, or with a
+corrected request: unauthenticated, forbidden, timed out, conflict, validation (FastAPI's and
+Pydantic's ``RequestValidationError`` answer 422), locked, too early, rate limited. Not stored
+by default: the lease is released, so a retry runs."""
+
+
+class _StoredStatuses(Container[int]):
+    """The default `HttpPolicy.stored_statuses`: below 500, except `REFUSAL_STATUSES`."""
+
+    __slots__ = ()
+
+    def __contains__(self, status: object) -> bool:
+        return isinstance(status, int) and status < 500 and status not in REFUSAL_STATUSES
+
+    def __repr__(self) -> str:
+        return "DEFAULT_STORED_STATUSES"
+
+
+DEFAULT_STORED_STATUSES: Final[Container[int]] = _StoredStatuses()
+"""Every status below 500 except `REFUSAL_STATUSES`: outcomes, not refusals."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,12 +80,15 @@ class HttpPolicy:
         ttl: How long a stored response is replayed (a timedelta or seconds; default 24 h).
         lease: How long a request may run before a duplicate may take over; the heartbeat
             extends it every third of it while the handler runs (default 30 s).
-        scope: The scope of a key: by default method + route + a digest of ``Authorization``,
-            so one client can never replay another client's response.
+        scope: The scope of a key: by default method + route + a digest of the principal (the
+            framework's authenticated user, else ``Authorization``, else the cookies), so one
+            client can never replay another client's response (`default_scope`).
         fingerprint: What defines the operation: by default method + path + sorted query +
             body (JSON bodies canonicalised). A key reused with another fingerprint gets 422.
-        stored_statuses: Response statuses that are stored and replayed (default: below 500).
-            Any other status releases the lease, so a retry executes again.
+        stored_statuses: Response statuses that are stored and replayed (default: below 500,
+            except the refusals 401, 403, 408, 409, 422, 423, 425 and 429, which say the
+            request was not carried out; `REFUSAL_STATUSES`). Any other status releases the
+            lease, so a retry executes again. ``range(100, 500)`` stores every 4xx.
         replay_header: The header (name, value) added to replayed responses, or ``None``.
         unreplayed_headers: Response headers that are neither stored nor replayed, besides the
             hop-by-hop ones, which never are (default: ``set-cookie``).
@@ -89,7 +116,7 @@ class HttpPolicy:
     lease: Duration = timedelta(seconds=30)
     scope: ScopeFunc = default_scope
     fingerprint: FingerprintFunc = default_fingerprint
-    stored_statuses: Container[int] = range(100, 500)
+    stored_statuses: Container[int] = DEFAULT_STORED_STATUSES
     replay_header: tuple[str, str] | None = ("Idempotent-Replayed", "true")
     unreplayed_headers: Collection[str] = frozenset({"set-cookie"})
     max_request_bytes: int = 1024 * 1024

@@ -68,8 +68,9 @@ class RetryPolicy:
             it is not taken (the last response or error is returned or raised instead).
         backoff: The first pause when the server gives no ``Retry-After``; it doubles after
             every attempt, with full jitter, up to *max_backoff*.
-        max_backoff: The longest pause between attempts (a longer ``Retry-After`` is honoured
-            as long as it fits in *max_elapsed*).
+        max_backoff: The longest pause between attempts (a longer ``Retry-After`` of a 429 or
+            503 is honoured as long as it fits in *max_elapsed*; a 409's is capped at it, since
+            the request in progress may finish any moment).
         statuses: Response statuses that are retried.
     """
 
@@ -171,6 +172,11 @@ def retry_flow(
             if status not in policy.statuses:
                 return response
             hinted = parse_retry_after(response.headers.get("retry-after"))
+            if hinted is not None and status == 409:
+                # "Still in progress" may end any moment: its Retry-After is a hint to poll,
+                # capped so that a server that names the lease's remaining time (older oncely
+                # sent up to a whole lease) is still polled within the budget.
+                hinted = min(hinted, _seconds(policy.max_backoff))
             pause = hinted if hinted is not None else policy.pause(attempt, rng)
             if not _may_retry(policy, attempt, started, budget, pause):
                 if uncertain and outcome_unknown is not None:

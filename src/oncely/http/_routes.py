@@ -4,7 +4,8 @@ The middleware runs before the framework routes a request, so to honour a decora
 asks the framework which view the request will reach. That is done by duck typing, never by
 importing a framework: Starlette and FastAPI (``scope["app"].router.routes``), Litestar
 (``scope["route_handler"]``, set before its middleware runs), Flask (the app's ``url_map``) and
-Django (``django.urls.resolve``, imported only when the wrapped app is Django's). Any other
+Django, under WSGI and ASGI alike (``django.urls.resolve``, imported only when the wrapped app
+is Django's). Any other
 framework can pass a ``resolver`` callable.
 """
 
@@ -245,8 +246,15 @@ class RouteTable:
 # -- duck-typed resolution for known frameworks ---------------------------------------------------
 
 
-def resolve_asgi(scope: Mapping[str, Any]) -> RouteMatch | None:
-    """The route an ASGI request reaches in Litestar, Starlette or FastAPI; else ``None``."""
+def resolve_asgi(scope: Mapping[str, Any], app: Any = None) -> RouteMatch | None:
+    """The route an ASGI request reaches in Litestar, Starlette, FastAPI, or Django's ASGI
+    handler when it is *app*; else ``None``."""
+    if app is not None and _is_django(app):
+        path = str(scope.get("path", "/") or "/")
+        root = str(scope.get("root_path", "") or "")
+        if root and path.startswith(root):  # Django's ASGIHandler takes the root path off too
+            path = path[len(root) :] or "/"
+        return resolve_django(path)
     handler = scope.get("route_handler")
     if handler is not None:  # Litestar routes before its middleware runs
         opt = getattr(handler, "opt", None) or {}
@@ -316,21 +324,26 @@ def resolve_wsgi(app: Any, environ: Mapping[str, Any]) -> RouteMatch | None:
         except Exception:  # not found, method not allowed, redirect: the app answers
             return None
         return RouteMatch(_flask_template(str(rule.rule)), views.get(rule.endpoint))
-    if type(target).__module__.startswith("django.core.handlers"):
-        return _resolve_django(environ)
+    if _is_django(target):
+        raw = str(environ.get("PATH_INFO", "/") or "/")
+        return resolve_django(raw.encode("latin-1").decode("utf-8", "replace"))
     return None
+
+
+def _is_django(app: Any) -> bool:
+    return type(app).__module__.startswith("django.core.handlers")
 
 
 def _flask_template(rule: str) -> str:
     return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
 
 
-def _resolve_django(environ: Mapping[str, Any]) -> RouteMatch | None:
-    # The wrapped app is Django's, so Django is installed; imported here, never at import time.
+def resolve_django(path_info: str) -> RouteMatch | None:
+    """The route a Django request reaches, from its path inside the app (``PATH_INFO``)."""
+    # Only called for a Django app, so Django is installed; imported here, never at import time.
     resolve = importlib.import_module("django.urls").resolve
 
-    raw = str(environ.get("PATH_INFO", "/") or "/")
-    path = raw.encode("latin-1").decode("utf-8", "replace")
+    path = path_info or "/"
     try:
         match = resolve(path)
     except Exception:  # Resolver404: Django answers it

@@ -16,7 +16,7 @@ key empty, too long, not a valid header string          400 (`key_invalid`), not
 body over `HttpPolicy.max_request_bytes`                413 (`request_too_large`), nothing stored
 first request                                           executed; stored if `HttpPolicy.stores`
 repeat of a completed request                           stored response + marker (`replayed`)
-repeat while the first runs                             409 + Retry-After (`in_progress`)
+repeat while the first runs                             409 + Retry-After: 1 (`in_progress`)
 same key, other fingerprint                             422 (`mismatch`)
 store unreachable                                       503 + Retry-After (`unavailable`)
 handler answered 5xx or raised                          not stored; the lease is released
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HOP_BY_HOP",
+    "IN_PROGRESS_RETRY_AFTER",
     "SAFE_METHODS",
     "HttpRequest",
     "Plan",
@@ -77,6 +78,7 @@ __all__ = [
     "retry_after_value",
     "storable_headers",
     "unavailable",
+    "user_principal",
 ]
 
 Header = tuple[bytes, bytes]
@@ -126,6 +128,9 @@ class HttpRequest:
         query_string: The raw query string, without ``?``.
         headers: The request headers as (lower-case name, value) byte pairs.
         body: The whole request body.
+        principal: The authenticated user as the framework knows it (`user_principal` of
+            Starlette's ``scope["user"]``, Django's ``request.user``, WSGI's ``REMOTE_USER``),
+            or ``None``.
 
     .. versionadded:: 0.1.0
     """
@@ -136,6 +141,7 @@ class HttpRequest:
     query_string: bytes
     headers: tuple[Header, ...]
     body: bytes
+    principal: str | None = None
 
     def header(self, name: str) -> str | None:
         """Return the first value of header *name* (any case) as text, or ``None``."""
@@ -153,20 +159,67 @@ class HttpRequest:
 
 
 def default_scope(request: HttpRequest) -> str:
-    """The default scope of a key: method + route + a digest of ``Authorization`` if present.
+    """The default scope of a key: method + route + a digest of who is asking.
 
-    One client can therefore never replay another client's response, and the same key sent to
-    two routes names two operations. Apps that authenticate by cookie should pass a scope
-    callable that returns the session's user instead.
+    Who is asking is, first found: the framework's authenticated user
+    (`HttpRequest.principal`), the ``Authorization`` header, the ``Cookie`` header(s). One
+    client can therefore never replay another client's response, whatever the auth style, and
+    the same key sent to two routes names two operations. Only an anonymous request without
+    cookies has no principal. The digest of every cookie changes when any cookie does (a
+    theme cookie...); to scope by the session cookie alone, pass a scope callable that returns
+    the session's user or that cookie.
 
     .. versionadded:: 0.1.0
     """
     scope = f"{request.method} {request.route}"
-    authorization = request.header("authorization")
-    if authorization is not None:
-        principal = hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:32]
+    principal = _principal_digest(request)
+    if principal is not None:
         scope = f"{scope} @{principal}"
     return scope
+
+
+def _principal_digest(request: HttpRequest) -> str | None:
+    # Each kind is tagged in the scope itself ("u:", "c:"), so no header can forge another
+    # kind's digest; Authorization stays untagged, so the scopes of existing keys do not change.
+    if request.principal is not None:
+        return "u:" + _digest(request.principal.encode("utf-8", "surrogatepass"))
+    authorization = request.header("authorization")
+    if authorization is not None:
+        return _digest(authorization.encode("latin-1"))
+    cookies = [value for name, value in request.headers if name.lower() == b"cookie"]
+    if cookies:
+        return "c:" + _digest(b"; ".join(cookies))  # HTTP/2 sends each cookie on its own
+    return None
+
+
+def _digest(material: bytes) -> str:
+    return hashlib.sha256(material).hexdigest()[:32]
+
+
+def user_principal(user: object) -> str | None:
+    """The principal a framework's user object names, or ``None`` if it is not authenticated.
+
+    Duck-typed: the user must say ``is_authenticated``; it is then named by the first of its
+    ``identity`` (Starlette), ``pk`` (Django), ``id``, ``username`` or ``display_name`` that is
+    set. A user that says it is authenticated but has none of them gives ``None``.
+
+    .. versionadded:: 0.1.0
+    """
+    if user is None:
+        return None
+    try:
+        if getattr(user, "is_authenticated", False) is not True:
+            return None
+    except Exception:  # a user object that cannot say is not trusted as one
+        return None
+    for name in ("identity", "pk", "id", "username", "display_name"):
+        try:
+            value = getattr(user, name, None)
+        except Exception:  # Starlette's BaseUser.identity raises NotImplementedError
+            continue
+        if value is not None and value != "":
+            return f"{name}={value}"
+    return None
 
 
 def default_fingerprint(request: HttpRequest) -> list[Any]:
@@ -394,9 +447,15 @@ def request_too_large(policy: HttpPolicy) -> Response:
     )
 
 
-def in_progress(retry_after: timedelta) -> Response:
-    """409 with ``Retry-After``: a request with this key is still being processed."""
-    value = retry_after_value(retry_after)
+IN_PROGRESS_RETRY_AFTER: Final = timedelta(seconds=1)
+"""The ``Retry-After`` of a 409: a hint to poll again soon. Never the lease's remaining time,
+which is up to a whole lease (30 s by default) and would make clients give up or wait long after
+the first request finished."""
+
+
+def in_progress() -> Response:
+    """409 with a short ``Retry-After``: a request with this key is still being processed."""
+    value = retry_after_value(IN_PROGRESS_RETRY_AFTER)
     return problem(
         409,
         "idempotency-key-in-use",

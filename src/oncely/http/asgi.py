@@ -100,7 +100,7 @@ class IdempotencyMiddleware:
             # past two, the waiting calls go together, which is what lets a busy server keep up.
             self._calls = CoalescingStore(store, max_in_flight=2)
         self.routes = RouteTable(policy, routes, resolver)
-        self._resolve = resolver or resolve_asgi
+        self._resolve: RouteResolver = resolver or (lambda scope: resolve_asgi(scope, app))
 
     @property
     def policy(self) -> HttpPolicy:
@@ -141,7 +141,14 @@ class IdempotencyMiddleware:
             return
         messages, body = buffered
         request = HttpRequest(
-            method, path, route, scope.get("query_string", b""), tuple(headers), body
+            method,
+            path,
+            route,
+            scope.get("query_string", b""),
+            tuple(headers),
+            body,
+            # Set by Starlette's AuthenticationMiddleware when it runs before this one.
+            _semantics.user_principal(scope.get("user")),
         )
         plan = _semantics.plan(request, decision, policy)
         receive = _BufferedReceive(messages, receive)

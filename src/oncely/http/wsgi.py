@@ -117,6 +117,7 @@ class IdempotencyMiddleware:
             _latin1(environ.get("QUERY_STRING", "")),
             _request_headers(environ),
             body,
+            _remote_user(environ),
         )
         plan = _semantics.plan(request, decision, policy)
         outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
@@ -372,3 +373,9 @@ def _close(result: Iterable[bytes]) -> None:
     close = getattr(result, "close", None)
     if callable(close):
         close()
+
+
+def _remote_user(environ: WSGIEnviron) -> str | None:
+    """The user a server or an outer middleware authenticated (CGI's ``REMOTE_USER``)."""
+    user = environ.get("REMOTE_USER")
+    return f"remote_user={_text(user)}" if isinstance(user, str) and user else None
