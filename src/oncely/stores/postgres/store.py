@@ -101,6 +101,18 @@ _POOL_NUMBERS = itertools.count(1)
 _CLOSING: set[asyncio.Task[None]] = set()
 """Pool closes scheduled on a running loop by a sync `close`; referenced until they finish."""
 
+_REFUSALS = (
+    "password authentication failed",
+    "authentication failed for user",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "does not exist",  # the role or the database (FATAL at connect time: nothing else)
+    "is not permitted to log in",
+    "permission denied for database",
+)
+"""What libpq and the server say when they refuse the settings rather than fail for the moment
+(a connection failure carries no SQLSTATE, so its message is all there is to go on)."""
+
 
 class _LoopPool:
     """The async pool of one event loop, the connections it made, and what closes it with the loop.
@@ -222,7 +234,8 @@ class PostgresStore:
             prepared-statement support).
 
     Raises:
-        ConfigurationError: A malformed connection string or option.
+        ConfigurationError: A malformed connection string or option; on first use, a role,
+            password or database the server refuses (with the server's reason).
         MissingDependencyError: psycopg is not installed (``pip install 'oncely[postgres]'``).
 
     .. versionadded:: 0.1.0
@@ -322,6 +335,7 @@ class PostgresStore:
             with self._lock:
                 pool = self._pool
                 if pool is None:
+                    self._probe()
                     pool = psycopg_pool.ConnectionPool(
                         self._conninfo,
                         kwargs=self._kwargs,
@@ -347,8 +361,36 @@ class PostgresStore:
                         self._loop_pools.pop(stale).abandon()
                     entry = self._loop_pools[loop] = self._new_loop_pool(loop)
         if entry.pool.closed:  # not opened yet; opening twice is harmless
+            await self._aprobe()
             await entry.open(self._forget)
         return entry.pool
+
+    def _probe(self) -> None:
+        """Connect once before a pool opens, so settings the server refuses fail at once.
+
+        The pool connects in the background and retries a refused connection until
+        ``pool_timeout``, which would make a wrong role, password or database look like an
+        outage. Any other failure is left to the pool (it may pass).
+        """
+        try:
+            psycopg.connect(self._conninfo, **self._kwargs).close()
+        except psycopg.OperationalError as exc:
+            self._refused(exc)
+
+    async def _aprobe(self) -> None:
+        """Async `_probe`."""
+        try:
+            await (await psycopg.AsyncConnection.connect(self._conninfo, **self._kwargs)).close()
+        except psycopg.OperationalError as exc:
+            self._refused(exc)
+
+    def _refused(self, exc: psycopg.OperationalError) -> None:
+        """Raise `ConfigurationError` if *exc* says the server refused these settings."""
+        text = str(exc)
+        if any(refusal in text for refusal in _REFUSALS):
+            raise ConfigurationError(
+                f"PostgreSQL at {self._where} refused the store's settings: {_server_message(exc)}"
+            ) from exc
 
     def _forget(self, entry: _LoopPool) -> None:
         with self._lock:
@@ -742,6 +784,12 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _server_message(exc: BaseException) -> str:
+    """The reason in a libpq connection error, without its "connection to server at" preamble."""
+    text = " ".join(str(exc).split())
+    return text.rsplit(" failed: ", 1)[-1]
 
 
 def _first_line(exc: BaseException) -> str:
