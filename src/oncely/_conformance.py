@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 )
 
 from oncely._core import machine
-from oncely._core.protocols import BatchStore, Store
+from oncely._core.protocols import BatchStore, CheckableStore, Store
 from oncely._core.records import (
     Acquired,
     ClaimResult,
@@ -41,6 +41,7 @@ from oncely._core.records import (
     Record,
     Replay,
     Status,
+    StoreHealth,
 )
 from oncely.stores import open_store
 from oncely.testing import FrozenClock
@@ -90,6 +91,10 @@ class StoreCalls:
         answers: list[Any] = self._call("complete_many", items, ttl=ttl)
         return answers
 
+    def check(self) -> StoreHealth:
+        health: StoreHealth = self._call("check")
+        return health
+
     def close(self) -> None:
         if self._loop is not None:
             # End the loop as asyncio.run does, so stores that keep per-loop connections
@@ -126,6 +131,8 @@ class StoreConformance:
         batch_verbs: The store has the optional `oncely.BatchStore` verbs, and the
             ``test_batch_*`` tests hold it to them (a store without them sets False: those
             tests then check that it does not pretend to have them).
+        check_verbs: The store has the optional `oncely.CheckableStore` probe, held to it by
+            the ``test_check_*`` tests (False: they check that it does not pretend to).
 
     A store that cannot be shared between processes (the memory store) sets
     ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
@@ -172,6 +179,7 @@ class StoreConformance:
     racers: ClassVar[int] = 64
     preload: ClassVar[tuple[str, ...]] = ()
     batch_verbs: ClassVar[bool] = True
+    check_verbs: ClassVar[bool] = True
 
     def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
         """Return a fresh store using *clock* (when it controls one) and *namespace*."""
@@ -477,6 +485,29 @@ class StoreConformance:
             )
         finally:
             other.close()
+
+    # -- the readiness probe (session 5, storecheck) ----------------------------------------------
+
+    def _check_api(self, api: StoreCalls) -> StoreCalls:
+        if not self.check_verbs:
+            assert not isinstance(api.store, CheckableStore)
+            pytest.skip("the store declares no check (check_verbs = False)")
+        assert isinstance(api.store, CheckableStore)
+        return api
+
+    def test_check_answers_what_it_found(self, api: StoreCalls, key: str) -> None:
+        """check() on a working store answers its backend, a schema version (``None`` for a
+        store without a schema, else 1 or more) and a latency, and changes no record."""
+        api = self._check_api(api)
+        self._acquire(api, key)
+        before = api.get(key)
+        health = api.check()
+        assert isinstance(health, StoreHealth)
+        assert health.backend == getattr(api.store, "backend", None)
+        assert health.schema_version is None or health.schema_version >= 1
+        assert health.latency_ms >= 0
+        assert api.get(key) == before
+        assert api.check().schema_version == health.schema_version
 
     # -- batch verbs -----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import oncely
 from oncely.cli._app import cli
+from tests.conftest import service_url
 
 
 @pytest.fixture
@@ -172,3 +173,35 @@ def test_demo_help_lists_the_demo_options() -> None:
     code, out = run("demo", "--help")
     assert code == 0
     assert "--payments" in out
+
+
+def test_check_is_a_readiness_probe(url: str, tmp_path: Path) -> None:
+    """check exits 0 with what it found; an unmigrated database exits 2, naming migrate."""
+    code, out = run("--store", url, "--json", "check")
+    assert code == 0
+    health = json.loads(out)
+    assert (health["backend"], health["schema_version"]) == ("sqlite", 1)
+    assert health["latency_ms"] >= 0
+    code, out = run("--store", url, "check")
+    assert (code, out.startswith("ready: sqlite, schema 1, ")) == (0, True)
+    code, out = run("--store", f"sqlite:///{tmp_path}/fresh.db", "check")
+    assert code == 2
+    assert "oncely migrate" in out
+    code, out = run("--store", "memory://", "check")
+    assert (code, out.startswith("ready: memory, no schema")) == (0, True)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_check_exit_codes_against_servers() -> None:
+    """A role the PostgreSQL server refuses exits 2 with its reason; no server there exits 3."""
+    postgres = service_url("ONCELY_TEST_POSTGRES_URL")
+    refused = re.sub(r"//[^@/]*@", "//oncely_no_such_role_cli@", postgres)
+    if "@" not in postgres:
+        refused = postgres.replace("//", "//oncely_no_such_role_cli@", 1)
+    code, out = run("--store", refused, "check")
+    assert code == 2
+    assert 'role "oncely_no_such_role_cli" does not exist' in out
+    code, out = run("--store", "redis://127.0.0.1:27599/0", "check")  # nothing listens there
+    assert code == 3
+    assert "unavailable" in out

@@ -318,6 +318,22 @@ def migrate(ctx: click.Context) -> None:
     _emit(ctx, {"migrated": True}, ["schema is up to date"])
 
 
+@cli.command()
+@_common_options
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Check that the store answers and its schema is migrated (a readiness probe).
+
+    Exits 0 when ready, 2 when the schema needs `oncely migrate` or the settings are wrong
+    (a role, password or database the server refuses), 3 when the store is unreachable.
+    """
+    with _store(ctx) as store:
+        health = _require(store, "check")()
+    data = dataclasses.asdict(health)
+    version = "no schema" if health.schema_version is None else f"schema {health.schema_version}"
+    _emit(ctx, data, [f"ready: {health.backend}, {version}, {health.latency_ms:.1f} ms"])
+
+
 @cli.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,  # --help goes to the demo, which lists its own options

@@ -8,6 +8,7 @@ the section ends, so each transition is atomic and the table has one implementat
 from __future__ import annotations
 
 import functools
+import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
+from oncely._core.records import ClaimResult, LeaseLost, Record, Replay, StoreHealth
 from oncely.errors import CorruptRecordError, StoreError
 from oncely.stores import _namespace
 
@@ -223,6 +224,20 @@ class MachineStore:
     async def aget(self, key: str) -> Record | None:
         """See `oncely.AsyncStore.aget`."""
         return await self._run_async(functools.partial(self.get, key))
+
+    def _schema_version(self) -> int | None:
+        """The schema version the store holds (``None``: it has none); raise if it cannot serve."""
+        return None
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`."""
+        started = time.perf_counter()
+        version = self._schema_version()
+        return StoreHealth(self.backend, version, (time.perf_counter() - started) * 1000)
+
+    async def acheck(self) -> StoreHealth:
+        """See `oncely.CheckableStore.acheck`."""
+        return await self._run_async(self.check)
 
     def close(self) -> None:
         """Release resources; the store cannot be used afterwards."""

@@ -22,8 +22,8 @@ from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.protocols import Store
-from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay
+from oncely._core.protocols import CheckableStore, Store
+from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay, StoreHealth
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _batch
 
@@ -193,6 +193,21 @@ class TieredStore:
     def get(self, key: str) -> Record | None:
         """See `oncely.SyncStore.get` (always read from the inner store)."""
         return self.inner.get(key)
+
+    def _checkable(self) -> CheckableStore:
+        if not isinstance(self.inner, CheckableStore):
+            raise StoreError(f"the inner store {self.inner!r} has no check()", backend=self.backend)
+        return self.inner
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: the inner store's check (the cache cannot fail)."""
+        health = self._checkable().check()
+        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        health = await self._checkable().acheck()
+        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
 
     def close(self) -> None:
         """Close the inner store."""

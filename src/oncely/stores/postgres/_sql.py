@@ -67,6 +67,9 @@ _COLUMNS: Final = (
     "status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at, updated_at"
 )
 
+VERSION: Final = "SELECT version FROM {schema}.oncely_schema WHERE id = 1"
+"""No parameters. The applied schema version: one row, or none before the first migration."""
+
 CLAIM: Final = f"""
 SELECT outcome, judged_at, {_COLUMNS}, result
   FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint,
@@ -175,6 +178,7 @@ class Queries:
     scan: str = field(init=False)
     scan_all: str = field(init=False)
     migrate: str = field(init=False)
+    version: str = field(init=False)
 
     def __post_init__(self) -> None:
         quoted = quote_identifier(self.schema)
@@ -188,6 +192,7 @@ class Queries:
             ("purge", PURGE),
             ("scan", SCAN),
             ("scan_all", SCAN_ALL),
+            ("version", VERSION),
         ):
             object.__setattr__(self, name, template.format(**render))
         prefix = MIGRATE_PREFIX.format(schema=quoted, lock=migration_lock(self.schema))
@@ -468,6 +473,12 @@ def scan(queries: Queries, namespace: str, after: str, limit: int) -> Flow[list[
         sql = queries.scan_all
     reply: Reply = yield Statement(sql, params)
     return [decode_record(_namespace.caller_key(namespace, row[0]), row[1:]) for row in reply.rows]
+
+
+def schema_version(queries: Queries) -> Flow[int | None]:
+    """The schema version the database holds (``None``: the version table has no row)."""
+    reply: Reply = yield Statement(queries.version, {}, "the check", resend=True)
+    return int(reply.rows[0][0]) if reply.rows else None
 
 
 def migrate(queries: Queries) -> Flow[None]:

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from datetime import timedelta
@@ -33,7 +34,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from oncely._core.clock import Clock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.records import ClaimResult, LeaseLost, Record, Status
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
 from oncely._deps import require
 from oncely._log import get_logger
 from oncely.errors import (
@@ -675,6 +676,28 @@ class PostgresStore:
     async def amigrate(self) -> None:
         """Async `migrate`."""
         await adrive(_sql.migrate(self._queries), self._aexecute)
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: one statement reads the schema's version."""
+        started = time.perf_counter()
+        version = drive(_sql.schema_version(self._queries), self._execute)
+        return self._health(version, started)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        started = time.perf_counter()
+        version = await adrive(_sql.schema_version(self._queries), self._aexecute)
+        return self._health(version, started)
+
+    def _health(self, version: int | None, started: float) -> StoreHealth:
+        if version is None or version < _sql.SCHEMA_VERSION:
+            raise SchemaMissingError(
+                f"the oncely schema in schema {self.schema!r} at {self._where} is at version "
+                f"{version}, older than {_sql.SCHEMA_VERSION}: run store.migrate() or "
+                "`oncely migrate`",
+                backend=self.backend,
+            )
+        return StoreHealth(self.backend, version, (time.perf_counter() - started) * 1000)
 
     def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
         """Delete expired records in batches; return how many were deleted.

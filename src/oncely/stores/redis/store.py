@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import heapq
 import threading
+import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,7 +32,7 @@ from urllib.parse import unquote
 
 from oncely._core.clock import Clock
 from oncely._core.flow import adrive, drive
-from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._core.records import ClaimResult, LeaseLost, Record, StoreHealth
 from oncely._deps import require
 from oncely.errors import (
     ConfigurationError,
@@ -454,6 +455,23 @@ class _RedisStoreBase:
 
     def migrate(self) -> None:
         """Do nothing: a Redis store has no schema (accepted like the SQL stores' ``migrate``)."""
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: a PING (to every primary of a cluster)."""
+        started = time.perf_counter()
+        with self._translate_errors("the check"):
+            self._check_open()
+            self._sync_scripts()  # makes the sync client
+            self._client.ping()
+        return StoreHealth(self.backend, None, (time.perf_counter() - started) * 1000)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        started = time.perf_counter()
+        with self._translate_errors("the check"):
+            self._check_open()
+            await (await self._async_entry()).client.ping()
+        return StoreHealth(self.backend, None, (time.perf_counter() - started) * 1000)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

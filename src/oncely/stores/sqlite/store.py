@@ -253,7 +253,7 @@ class SQLiteStore(MachineStore):
             connection.execute("COMMIT")
         self._check_schema()
 
-    def _check_schema(self) -> None:
+    def _check_schema(self) -> int:
         with self._guarded(""), self._translate_errors(""):
             row = self._connection().execute(_sql.SELECT_VERSION).fetchone()
         if row is None or row[0] < _sql.SCHEMA_VERSION:
@@ -262,6 +262,11 @@ class SQLiteStore(MachineStore):
                 "store.migrate() or `oncely migrate`",
                 backend=self.backend,
             )
+        version: int = row[0]
+        return version
+
+    def _schema_version(self) -> int:
+        return self._check_schema()
 
     # -- the atomic primitive ------------------------------------------------------------------
 
