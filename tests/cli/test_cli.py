@@ -6,9 +6,11 @@ import json
 import re
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 from click.testing import CliRunner
 
@@ -205,3 +207,41 @@ def test_check_exit_codes_against_servers() -> None:
     code, out = run("--store", "redis://127.0.0.1:27599/0", "check")  # nothing listens there
     assert code == 3
     assert "unavailable" in out
+
+
+def test_migrate_sql_prints_the_sqlite_ddl_and_changes_nothing(tmp_path: Path) -> None:
+    """migrate --sql prints SQLite's schema script; no database file is created."""
+    path = tmp_path / "never.db"
+    for prefix in ("", "tiered+"):
+        code, out = run("--store", f"{prefix}sqlite:///{path}", "migrate", "--sql")
+        assert code == 0
+        assert "CREATE TABLE IF NOT EXISTS oncely_records" in out
+        assert not path.exists()
+    code, out = run("--store", "memory://", "migrate", "--sql")
+    assert code == 2
+    assert "no schema" in out
+
+
+@pytest.mark.postgres
+def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
+    """migrate --sql renders the script for the URL's schema without applying it; applied in
+    one transaction by someone else (a migration tool), it makes a store ready."""
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_cli_sql_{uuid.uuid4().hex[:10]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}"
+    with psycopg.connect(base, autocommit=True) as admin:
+        try:
+            code, out = run("--store", url, "migrate", "--sql")
+            assert code == 0
+            assert f'CREATE SCHEMA IF NOT EXISTS "{schema}"' in out
+            exists = admin.execute(
+                "SELECT count(*) FROM pg_namespace WHERE nspname = %s", (schema,)
+            )
+            assert exists.fetchone() == (0,)
+            assert run("--store", url, "check")[0] == 2
+            with admin.transaction():
+                admin.execute(out.encode())
+            code, out = run("--store", url, "--json", "check")
+            assert (code, json.loads(out)["schema_version"]) == (0, 2)
+        finally:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

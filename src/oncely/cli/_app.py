@@ -309,13 +309,35 @@ def purge(ctx: click.Context, batch: int) -> None:
 
 
 @cli.command()
+@click.option("--sql", is_flag=True, help="Print the DDL instead of applying it.")
 @_common_options
 @click.pass_context
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the store's schema (idempotent)."""
+def migrate(ctx: click.Context, sql: bool) -> None:
+    """Create or upgrade the store's schema (idempotent).
+
+    With --sql, print the script for a migration tool (Alembic, Django) and change nothing.
+    """
+    if sql:
+        click.echo(_schema_sql(ctx), nl=False)
+        return
     with _store(ctx) as store:
         _require(store, "migrate")()
     _emit(ctx, {"migrated": True}, ["schema is up to date"])
+
+
+def _schema_sql(ctx: click.Context) -> str:
+    url = (ctx.obj.get("store_url") or "").removeprefix("tiered+")
+    if url.startswith("sqlite"):
+        # The same script for every SQLite database: nothing to open (opening would migrate).
+        from oncely.stores.sqlite import SQLiteStore
+
+        return SQLiteStore.schema_sql()
+    with _store(ctx) as opened:
+        store = getattr(opened, "inner", opened)  # a tiered store's schema is its inner one's
+        if getattr(store, "schema_sql", None) is None:
+            raise SetupError(f"{type(store).__name__} has no schema to print")
+        script: str = store.schema_sql()
+    return script
 
 
 @cli.command()

@@ -677,6 +677,17 @@ class PostgresStore:
         """Async `migrate`."""
         await adrive(_sql.migrate(self._queries), self._aexecute)
 
+    def schema_sql(self) -> str:
+        """The script `migrate` runs, rendered for this store's schema, without running it.
+
+        For migration tools (Alembic, Django): run it in one transaction, as they do (with
+        ``psql``, pass ``--single-transaction``). It is idempotent, like `migrate`.
+        """
+        return (
+            f"-- oncely schema {_sql.SCHEMA_VERSION} for PostgreSQL schema {self.schema!r}: "
+            "run it in one transaction.\n" + self._queries.migrate.lstrip("\n")
+        )
+
     def check(self) -> StoreHealth:
         """See `oncely.CheckableStore.check`: one statement reads the schema's version."""
         started = time.perf_counter()

@@ -237,9 +237,14 @@ class SQLiteStore(MachineStore):
 
     # -- schema --------------------------------------------------------------------------------
 
+    @staticmethod
+    def schema_sql() -> str:
+        """The script `migrate` runs, without running it (for migration tools; idempotent)."""
+        return resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
+
     def migrate(self) -> None:
         """Create or upgrade the schema. Idempotent, and safe to run from several processes."""
-        script = resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
+        script = self.schema_sql()
         connection = self._connection()
         with self._guarded(""), self._translate_errors(""):
             connection.execute("BEGIN IMMEDIATE")
