@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -436,9 +435,17 @@ class _RedisStoreBase:
             self._sync_scripts()  # makes the sync client
             names = self._client.scan_iter(match=self._space.pattern(), count=1000)
             keys = (self._space.key_of(name) for name in names)
-            first = heapq.nsmallest(limit, {key for key in keys if key is not None and key > after})
-        records = (self.get(key) for key in first)
-        return [replace(record, result=None) for record in records if record is not None]
+            candidates = sorted({key for key in keys if key is not None and key > after})
+        # A record SCAN listed may have expired before it is read: read on past it, since a
+        # page shorter than *limit* tells the caller there is nothing after it.
+        records: list[Record] = []
+        for key in candidates:
+            if len(records) >= limit:
+                break
+            record = self.get(key)
+            if record is not None:
+                records.append(replace(record, result=None))
+        return records
 
     def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
         """Do nothing: Redis deletes each record when it expires (its TTL).
