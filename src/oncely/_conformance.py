@@ -43,6 +43,7 @@ from oncely._core.records import (
     Status,
     StoreHealth,
 )
+from oncely.errors import ConflictError
 from oncely.stores import open_store
 from oncely.testing import FrozenClock
 
@@ -95,6 +96,10 @@ class StoreCalls:
         health: StoreHealth = self._call("check")
         return health
 
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        status: Status | None = self._call("forget", key, force=force)
+        return status
+
     def close(self) -> None:
         if self._loop is not None:
             # End the loop as asyncio.run does, so stores that keep per-loop connections
@@ -133,6 +138,8 @@ class StoreConformance:
             tests then check that it does not pretend to have them).
         check_verbs: The store has the optional `oncely.CheckableStore` probe, held to it by
             the ``test_check_*`` tests (False: they check that it does not pretend to).
+        forget_verb: The store has the optional ``forget``/``aforget`` (every built-in store
+            does; ``oncely forget`` needs it), held to it by the ``test_forget_*`` tests.
 
     A store that cannot be shared between processes (the memory store) sets
     ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
@@ -180,6 +187,7 @@ class StoreConformance:
     preload: ClassVar[tuple[str, ...]] = ()
     batch_verbs: ClassVar[bool] = True
     check_verbs: ClassVar[bool] = True
+    forget_verb: ClassVar[bool] = True
 
     def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
         """Return a fresh store using *clock* (when it controls one) and *namespace*."""
@@ -508,6 +516,50 @@ class StoreConformance:
         assert health.latency_ms >= 0
         assert api.get(key) == before
         assert api.check().schema_version == health.schema_version
+
+    # -- forget (session 5, storecheck) --------------------------------------------------------
+
+    def _forget_api(self, api: StoreCalls) -> StoreCalls:
+        if not self.forget_verb:
+            assert getattr(api.store, "forget", None) is None
+            pytest.skip("the store declares no forget (forget_verb = False)")
+        return api
+
+    def test_forget_a_finished_record_runs_the_next_claim(self, api: StoreCalls, key: str) -> None:
+        """forget on a completed (or failed) record answers its status and leaves a released
+        tombstone without its result that keeps the token: the next claim runs again with the
+        next token. Forgetting again, or an absent key, answers None."""
+        api = self._forget_api(api)
+        for suffix, settle in (("c", api.complete), ("f", api.fail)):
+            one = f"{key}-{suffix}"
+            token = self._acquire(api, one).token
+            assert settle(one, token, b"outcome", ttl=self.ttl) is None
+            status = Status.COMPLETED if suffix == "c" else Status.FAILED
+            assert api.forget(one) == status
+            record = api.get(one)
+            assert record is not None
+            assert (record.status, record.token, record.result) == (Status.RELEASED, 1, None)
+            assert api.forget(one) is None
+            again = api.claim(one, "fp", lease=self.short_lease, ttl=self.ttl)
+            assert again == Acquired(2, recovered=False, attempt=2), again
+        assert api.forget(f"{key}-absent") is None
+
+    def test_forget_refuses_an_in_progress_record_unless_forced(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """An in-progress record is refused (ConflictError, nothing changes); forced, its
+        lease ends: the worker's complete finds it lost, and the next claim runs again."""
+        api = self._forget_api(api)
+        token = self._acquire(api, key).token
+        before = api.get(key)
+        with pytest.raises(ConflictError, match="force"):
+            api.forget(key)
+        assert api.get(key) == before
+        assert api.forget(key, force=True) == Status.IN_PROGRESS
+        assert api.complete(key, token, b"late", ttl=self.ttl) == LeaseLost()
+        again = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(again, Acquired), again
+        assert again.token == token + 1
 
     # -- batch verbs -----------------------------------------------------------------------------
 

@@ -245,3 +245,24 @@ def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
             assert (code, json.loads(out)["schema_version"]) == (0, 2)
         finally:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_forget_a_finished_record_and_refuse_a_held_one(url: str) -> None:
+    """forget KEY --scope S makes the next call run again; an in-progress record exits 1
+    unless --force; a key with no record exits 1."""
+    code, out = run("--store", url, "--json", "forget", "p-1", "--scope", "billing.charge")
+    assert (code, json.loads(out)["status"]) == (0, "completed")
+    code, out = run("--store", url, "--json", "inspect", "p-1", "--scope", "billing.charge")
+    assert json.loads(out)["status"] == "released"
+    code, out = run("--store", url, "forget", "held")
+    assert code == 1
+    assert "--force" in out
+    code, out = run("--store", url, "--json", "inspect", "held")
+    assert json.loads(out)["status"] == "in_progress"
+    code, out = run("--store", url, "forget", "held", "--force")
+    assert (code, out.strip()) == (0, "forgot held (in_progress)")
+    code, out = run("--store", url, "forget", "nope")
+    assert code == 1
+    assert "no live record" in out
+    code, out = run("--store", url, "--json", "stats")
+    assert json.loads(out) == {"completed": 1, "failed": 0, "in_progress": 1, "released": 2}

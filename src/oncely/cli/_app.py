@@ -286,6 +286,36 @@ def release(ctx: click.Context, key: str, token: int, scope: str | None) -> None
 
 
 @cli.command()
+@click.argument("key")
+@click.option("--scope", help="The scope the key was used in (a function's module.qualname).")
+@click.option("--force", is_flag=True, help="Forget an in-progress record too, ending its lease.")
+@_common_options
+@click.pass_context
+def forget(ctx: click.Context, key: str, scope: str | None, force: bool) -> None:
+    """Forget the finished record of KEY, so the next request with it runs again.
+
+    The record becomes a released tombstone that keeps its fencing token until it expires.
+    An in-progress record is refused (exit 1) unless --force: only for a worker known to be
+    gone, since a live one would then run beside the next claimer.
+    """
+    stored = scope_key(scope, key) if scope else key
+    try:
+        with _store(ctx) as store:
+            status = _require(store, "forget")(stored, force=force)
+    except FailedError as exc:
+        if isinstance(exc.__cause__, oncely.ConflictError):
+            raise NotFoundError(str(exc.__cause__)) from exc.__cause__
+        raise
+    if status is None:
+        raise NotFoundError(f"no live record for {stored!r}")
+    _emit(
+        ctx,
+        {"forgotten": True, "key": stored, "status": status.value},
+        [f"forgot {stored} ({status.value})"],
+    )
+
+
+@cli.command()
 @_common_options
 @click.pass_context
 def stats(ctx: click.Context) -> None:

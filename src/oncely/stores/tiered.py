@@ -23,7 +23,15 @@ from typing import Any
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import CheckableStore, Store
-from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay, StoreHealth
+from oncely._core.records import (
+    ClaimResult,
+    LeaseLost,
+    Mismatch,
+    Record,
+    Replay,
+    Status,
+    StoreHealth,
+)
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _batch
 
@@ -193,6 +201,28 @@ class TieredStore:
     def get(self, key: str) -> Record | None:
         """See `oncely.SyncStore.get` (always read from the inner store)."""
         return self.inner.get(key)
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """The inner store's ``forget``; *key* then leaves the cache."""
+        status: Status | None = self._inner_verb("forget")(key, force=force)
+        with self._lock:
+            self._drop(key)
+        return status
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        status: Status | None = await self._inner_verb("aforget")(key, force=force)
+        with self._lock:
+            self._drop(key)
+        return status
+
+    def _inner_verb(self, verb: str) -> Any:
+        method = getattr(self.inner, verb, None)
+        if method is None:
+            raise StoreError(
+                f"the inner store {self.inner!r} has no {verb}()", backend=self.backend
+            )
+        return method
 
     def _checkable(self) -> CheckableStore:
         if not isinstance(self.inner, CheckableStore):

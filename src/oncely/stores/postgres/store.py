@@ -39,11 +39,13 @@ from oncely._deps import require
 from oncely._log import get_logger
 from oncely.errors import (
     ConfigurationError,
+    CorruptRecordError,
     SchemaMissingError,
     StoreError,
     StoreUnavailableError,
 )
 from oncely.stores import _namespace
+from oncely.stores._machine import in_progress_refusal
 from oncely.stores.postgres import _sql
 
 if TYPE_CHECKING:
@@ -687,6 +689,27 @@ class PostgresStore:
             f"-- oncely schema {_sql.SCHEMA_VERSION} for PostgreSQL schema {self.schema!r}: "
             "run it in one transaction.\n" + self._queries.migrate.lstrip("\n")
         )
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """See `oncely.stores.memory.MemoryStore.forget`. One statement."""
+        flow = _sql.forget(self._queries, self._stored_key(key), key, force)
+        return self._forgotten(key, drive(flow, self._execute))
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        flow = _sql.forget(self._queries, self._stored_key(key), key, force)
+        return self._forgotten(key, await adrive(flow, self._aexecute))
+
+    def _forgotten(self, key: str, answer: tuple[str | None, bool]) -> Status | None:
+        status, refused = answer
+        if refused:
+            raise in_progress_refusal(key)
+        try:
+            return None if status is None else Status(status)
+        except ValueError as exc:
+            raise CorruptRecordError(
+                f"unknown status {status!r}", backend=self.backend, key=key
+            ) from exc
 
     def check(self) -> StoreHealth:
         """See `oncely.CheckableStore.check`: one statement reads the schema's version."""

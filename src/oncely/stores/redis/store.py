@@ -31,13 +31,14 @@ from urllib.parse import unquote
 
 from oncely._core.clock import Clock
 from oncely._core.flow import adrive, drive
-from oncely._core.records import ClaimResult, LeaseLost, Record, StoreHealth
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
 from oncely._deps import require
 from oncely.errors import (
     ConfigurationError,
     StoreError,
     StoreUnavailableError,
 )
+from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
 from oncely.stores.redis._packing import use_hiredis
@@ -462,6 +463,22 @@ class _RedisStoreBase:
 
     def migrate(self) -> None:
         """Do nothing: a Redis store has no schema (accepted like the SQL stores' ``migrate``)."""
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """See `oncely.stores.memory.MemoryStore.forget`. One round trip."""
+        return self._forgotten(key, drive(_scripts.forget(self._space, key, force), self._perform))
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        flow = _scripts.forget(self._space, key, force)
+        return self._forgotten(key, await adrive(flow, self._aperform))
+
+    @staticmethod
+    def _forgotten(key: str, answer: tuple[Status | None, bool]) -> Status | None:
+        status, refused = answer
+        if refused:
+            raise in_progress_refusal(key)
+        return status
 
     def check(self) -> StoreHealth:
         """See `oncely.CheckableStore.check`: a PING (to every primary of a cluster)."""
