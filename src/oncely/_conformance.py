@@ -561,6 +561,40 @@ class StoreConformance:
         assert isinstance(again, Acquired), again
         assert again.token == token + 1
 
+    def test_scan_pages_through_live_records_of_every_status(
+        self, store: Store, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """scan (``oncely stats`` and ``leases`` page through it) lists the namespace's live
+        records of every status in key order without results, in full pages until the last;
+        an expired record is left out and does not shorten a page."""
+        scan = getattr(store, "scan", None)
+        if scan is None:
+            pytest.skip("the store has no scan")
+        api = StoreCalls(store, "sync")
+        token = self._acquire(api, f"{key}-a").token
+        api.complete(f"{key}-a", token, b"r", ttl=timedelta(milliseconds=300))
+        token = self._acquire(api, f"{key}-b").token
+        api.complete(f"{key}-b", token, b"r", ttl=self.ttl)
+        token = self._acquire(api, f"{key}-c").token
+        api.fail(f"{key}-c", token, b"e", ttl=self.ttl)
+        api.claim(f"{key}-d", "fp", lease=self.ttl, ttl=self.ttl)
+        token = self._acquire(api, f"{key}-e").token
+        api.release(f"{key}-e", token)
+        wait(timedelta(milliseconds=600))
+        pages: list[list[Record]] = []
+        after = ""
+        while not pages or len(pages[-1]) == 2:
+            pages.append(scan(after=after, limit=2))
+            after = pages[-1][-1].key if pages[-1] else after
+        assert [[record.key[-1] for record in page] for page in pages] == [
+            ["b", "c"],
+            ["d", "e"],
+            [],
+        ]
+        statuses = [record.status for page in pages for record in page]
+        assert statuses == [Status.COMPLETED, Status.FAILED, Status.IN_PROGRESS, Status.RELEASED]
+        assert all(record.result is None for page in pages for record in page)
+
     # -- batch verbs -----------------------------------------------------------------------------
 
     def _batch_api(self, api: StoreCalls) -> StoreCalls:

@@ -266,3 +266,10 @@ def test_forget_a_finished_record_and_refuse_a_held_one(url: str) -> None:
     assert "no live record" in out
     code, out = run("--store", url, "--json", "stats")
     assert json.loads(out) == {"completed": 1, "failed": 0, "in_progress": 1, "released": 2}
+
+
+def test_stats_counts_the_same_through_a_tiered_store(url: str) -> None:
+    """stats (and leases) page through a tiered store's inner store: the same counts."""
+    code, out = run("--store", url.replace("sqlite", "tiered+sqlite", 1), "--json", "stats")
+    assert code == 0
+    assert json.loads(out) == {"completed": 2, "failed": 0, "in_progress": 2, "released": 0}

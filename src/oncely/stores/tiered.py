@@ -216,6 +216,20 @@ class TieredStore:
             self._drop(key)
         return status
 
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """The inner store's ``scan`` (the cache holds no record the inner store lacks)."""
+        records: list[Record] = self._inner_verb("scan")(after=after, limit=limit)
+        return records
+
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """The inner store's ``purge``."""
+        deleted: int = self._inner_verb("purge")(batch=batch, limit=limit)
+        return deleted
+
+    def migrate(self) -> None:
+        """The inner store's ``migrate``."""
+        self._inner_verb("migrate")()
+
     def _inner_verb(self, verb: str) -> Any:
         method = getattr(self.inner, verb, None)
         if method is None:
