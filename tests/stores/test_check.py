@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -179,3 +180,20 @@ def test_tiered_check_over_a_store_without_one_is_a_store_error() -> None:
     for call in _both(tiered):
         with pytest.raises(StoreError, match="no check"):
             call()
+
+
+@pytest.mark.redis
+def test_redis_refusing_the_client_is_not_reported_as_an_outage() -> None:
+    """A user or password Redis refuses fails at once as a StoreError carrying the server's
+    reason, never as StoreUnavailableError (a StoreError, not a ConfigurationError, because
+    Redis authenticates every new connection: it can happen after a handler ran, where the
+    callers expect store failures to be StoreErrors)."""
+    parts = urlsplit(service_url("ONCELY_TEST_REDIS_URL"))
+    host = parts.netloc.rpartition("@")[2]
+    url = urlunsplit(parts._replace(netloc=f"oncely_nobody:x@{host}"))
+    with open_store(url, namespace="check") as store:
+        for call in [*_both(store), lambda: store.get("k")]:
+            with pytest.raises(StoreError, match="refused") as info:
+                call()
+            assert not isinstance(info.value, StoreUnavailableError)
+            assert "invalid username-password pair" in str(info.value)
