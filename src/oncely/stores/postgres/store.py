@@ -335,10 +335,10 @@ class PostgresStore:
         self._usable()
         pool = self._pool
         if pool is None:
+            self._probe()  # outside the lock: a slow connect must not hold up other threads
             with self._lock:
                 pool = self._pool
                 if pool is None:
-                    self._probe()
                     pool = psycopg_pool.ConnectionPool(
                         self._conninfo,
                         kwargs=self._kwargs,
