@@ -22,7 +22,7 @@ import typing as _typing
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.policy import Policy
-from oncely._core.protocols import AsyncStore, BatchStore, Store, SyncStore
+from oncely._core.protocols import AsyncStore, BatchStore, CheckableStore, Store, SyncStore
 from oncely._core.records import (
     Acquired,
     ClaimResult,
@@ -32,6 +32,7 @@ from oncely._core.records import (
     Record,
     Replay,
     Status,
+    StoreHealth,
 )
 from oncely._execution import CurrentLease, current_lease
 from oncely.decorator import IdempotentFunction, idempotent
@@ -59,6 +60,7 @@ __all__ = [
     "Acquired",
     "AsyncStore",
     "BatchStore",
+    "CheckableStore",
     "ClaimResult",
     "Clock",
     "Codec",
@@ -91,6 +93,7 @@ __all__ = [
     "Status",
     "Store",
     "StoreError",
+    "StoreHealth",
     "StoreUnavailableError",
     "SyncStore",
     "SystemClock",

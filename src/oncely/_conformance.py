@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 
 from oncely._core import machine
-from oncely._core.protocols import BatchStore, Store
+from oncely._core.protocols import BatchStore, CheckableStore, Store
 from oncely._core.records import (
     Acquired,
     ClaimResult,
@@ -42,7 +42,9 @@ from oncely._core.records import (
     Record,
     Replay,
     Status,
+    StoreHealth,
 )
+from oncely.errors import ConflictError
 from oncely.stores import open_store
 from oncely.testing import FrozenClock
 
@@ -91,6 +93,14 @@ class StoreCalls:
         answers: list[Any] = self._call("complete_many", items, ttl=ttl)
         return answers
 
+    def check(self) -> StoreHealth:
+        health: StoreHealth = self._call("check")
+        return health
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        status: Status | None = self._call("forget", key, force=force)
+        return status
+
     def close(self) -> None:
         if self._loop is not None:
             # End the loop as asyncio.run does, so stores that keep per-loop connections
@@ -127,6 +137,10 @@ class StoreConformance:
         batch_verbs: The store has the optional `oncely.BatchStore` verbs, and the
             ``test_batch_*`` tests hold it to them (a store without them sets False: those
             tests then check that it does not pretend to have them).
+        check_verbs: The store has the optional `oncely.CheckableStore` probe, held to it by
+            the ``test_check_*`` tests (False: they check that it does not pretend to).
+        forget_verb: The store has the optional ``forget``/``aforget`` (every built-in store
+            does; ``oncely forget`` needs it), held to it by the ``test_forget_*`` tests.
 
     A store that cannot be shared between processes (the memory store) sets
     ``test_claim_race_processes_exactly_one_acquires = None`` in its subclass.
@@ -173,6 +187,8 @@ class StoreConformance:
     racers: ClassVar[int] = 64
     preload: ClassVar[tuple[str, ...]] = ()
     batch_verbs: ClassVar[bool] = True
+    check_verbs: ClassVar[bool] = True
+    forget_verb: ClassVar[bool] = True
 
     def open_store(self, clock: FrozenClock | None, namespace: str) -> Store:
         """Return a fresh store using *clock* (when it controls one) and *namespace*."""
@@ -478,6 +494,107 @@ class StoreConformance:
             )
         finally:
             other.close()
+
+    # -- the readiness probe (session 5, storecheck) ----------------------------------------------
+
+    def _check_api(self, api: StoreCalls) -> StoreCalls:
+        if not self.check_verbs:
+            assert not isinstance(api.store, CheckableStore)
+            pytest.skip("the store declares no check (check_verbs = False)")
+        assert isinstance(api.store, CheckableStore)
+        return api
+
+    def test_check_answers_what_it_found(self, api: StoreCalls, key: str) -> None:
+        """check() on a working store answers its backend, a schema version (``None`` for a
+        store without a schema, else 1 or more) and a latency, and changes no record."""
+        api = self._check_api(api)
+        self._acquire(api, key)
+        before = api.get(key)
+        health = api.check()
+        assert isinstance(health, StoreHealth)
+        assert health.backend == getattr(api.store, "backend", None)
+        assert health.schema_version is None or health.schema_version >= 1
+        assert health.latency_ms >= 0
+        assert api.get(key) == before
+        assert api.check().schema_version == health.schema_version
+
+    # -- forget (session 5, storecheck) --------------------------------------------------------
+
+    def _forget_api(self, api: StoreCalls) -> StoreCalls:
+        if not self.forget_verb:
+            assert getattr(api.store, "forget", None) is None
+            pytest.skip("the store declares no forget (forget_verb = False)")
+        return api
+
+    def test_forget_a_finished_record_runs_the_next_claim(self, api: StoreCalls, key: str) -> None:
+        """forget on a completed (or failed) record answers its status and leaves a released
+        tombstone without its result that keeps the token: the next claim runs again with the
+        next token. Forgetting again, or an absent key, answers None."""
+        api = self._forget_api(api)
+        for suffix, settle in (("c", api.complete), ("f", api.fail)):
+            one = f"{key}-{suffix}"
+            token = self._acquire(api, one).token
+            assert settle(one, token, b"outcome", ttl=self.ttl) is None
+            status = Status.COMPLETED if suffix == "c" else Status.FAILED
+            assert api.forget(one) == status
+            record = api.get(one)
+            assert record is not None
+            assert (record.status, record.token, record.result) == (Status.RELEASED, 1, None)
+            assert api.forget(one) is None
+            again = api.claim(one, "fp", lease=self.short_lease, ttl=self.ttl)
+            assert again == Acquired(2, recovered=False, attempt=2), again
+        assert api.forget(f"{key}-absent") is None
+
+    def test_forget_refuses_an_in_progress_record_unless_forced(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """An in-progress record is refused (ConflictError, nothing changes); forced, its
+        lease ends: the worker's complete finds it lost, and the next claim runs again."""
+        api = self._forget_api(api)
+        token = self._acquire(api, key).token
+        before = api.get(key)
+        with pytest.raises(ConflictError, match="force"):
+            api.forget(key)
+        assert api.get(key) == before
+        assert api.forget(key, force=True) == Status.IN_PROGRESS
+        assert api.complete(key, token, b"late", ttl=self.ttl) == LeaseLost()
+        again = api.claim(key, "fp", lease=self.short_lease, ttl=self.ttl)
+        assert isinstance(again, Acquired), again
+        assert again.token == token + 1
+
+    def test_scan_pages_through_live_records_of_every_status(
+        self, store: Store, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """scan (``oncely stats`` and ``leases`` page through it) lists the namespace's live
+        records of every status in key order without results, in full pages until the last;
+        an expired record is left out and does not shorten a page."""
+        scan = getattr(store, "scan", None)
+        if scan is None:
+            pytest.skip("the store has no scan")
+        api = StoreCalls(store, "sync")
+        token = self._acquire(api, f"{key}-a").token
+        api.complete(f"{key}-a", token, b"r", ttl=timedelta(milliseconds=300))
+        token = self._acquire(api, f"{key}-b").token
+        api.complete(f"{key}-b", token, b"r", ttl=self.ttl)
+        token = self._acquire(api, f"{key}-c").token
+        api.fail(f"{key}-c", token, b"e", ttl=self.ttl)
+        api.claim(f"{key}-d", "fp", lease=self.ttl, ttl=self.ttl)
+        token = self._acquire(api, f"{key}-e").token
+        api.release(f"{key}-e", token)
+        wait(timedelta(milliseconds=600))
+        pages: list[list[Record]] = []
+        after = ""
+        while not pages or len(pages[-1]) == 2:
+            pages.append(scan(after=after, limit=2))
+            after = pages[-1][-1].key if pages[-1] else after
+        assert [[record.key[-1] for record in page] for page in pages] == [
+            ["b", "c"],
+            ["d", "e"],
+            [],
+        ]
+        statuses = [record.status for page in pages for record in page]
+        assert statuses == [Status.COMPLETED, Status.FAILED, Status.IN_PROGRESS, Status.RELEASED]
+        assert all(record.result is None for page in pages for record in page)
 
     # -- batch verbs -----------------------------------------------------------------------------
 

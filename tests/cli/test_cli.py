@@ -6,14 +6,17 @@ import json
 import re
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 from click.testing import CliRunner
 
 import oncely
 from oncely.cli._app import cli
+from tests.conftest import service_url
 
 
 @pytest.fixture
@@ -172,3 +175,101 @@ def test_demo_help_lists_the_demo_options() -> None:
     code, out = run("demo", "--help")
     assert code == 0
     assert "--payments" in out
+
+
+def test_check_is_a_readiness_probe(url: str, tmp_path: Path) -> None:
+    """check exits 0 with what it found; an unmigrated database exits 2, naming migrate."""
+    code, out = run("--store", url, "--json", "check")
+    assert code == 0
+    health = json.loads(out)
+    assert (health["backend"], health["schema_version"]) == ("sqlite", 1)
+    assert health["latency_ms"] >= 0
+    code, out = run("--store", url, "check")
+    assert (code, out.startswith("ready: sqlite, schema 1, ")) == (0, True)
+    code, out = run("--store", f"sqlite:///{tmp_path}/fresh.db", "check")
+    assert code == 2
+    assert "oncely migrate" in out
+    code, out = run("--store", "memory://", "check")
+    assert (code, out.startswith("ready: memory, no schema")) == (0, True)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_check_exit_codes_against_servers() -> None:
+    """A role the PostgreSQL server refuses exits 2 with its reason; no server there exits 3."""
+    postgres = service_url("ONCELY_TEST_POSTGRES_URL")
+    refused = re.sub(r"//[^@/]*@", "//oncely_no_such_role_cli@", postgres)
+    if "@" not in postgres:
+        refused = postgres.replace("//", "//oncely_no_such_role_cli@", 1)
+    code, out = run("--store", refused, "check")
+    assert code == 2
+    assert 'role "oncely_no_such_role_cli" does not exist' in out
+    code, out = run("--store", "redis://127.0.0.1:27599/0", "check")  # nothing listens there
+    assert code == 3
+    assert "unavailable" in out
+
+
+def test_migrate_sql_prints_the_sqlite_ddl_and_changes_nothing(tmp_path: Path) -> None:
+    """migrate --sql prints SQLite's schema script; no database file is created."""
+    path = tmp_path / "never.db"
+    for prefix in ("", "tiered+"):
+        code, out = run("--store", f"{prefix}sqlite:///{path}", "migrate", "--sql")
+        assert code == 0
+        assert "CREATE TABLE IF NOT EXISTS oncely_records" in out
+        assert not path.exists()
+    code, out = run("--store", "memory://", "migrate", "--sql")
+    assert code == 2
+    assert "no schema" in out
+
+
+@pytest.mark.postgres
+def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
+    """migrate --sql renders the script for the URL's schema without applying it; applied in
+    one transaction by someone else (a migration tool), it makes a store ready."""
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_cli_sql_{uuid.uuid4().hex[:10]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}"
+    with psycopg.connect(base, autocommit=True) as admin:
+        try:
+            code, out = run("--store", url, "migrate", "--sql")
+            assert code == 0
+            assert f'CREATE SCHEMA IF NOT EXISTS "{schema}"' in out
+            exists = admin.execute(
+                "SELECT count(*) FROM pg_namespace WHERE nspname = %s", (schema,)
+            )
+            assert exists.fetchone() == (0,)
+            assert run("--store", url, "check")[0] == 2
+            with admin.transaction():
+                admin.execute(out.encode())
+            code, out = run("--store", url, "--json", "check")
+            assert (code, json.loads(out)["schema_version"]) == (0, 2)
+        finally:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_forget_a_finished_record_and_refuse_a_held_one(url: str) -> None:
+    """forget KEY --scope S makes the next call run again; an in-progress record exits 1
+    unless --force; a key with no record exits 1."""
+    code, out = run("--store", url, "--json", "forget", "p-1", "--scope", "billing.charge")
+    assert (code, json.loads(out)["status"]) == (0, "completed")
+    code, out = run("--store", url, "--json", "inspect", "p-1", "--scope", "billing.charge")
+    assert json.loads(out)["status"] == "released"
+    code, out = run("--store", url, "forget", "held")
+    assert code == 1
+    assert "--force" in out
+    code, out = run("--store", url, "--json", "inspect", "held")
+    assert json.loads(out)["status"] == "in_progress"
+    code, out = run("--store", url, "forget", "held", "--force")
+    assert (code, out.strip()) == (0, "forgot held (in_progress)")
+    code, out = run("--store", url, "forget", "nope")
+    assert code == 1
+    assert "no live record" in out
+    code, out = run("--store", url, "--json", "stats")
+    assert json.loads(out) == {"completed": 1, "failed": 0, "in_progress": 1, "released": 2}
+
+
+def test_stats_counts_the_same_through_a_tiered_store(url: str) -> None:
+    """stats (and leases) page through a tiered store's inner store: the same counts."""
+    code, out = run("--store", url.replace("sqlite", "tiered+sqlite", 1), "--json", "stats")
+    assert code == 0
+    assert json.loads(out) == {"completed": 2, "failed": 0, "in_progress": 2, "released": 0}

@@ -167,6 +167,40 @@ def test_bad_settings_are_configuration_errors(url: str, options: dict[str, Any]
         PostgresStore.from_url(url, **options)
 
 
+def _with(base_url: str, **parts: str) -> str:
+    """*base_url* with its user or database replaced."""
+    params = psycopg.conninfo.conninfo_to_dict(base_url)
+    params.update(parts)
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+@pytest.mark.parametrize(
+    ("parts", "reason"),
+    [
+        ({"user": "oncely_no_such_role_x"}, r'role "oncely_no_such_role_x" does not exist'),
+        ({"dbname": "oncely_no_such_db_x"}, r'database "oncely_no_such_db_x" does not exist'),
+    ],
+    ids=["role", "database"],
+)
+def test_refused_settings_are_configuration_errors_at_once(
+    base_url: str, schema: str, parts: dict[str, str], reason: str
+) -> None:
+    """A role or database the server does not know is a ConfigurationError naming the server's
+    reason, sync and async, not a pool timeout reported as an outage (pool_timeout is long
+    enough here that an outage-style answer could not come first)."""
+    conninfo = _with(base_url, **parts)
+    with PostgresStore(conninfo, schema=schema, pool_timeout=30) as store:
+        for call in (
+            lambda: store.claim("k", "fp", lease=LEASE, ttl=TTL),
+            lambda: asyncio.run(store.aget("k")),
+            store.migrate,
+        ):
+            with pytest.raises(ConfigurationError, match=reason) as info:
+                call()
+            assert not isinstance(info.value, StoreError)
+            assert isinstance(info.value.__cause__, psycopg.OperationalError)
+
+
 def test_clock_option_is_accepted_and_ignored(base_url: str, schema: str) -> None:
     """A client clock may be passed (as to every store), but the server's clock judges."""
     frozen = FrozenClock(now_ms=0)

@@ -35,6 +35,7 @@ import oncely
 from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely._conformance import StoreCalls
 from oncely._core.keys import scope_key
+from oncely.cli._app import _all_records
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -46,6 +47,7 @@ from oncely.stores import open_store
 from oncely.stores.redis import RedisClusterStore, RedisStore
 from oncely.stores.redis._codec import Keyspace
 from oncely.testing import FrozenClock
+from tests._helpers import eventually
 from tests.conftest import service_url
 from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
 
@@ -368,6 +370,24 @@ class TestRecordLayout:
         assert all(record.result is None for record in first + rest)
         assert shared_store.purge(batch=10) == 0  # Redis expires records itself
         shared_store.migrate()  # no schema: nothing to do
+
+    def test_scan_pages_are_full_when_a_record_expires_under_it(
+        self, shared_store: RedisStore, shared_admin: redis.Redis
+    ) -> None:
+        """A record SCAN lists that has expired by the time it is read does not shorten the
+        page: a short page means the end, so paging (``oncely stats``, ``leases``) would stop
+        there and miss every later record. PERSIST keeps the expired record's hash where SCAN
+        sees it, standing for a record that expires between the SCAN and its read."""
+        gone = "a"
+        taken = shared_store.claim(gone, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+        shared_store.complete(gone, taken.token, b"r", ttl=timedelta(milliseconds=300))
+        assert shared_admin.persist(Keyspace("oncely:", shared_store.namespace).name(gone))
+        for key in ("b", "c", "d"):
+            shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        eventually(lambda: shared_store.get(gone) is None)
+        assert [record.key for record in shared_store.scan(limit=2)] == ["b", "c"]
+        assert [record.key for record in _all_records(shared_store, page=2)] == ["b", "c", "d"]
 
 
 @pytest.mark.redis_cluster

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._core.records import ClaimResult, LeaseLost, Record, StoreHealth
 
 if TYPE_CHECKING:
     from oncely.errors import StoreError
 
-__all__ = ["AsyncStore", "BatchStore", "Store", "SyncStore"]
+__all__ = ["AsyncStore", "BatchStore", "CheckableStore", "Store", "SyncStore"]
 
 
 @runtime_checkable
@@ -131,4 +131,32 @@ class BatchStore(Protocol):
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
     ) -> list[LeaseLost | StoreError | None]:
         """Async `complete_many`."""
+        ...
+
+
+@runtime_checkable
+class CheckableStore(Protocol):
+    """An optional readiness probe (every built-in store has it), for a health endpoint.
+
+    Optional, so that a store of one's own stays a `Store` without it; the conformance suite
+    holds every store that has it to the same answers.
+    """
+
+    def check(self) -> StoreHealth:
+        """Reach the store and verify its schema, in one or two round trips.
+
+        Returns:
+            What was found; raising is the only way a check fails.
+
+        Raises:
+            StoreUnavailableError: The store could not be reached.
+            SchemaMissingError: The schema is missing or older than this oncely (run migrate).
+            ConfigurationError: The server refused the store's settings (role, password,
+                database).
+            StoreError: The store is closed, or failed otherwise.
+        """
+        ...
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
         ...

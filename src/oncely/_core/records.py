@@ -16,6 +16,7 @@ __all__ = [
     "Record",
     "Replay",
     "Status",
+    "StoreHealth",
 ]
 
 
@@ -122,3 +123,20 @@ ClaimResult: TypeAlias = Acquired | InProgress | Replay | Mismatch
 @dataclass(frozen=True, slots=True)
 class LeaseLost:
     """A settle call (complete, fail, release, extend) found the lease no longer held."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """What a store's ``check()`` found: it answered, and its schema can serve this oncely.
+
+    Attributes:
+        backend: The store's ``backend`` name (``"postgres"``, ``"redis"``, ...).
+        schema_version: The schema version the store holds (at least the one this oncely
+            uses; a newer one is accepted, so that a rolling upgrade keeps older workers
+            ready), or ``None`` for a backend without a schema (memory, Redis).
+        latency_ms: How long the probe took, round trips included.
+    """
+
+    backend: str
+    schema_version: int | None
+    latency_ms: float

@@ -286,6 +286,36 @@ def release(ctx: click.Context, key: str, token: int, scope: str | None) -> None
 
 
 @cli.command()
+@click.argument("key")
+@click.option("--scope", help="The scope the key was used in (a function's module.qualname).")
+@click.option("--force", is_flag=True, help="Forget an in-progress record too, ending its lease.")
+@_common_options
+@click.pass_context
+def forget(ctx: click.Context, key: str, scope: str | None, force: bool) -> None:
+    """Forget the finished record of KEY, so the next request with it runs again.
+
+    The record becomes a released tombstone that keeps its fencing token until it expires.
+    An in-progress record is refused (exit 1) unless --force: only for a worker known to be
+    gone, since a live one would then run beside the next claimer.
+    """
+    stored = scope_key(scope, key) if scope else key
+    try:
+        with _store(ctx) as store:
+            status = _require(store, "forget")(stored, force=force)
+    except FailedError as exc:
+        if isinstance(exc.__cause__, oncely.ConflictError):
+            raise NotFoundError(str(exc.__cause__)) from exc.__cause__
+        raise
+    if status is None:
+        raise NotFoundError(f"no live record for {stored!r}")
+    _emit(
+        ctx,
+        {"forgotten": True, "key": stored, "status": status.value},
+        [f"forgot {stored} ({status.value})"],
+    )
+
+
+@cli.command()
 @_common_options
 @click.pass_context
 def stats(ctx: click.Context) -> None:
@@ -309,13 +339,51 @@ def purge(ctx: click.Context, batch: int) -> None:
 
 
 @cli.command()
+@click.option("--sql", is_flag=True, help="Print the DDL instead of applying it.")
 @_common_options
 @click.pass_context
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the store's schema (idempotent)."""
+def migrate(ctx: click.Context, sql: bool) -> None:
+    """Create or upgrade the store's schema (idempotent).
+
+    With --sql, print the script for a migration tool (Alembic, Django) and change nothing.
+    """
+    if sql:
+        click.echo(_schema_sql(ctx), nl=False)
+        return
     with _store(ctx) as store:
         _require(store, "migrate")()
     _emit(ctx, {"migrated": True}, ["schema is up to date"])
+
+
+def _schema_sql(ctx: click.Context) -> str:
+    url = (ctx.obj.get("store_url") or "").removeprefix("tiered+")
+    if url.startswith("sqlite"):
+        # The same script for every SQLite database: nothing to open (opening would migrate).
+        from oncely.stores.sqlite import SQLiteStore
+
+        return SQLiteStore.schema_sql()
+    with _store(ctx) as opened:
+        store = getattr(opened, "inner", opened)  # a tiered store's schema is its inner one's
+        if getattr(store, "schema_sql", None) is None:
+            raise SetupError(f"{type(store).__name__} has no schema to print")
+        script: str = store.schema_sql()
+    return script
+
+
+@cli.command()
+@_common_options
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Check that the store answers and its schema is migrated (a readiness probe).
+
+    Exits 0 when ready, 2 when the schema needs `oncely migrate` or the settings are wrong
+    (a role, password or database the server refuses), 3 when the store is unreachable.
+    """
+    with _store(ctx) as store:
+        health = _require(store, "check")()
+    data = dataclasses.asdict(health)
+    version = "no schema" if health.schema_version is None else f"schema {health.schema_version}"
+    _emit(ctx, data, [f"ready: {health.backend}, {version}, {health.latency_ms:.1f} ms"])
 
 
 @cli.command(

@@ -8,6 +8,7 @@ the section ends, so each transition is atomic and the table has one implementat
 from __future__ import annotations
 
 import functools
+import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -16,11 +17,11 @@ from typing import Any, TypeVar
 
 from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import ClaimResult, LeaseLost, Record, Replay
-from oncely.errors import CorruptRecordError, StoreError
+from oncely._core.records import ClaimResult, LeaseLost, Record, Replay, Status, StoreHealth
+from oncely.errors import ConflictError, CorruptRecordError, StoreError
 from oncely.stores import _namespace
 
-__all__ = ["MachineStore", "Step"]
+__all__ = ["MachineStore", "Step", "in_progress_refusal"]
 
 T = TypeVar("T")
 
@@ -52,6 +53,35 @@ def _complete_step(token: int, result: bytes, ttl_ms: int) -> Step[LeaseLost | N
 
     def step(record: Record | None, now_ms: int) -> tuple[Record | None, LeaseLost | None]:
         return machine.complete(record, token, outcome, now_ms=now_ms, ttl_ms=ttl_ms)
+
+    return step
+
+
+def in_progress_refusal(key: str) -> ConflictError:
+    """What ``forget`` raises for an in-progress record without ``force``."""
+    return ConflictError(
+        f"{key!r} is in progress and its worker may still be running: forget it with "
+        "force=True (oncely forget --force) only once that worker is known to be gone",
+        key=key,
+    )
+
+
+def _forget_step(force: bool) -> Step[tuple[Status | None, bool]]:
+    def step(
+        record: Record | None, now_ms: int
+    ) -> tuple[Record | None, tuple[Status | None, bool]]:
+        if record is None or not record.is_live(now_ms) or record.status is Status.RELEASED:
+            return None, (None, False)
+        if record.status is Status.IN_PROGRESS and not force:
+            return None, (None, True)
+        tombstone = replace(
+            record,
+            status=Status.RELEASED,
+            result=None,
+            lease_expires_at_ms=min(record.lease_expires_at_ms, now_ms),
+            updated_at_ms=now_ms,
+        )
+        return tombstone, (record.status, False)
 
     return step
 
@@ -223,6 +253,41 @@ class MachineStore:
     async def aget(self, key: str) -> Record | None:
         """See `oncely.AsyncStore.aget`."""
         return await self._run_async(functools.partial(self.get, key))
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """Make the next claim of *key* run the operation again: its finished record becomes a
+        released tombstone that keeps its fencing token (and drops its result) until it expires.
+
+        Returns:
+            The status the record had, or ``None`` when *key* had no live record (or only a
+            tombstone).
+
+        Raises:
+            ConflictError: The record is in progress and *force* is not set (with *force*, its
+                lease ends: the worker holding it gets a lost lease when it settles).
+        """
+        status, refused = self._atomic(self._stored_key(key), _forget_step(force))
+        if refused:
+            raise in_progress_refusal(key)
+        return status
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        return await self._run_async(functools.partial(self.forget, key, force=force))
+
+    def _schema_version(self) -> int | None:
+        """The schema version the store holds (``None``: it has none); raise if it cannot serve."""
+        return None
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`."""
+        started = time.perf_counter()
+        version = self._schema_version()
+        return StoreHealth(self.backend, version, (time.perf_counter() - started) * 1000)
+
+    async def acheck(self) -> StoreHealth:
+        """See `oncely.CheckableStore.acheck`."""
+        return await self._run_async(self.check)
 
     def close(self) -> None:
         """Release resources; the store cannot be used afterwards."""

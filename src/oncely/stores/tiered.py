@@ -22,8 +22,16 @@ from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.protocols import Store
-from oncely._core.records import ClaimResult, LeaseLost, Mismatch, Record, Replay
+from oncely._core.protocols import CheckableStore, Store
+from oncely._core.records import (
+    ClaimResult,
+    LeaseLost,
+    Mismatch,
+    Record,
+    Replay,
+    Status,
+    StoreHealth,
+)
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _batch
 
@@ -193,6 +201,57 @@ class TieredStore:
     def get(self, key: str) -> Record | None:
         """See `oncely.SyncStore.get` (always read from the inner store)."""
         return self.inner.get(key)
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """The inner store's ``forget``; *key* then leaves the cache."""
+        status: Status | None = self._inner_verb("forget")(key, force=force)
+        with self._lock:
+            self._drop(key)
+        return status
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        status: Status | None = await self._inner_verb("aforget")(key, force=force)
+        with self._lock:
+            self._drop(key)
+        return status
+
+    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
+        """The inner store's ``scan`` (the cache holds no record the inner store lacks)."""
+        records: list[Record] = self._inner_verb("scan")(after=after, limit=limit)
+        return records
+
+    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
+        """The inner store's ``purge``."""
+        deleted: int = self._inner_verb("purge")(batch=batch, limit=limit)
+        return deleted
+
+    def migrate(self) -> None:
+        """The inner store's ``migrate``."""
+        self._inner_verb("migrate")()
+
+    def _inner_verb(self, verb: str) -> Any:
+        method = getattr(self.inner, verb, None)
+        if method is None:
+            raise StoreError(
+                f"the inner store {self.inner!r} has no {verb}()", backend=self.backend
+            )
+        return method
+
+    def _checkable(self) -> CheckableStore:
+        if not isinstance(self.inner, CheckableStore):
+            raise StoreError(f"the inner store {self.inner!r} has no check()", backend=self.backend)
+        return self.inner
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: the inner store's check (the cache cannot fail)."""
+        health = self._checkable().check()
+        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        health = await self._checkable().acheck()
+        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
 
     def close(self) -> None:
         """Close the inner store."""

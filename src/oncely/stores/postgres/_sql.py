@@ -67,6 +67,28 @@ _COLUMNS: Final = (
     "status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at, updated_at"
 )
 
+FORGET: Final = """
+WITH old AS (
+    SELECT key, status FROM {schema}.oncely_records
+     WHERE key = %(key)s AND expires_at > statement_timestamp()
+       AND status IN ('in_progress', 'completed', 'failed')
+       FOR UPDATE
+), changed AS (
+    UPDATE {schema}.oncely_records AS r
+       SET status = 'released', result = NULL, op = NULL, updated_at = statement_timestamp(),
+           lease_expires_at = least(r.lease_expires_at, statement_timestamp())
+      FROM old
+     WHERE r.key = old.key AND (old.status <> 'in_progress' OR %(force)s)
+    RETURNING r.key
+)
+SELECT old.status, EXISTS (SELECT 1 FROM changed) FROM old
+"""
+"""Parameters: key, force. No row: no live record (or a tombstone); else the status it had and
+whether it became a tombstone (not an in-progress one without force)."""
+
+VERSION: Final = "SELECT version FROM {schema}.oncely_schema WHERE id = 1"
+"""No parameters. The applied schema version: one row, or none before the first migration."""
+
 CLAIM: Final = f"""
 SELECT outcome, judged_at, {_COLUMNS}, result
   FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint,
@@ -175,6 +197,8 @@ class Queries:
     scan: str = field(init=False)
     scan_all: str = field(init=False)
     migrate: str = field(init=False)
+    version: str = field(init=False)
+    forget: str = field(init=False)
 
     def __post_init__(self) -> None:
         quoted = quote_identifier(self.schema)
@@ -188,6 +212,8 @@ class Queries:
             ("purge", PURGE),
             ("scan", SCAN),
             ("scan_all", SCAN_ALL),
+            ("version", VERSION),
+            ("forget", FORGET),
         ):
             object.__setattr__(self, name, template.format(**render))
         prefix = MIGRATE_PREFIX.format(schema=quoted, lock=migration_lock(self.schema))
@@ -468,6 +494,21 @@ def scan(queries: Queries, namespace: str, after: str, limit: int) -> Flow[list[
         sql = queries.scan_all
     reply: Reply = yield Statement(sql, params)
     return [decode_record(_namespace.caller_key(namespace, row[0]), row[1:]) for row in reply.rows]
+
+
+def forget(queries: Queries, stored: str, key: str, force: bool) -> Flow[tuple[str | None, bool]]:
+    """Make *stored*'s finished record a tombstone: (the status it had, whether it was refused)."""
+    reply: Reply = yield Statement(queries.forget, {"key": stored, "force": force}, key)
+    if not reply.rows:
+        return None, False
+    status, changed = reply.rows[0]
+    return status, not changed
+
+
+def schema_version(queries: Queries) -> Flow[int | None]:
+    """The schema version the database holds (``None``: the version table has no row)."""
+    reply: Reply = yield Statement(queries.version, {}, "the check", resend=True)
+    return int(reply.rows[0][0]) if reply.rows else None
 
 
 def migrate(queries: Queries) -> Flow[None]:

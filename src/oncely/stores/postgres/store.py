@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from datetime import timedelta
@@ -33,16 +34,18 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from oncely._core.clock import Clock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.records import ClaimResult, LeaseLost, Record, Status
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
 from oncely._deps import require
 from oncely._log import get_logger
 from oncely.errors import (
     ConfigurationError,
+    CorruptRecordError,
     SchemaMissingError,
     StoreError,
     StoreUnavailableError,
 )
 from oncely.stores import _namespace
+from oncely.stores._machine import in_progress_refusal
 from oncely.stores.postgres import _sql
 
 if TYPE_CHECKING:
@@ -100,6 +103,18 @@ _POOL_NUMBERS = itertools.count(1)
 
 _CLOSING: set[asyncio.Task[None]] = set()
 """Pool closes scheduled on a running loop by a sync `close`; referenced until they finish."""
+
+_REFUSALS = (
+    "password authentication failed",
+    "authentication failed for user",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "does not exist",  # the role or the database (FATAL at connect time: nothing else)
+    "is not permitted to log in",
+    "permission denied for database",
+)
+"""What libpq and the server say when they refuse the settings rather than fail for the moment
+(a connection failure carries no SQLSTATE, so its message is all there is to go on)."""
 
 
 class _LoopPool:
@@ -222,7 +237,8 @@ class PostgresStore:
             prepared-statement support).
 
     Raises:
-        ConfigurationError: A malformed connection string or option.
+        ConfigurationError: A malformed connection string or option; on first use, a role,
+            password or database the server refuses (with the server's reason).
         MissingDependencyError: psycopg is not installed (``pip install 'oncely[postgres]'``).
 
     .. versionadded:: 0.1.0
@@ -319,6 +335,7 @@ class PostgresStore:
         self._usable()
         pool = self._pool
         if pool is None:
+            self._probe()  # outside the lock: a slow connect must not hold up other threads
             with self._lock:
                 pool = self._pool
                 if pool is None:
@@ -347,8 +364,36 @@ class PostgresStore:
                         self._loop_pools.pop(stale).abandon()
                     entry = self._loop_pools[loop] = self._new_loop_pool(loop)
         if entry.pool.closed:  # not opened yet; opening twice is harmless
+            await self._aprobe()
             await entry.open(self._forget)
         return entry.pool
+
+    def _probe(self) -> None:
+        """Connect once before a pool opens, so settings the server refuses fail at once.
+
+        The pool connects in the background and retries a refused connection until
+        ``pool_timeout``, which would make a wrong role, password or database look like an
+        outage. Any other failure is left to the pool (it may pass).
+        """
+        try:
+            psycopg.connect(self._conninfo, **self._kwargs).close()
+        except psycopg.OperationalError as exc:
+            self._refused(exc)
+
+    async def _aprobe(self) -> None:
+        """Async `_probe`."""
+        try:
+            await (await psycopg.AsyncConnection.connect(self._conninfo, **self._kwargs)).close()
+        except psycopg.OperationalError as exc:
+            self._refused(exc)
+
+    def _refused(self, exc: psycopg.OperationalError) -> None:
+        """Raise `ConfigurationError` if *exc* says the server refused these settings."""
+        text = str(exc)
+        if any(refusal in text for refusal in _REFUSALS):
+            raise ConfigurationError(
+                f"PostgreSQL at {self._where} refused the store's settings: {_server_message(exc)}"
+            ) from exc
 
     def _forget(self, entry: _LoopPool) -> None:
         with self._lock:
@@ -634,6 +679,60 @@ class PostgresStore:
         """Async `migrate`."""
         await adrive(_sql.migrate(self._queries), self._aexecute)
 
+    def schema_sql(self) -> str:
+        """The script `migrate` runs, rendered for this store's schema, without running it.
+
+        For migration tools (Alembic, Django): run it in one transaction, as they do (with
+        ``psql``, pass ``--single-transaction``). It is idempotent, like `migrate`.
+        """
+        return (
+            f"-- oncely schema {_sql.SCHEMA_VERSION} for PostgreSQL schema {self.schema!r}: "
+            "run it in one transaction.\n" + self._queries.migrate.lstrip("\n")
+        )
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """See `oncely.stores.memory.MemoryStore.forget`. One statement."""
+        flow = _sql.forget(self._queries, self._stored_key(key), key, force)
+        return self._forgotten(key, drive(flow, self._execute))
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        flow = _sql.forget(self._queries, self._stored_key(key), key, force)
+        return self._forgotten(key, await adrive(flow, self._aexecute))
+
+    def _forgotten(self, key: str, answer: tuple[str | None, bool]) -> Status | None:
+        status, refused = answer
+        if refused:
+            raise in_progress_refusal(key)
+        try:
+            return None if status is None else Status(status)
+        except ValueError as exc:
+            raise CorruptRecordError(
+                f"unknown status {status!r}", backend=self.backend, key=key
+            ) from exc
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: one statement reads the schema's version."""
+        started = time.perf_counter()
+        version = drive(_sql.schema_version(self._queries), self._execute)
+        return self._health(version, started)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        started = time.perf_counter()
+        version = await adrive(_sql.schema_version(self._queries), self._aexecute)
+        return self._health(version, started)
+
+    def _health(self, version: int | None, started: float) -> StoreHealth:
+        if version is None or version < _sql.SCHEMA_VERSION:
+            raise SchemaMissingError(
+                f"the oncely schema in schema {self.schema!r} at {self._where} is at version "
+                f"{version}, older than {_sql.SCHEMA_VERSION}: run store.migrate() or "
+                "`oncely migrate`",
+                backend=self.backend,
+            )
+        return StoreHealth(self.backend, version, (time.perf_counter() - started) * 1000)
+
     def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
         """Delete expired records in batches; return how many were deleted.
 
@@ -742,6 +841,12 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _server_message(exc: BaseException) -> str:
+    """The reason in a libpq connection error, without its "connection to server at" preamble."""
+    text = " ".join(str(exc).split())
+    return text.rsplit(" failed: ", 1)[-1]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -204,6 +204,21 @@ def settle_answer(key: str, reply: Any) -> LeaseLost | None:
     raise _unexpected(key, reply)
 
 
+def forget_answer(key: str, reply: Any) -> tuple[Status | None, bool]:
+    """Decode `forget.lua`'s reply: (the status the record had, whether it was refused)."""
+    tag, rest = _tagged(key, reply)
+    if tag == b"absent":
+        return None, False
+    if tag == b"refused":
+        return None, True
+    if tag == b"forgot" and len(rest) == 1:
+        try:
+            return Status(rest[0].decode()), False
+        except (AttributeError, ValueError) as exc:
+            raise _corrupt(key, f"unknown status {rest[0]!r}") from exc
+    raise _unexpected(key, reply)
+
+
 def record_or_none(key: str, reply: Any) -> Record | None:
     """Decode `get.lua`'s reply: the live record, or ``None``."""
     tag, rest = _tagged(key, reply)

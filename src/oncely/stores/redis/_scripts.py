@@ -28,7 +28,7 @@ from importlib import resources
 from typing import Any, Final, TypeVar
 
 from oncely._core.flow import Flow
-from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status
 from oncely.errors import StoreError
 from oncely.stores._machine import _ms
 from oncely.stores.redis import _codec
@@ -52,7 +52,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-NAMES: Final = ("claim", "complete", "fail", "release", "extend", "get")
+NAMES: Final = ("claim", "complete", "fail", "release", "extend", "get", "forget")
 """Every single-item script, by the name of its file in ``lua/``."""
 
 BATCHES: Final = {"claim_many": "claim", "complete_many": "complete"}
@@ -123,6 +123,13 @@ def extend(space: Keyspace, key: str, token: int, lease: timedelta) -> Flow[Leas
     """Move the end of the lease *token* holds on *key*: see `extend.lua`."""
     call = ScriptCall("extend", key, space.name(key), (token, _ms(lease)))
     return _codec.settle_answer(key, (yield call))
+
+
+def forget(space: Keyspace, key: str, force: bool) -> Flow[tuple[Status | None, bool]]:
+    """Make *key*'s finished record a tombstone: see `forget.lua`. Answers (the status it had,
+    whether it was refused)."""
+    reply = yield ScriptCall("forget", key, space.name(key), (1 if force else 0,))
+    return _codec.forget_answer(key, reply)
 
 
 def get(space: Keyspace, key: str) -> Flow[Record | None]:

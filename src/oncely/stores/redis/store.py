@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import threading
+import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,13 +31,14 @@ from urllib.parse import unquote
 
 from oncely._core.clock import Clock
 from oncely._core.flow import adrive, drive
-from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
 from oncely._deps import require
 from oncely.errors import (
     ConfigurationError,
     StoreError,
     StoreUnavailableError,
 )
+from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
 from oncely.stores.redis._packing import use_hiredis
@@ -435,9 +436,17 @@ class _RedisStoreBase:
             self._sync_scripts()  # makes the sync client
             names = self._client.scan_iter(match=self._space.pattern(), count=1000)
             keys = (self._space.key_of(name) for name in names)
-            first = heapq.nsmallest(limit, {key for key in keys if key is not None and key > after})
-        records = (self.get(key) for key in first)
-        return [replace(record, result=None) for record in records if record is not None]
+            candidates = sorted({key for key in keys if key is not None and key > after})
+        # A record SCAN listed may have expired before it is read: read on past it, since a
+        # page shorter than *limit* tells the caller there is nothing after it.
+        records: list[Record] = []
+        for key in candidates:
+            if len(records) >= limit:
+                break
+            record = self.get(key)
+            if record is not None:
+                records.append(replace(record, result=None))
+        return records
 
     def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
         """Do nothing: Redis deletes each record when it expires (its TTL).
@@ -454,6 +463,39 @@ class _RedisStoreBase:
 
     def migrate(self) -> None:
         """Do nothing: a Redis store has no schema (accepted like the SQL stores' ``migrate``)."""
+
+    def forget(self, key: str, *, force: bool = False) -> Status | None:
+        """See `oncely.stores.memory.MemoryStore.forget`. One round trip."""
+        return self._forgotten(key, drive(_scripts.forget(self._space, key, force), self._perform))
+
+    async def aforget(self, key: str, *, force: bool = False) -> Status | None:
+        """Async `forget`."""
+        flow = _scripts.forget(self._space, key, force)
+        return self._forgotten(key, await adrive(flow, self._aperform))
+
+    @staticmethod
+    def _forgotten(key: str, answer: tuple[Status | None, bool]) -> Status | None:
+        status, refused = answer
+        if refused:
+            raise in_progress_refusal(key)
+        return status
+
+    def check(self) -> StoreHealth:
+        """See `oncely.CheckableStore.check`: a PING (to every primary of a cluster)."""
+        started = time.perf_counter()
+        with self._translate_errors("the check"):
+            self._check_open()
+            self._sync_scripts()  # makes the sync client
+            self._client.ping()
+        return StoreHealth(self.backend, None, (time.perf_counter() - started) * 1000)
+
+    async def acheck(self) -> StoreHealth:
+        """Async `check`."""
+        started = time.perf_counter()
+        with self._translate_errors("the check"):
+            self._check_open()
+            await (await self._async_entry()).client.ping()
+        return StoreHealth(self.backend, None, (time.perf_counter() - started) * 1000)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

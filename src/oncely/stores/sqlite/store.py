@@ -237,9 +237,14 @@ class SQLiteStore(MachineStore):
 
     # -- schema --------------------------------------------------------------------------------
 
+    @staticmethod
+    def schema_sql() -> str:
+        """The script `migrate` runs, without running it (for migration tools; idempotent)."""
+        return resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
+
     def migrate(self) -> None:
         """Create or upgrade the schema. Idempotent, and safe to run from several processes."""
-        script = resources.files("oncely.stores.sqlite").joinpath("schema.sql").read_text()
+        script = self.schema_sql()
         connection = self._connection()
         with self._guarded(""), self._translate_errors(""):
             connection.execute("BEGIN IMMEDIATE")
@@ -253,7 +258,7 @@ class SQLiteStore(MachineStore):
             connection.execute("COMMIT")
         self._check_schema()
 
-    def _check_schema(self) -> None:
+    def _check_schema(self) -> int:
         with self._guarded(""), self._translate_errors(""):
             row = self._connection().execute(_sql.SELECT_VERSION).fetchone()
         if row is None or row[0] < _sql.SCHEMA_VERSION:
@@ -262,6 +267,11 @@ class SQLiteStore(MachineStore):
                 "store.migrate() or `oncely migrate`",
                 backend=self.backend,
             )
+        version: int = row[0]
+        return version
+
+    def _schema_version(self) -> int:
+        return self._check_schema()
 
     # -- the atomic primitive ------------------------------------------------------------------
 
