@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import sys
+from pathlib import Path
 
 from oncely.errors import InvalidKeyError
 
-__all__ = ["CONTENT_KEY_VERSION", "MAX_KEY_LENGTH", "content_key", "scope_key", "validate_key"]
+__all__ = [
+    "CONTENT_KEY_VERSION",
+    "MAX_KEY_LENGTH",
+    "code_scope",
+    "content_key",
+    "scope_key",
+    "validate_key",
+]
 
 MAX_KEY_LENGTH = 255
 """The longest key a client may send (characters), as in Stripe's API."""
@@ -62,3 +71,32 @@ def content_key(canonical: str, prefix: str = "sha256:") -> str:
     ``<prefix>v2:<sha-256 hex>`` (`CONTENT_KEY_VERSION`)."""
     digest = hashlib.sha256(canonical.encode("ascii")).hexdigest()
     return f"{prefix}{CONTENT_KEY_VERSION}:{digest}"
+
+
+def code_scope(module: str, qualname: str) -> str:
+    """The scope of code named *qualname* in *module*: ``<module>.<qualname>``.
+
+    The module is named as an ``import`` would name it even when the program was started as a
+    script (``python app.py`` or ``python -m app``, where Python calls it ``__main__``), so keys
+    do not depend on how the program was started.
+    """
+    if module == "__main__":
+        module = _main_module_name()
+    return f"{module}.{qualname}"
+
+
+def _main_module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
+        return str(spec.name).removesuffix(".__main__")
+    path = getattr(main, "__file__", None)
+    if not path:  # an interactive session: there is no module to name
+        return "__main__"
+    file = Path(path).resolve()
+    parts = [file.stem]
+    folder = file.parent
+    while (folder / "__init__.py").is_file():  # python pkg/app.py: still pkg.app
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts)
