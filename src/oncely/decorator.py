@@ -19,7 +19,6 @@ import enum
 import functools
 import inspect
 import typing
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
@@ -27,7 +26,7 @@ from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 from oncely import _execution, _switches
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
-from oncely._core.keys import code_scope, scope_key, validate_key
+from oncely._core.keys import code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._log import get_logger
@@ -106,9 +105,7 @@ class _CallPlan:
             key = bound.arguments[self.key]
         else:
             key = self.key(*bound.args, **bound.kwargs)
-        if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
-            key = str(key)  # ints and UUIDs name operations too; bools do not
-        return scope_key(self.scope, validate_key(key))
+        return scope_key(self.scope, validate_key(name_key(key)))
 
     def fingerprint_for(self, bound: inspect.BoundArguments) -> str:
         spec = self.fingerprint

@@ -30,7 +30,7 @@ from oncely import _execution
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow
-from oncely._core.keys import code_scope, scope_key, validate_key
+from oncely._core.keys import code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Replay
@@ -84,9 +84,8 @@ class Guard:
         codec: Codec | None = None,
     ) -> None:
         self.store = store
-        if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
-            key = str(key)  # ints and UUIDs name operations too; bools do not
-        self.key = scope_key(scope if scope is not None else _caller_scope(), validate_key(key))
+        scope = scope if scope is not None else _caller_scope()
+        self.key = scope_key(scope, validate_key(name_key(key)))
         self.fingerprint = "" if fingerprint is None else digest([fingerprint])
         self.policy = derive(
             policy,

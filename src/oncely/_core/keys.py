@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import uuid
 from pathlib import Path
 
 from oncely.errors import InvalidKeyError
@@ -13,6 +14,8 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "code_scope",
     "content_key",
+    "hashed_key",
+    "name_key",
     "scope_key",
     "validate_key",
 ]
@@ -29,6 +32,17 @@ chosen and in the consumers' ``key="content"``, so payloads that differed only p
 """
 
 
+def name_key(key: object) -> object:
+    """*key* as text when it is an int or a `uuid.UUID` (they name operations too; bools do
+    not), else unchanged for `validate_key` to judge."""
+    if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
+        return str(key)
+    return key
+
+
+_HASH_IT = "; derive a valid key from it with oncely.keys.hashed(value)"
+
+
 def validate_key(key: object) -> str:
     """Return *key* if it is a usable idempotency key, else raise `InvalidKeyError`.
 
@@ -41,13 +55,14 @@ def validate_key(key: object) -> str:
         raise InvalidKeyError("the idempotency key is empty")
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKeyError(
-            f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed"
+            f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are "
+            f"allowed{_HASH_IT}"
         )
     if not (key.isascii() and key.isprintable()):  # printable ASCII is exactly " " to "~"
         position, char = next((i, c) for i, c in enumerate(key) if not " " <= c <= "~")
         raise InvalidKeyError(
             f"the idempotency key has a character that is not printable ASCII "
-            f"({char!r} at position {position})"
+            f"({char!r} at position {position}){_HASH_IT}"
         )
     if key[0] == " " or key[-1] == " ":
         raise InvalidKeyError("the idempotency key starts or ends with a space")
@@ -64,6 +79,12 @@ def scope_key(scope: str, key: str) -> str:
     if len(scope) > 64 or "|" in scope:
         scope = "h" + hashlib.sha256(scope.encode()).hexdigest()[:32]
     return f"{scope}|{key}"
+
+
+def hashed_key(value: str | bytes, prefix: str = "sha256:") -> str:
+    """``<prefix><SHA-256 hex of value>`` (text is encoded as UTF-8), validated."""
+    data = value.encode("utf-8") if isinstance(value, str) else value
+    return validate_key(f"{prefix}{hashlib.sha256(data).hexdigest()}")
 
 
 def content_key(canonical: str, prefix: str = "sha256:") -> str:

@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import enum
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from oncely._core.fingerprint import (
     parse_document,
 )
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.keys import content_key, scope_key
+from oncely._core.keys import content_key, name_key, scope_key, validate_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
@@ -202,12 +203,13 @@ class Verdict:
     result: Any = None
 
 
-KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str]"
+KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str | int | uuid.UUID]"
 """Where a message's key comes from.
 
 ``"header"``: the first of `KEY_HEADERS` present, else the broker's message id; ``"content"``:
 a canonical hash of the body (JSON bodies are canonicalised, so key order and number formatting
-do not matter); or a callable over the `Delivery`.
+do not matter); or a callable over the `Delivery` returning the key (a string, an int or a
+`uuid.UUID`).
 """
 
 FingerprintSource: TypeAlias = "Literal['body'] | Callable[[Delivery], Any] | None"
@@ -411,7 +413,8 @@ class IdempotentConsumer:
             except KeyError as exc:
                 raise InvalidKeyError(str(exc.args[0])) from None
         else:
-            raw = from_header(self.key(delivery))
+            named = name_key(self.key(delivery))  # a UUID or an int names a message too
+            raw = from_header(named) if isinstance(named, (str, bytes)) else validate_key(named)
         return scope_key(self.scope, raw)
 
     def fingerprint_for(self, delivery: Delivery) -> str:
