@@ -204,3 +204,46 @@ def test_fields_are_computed_only_when_the_level_is_enabled() -> None:
     assert made._made is None  # type: ignore[attr-defined]
     quiet.warning("something %s", "k", extra=made)
     assert made._made == {"oncely_key": "k", "oncely_token": 1}  # type: ignore[attr-defined]
+
+
+def test_every_module_logs_through_the_escaping_filter() -> None:
+    """No module logs through a bare logging.getLogger, which would skip the escaping."""
+    import importlib
+    import pkgutil
+
+    import oncely
+    from oncely._log import _ESCAPE
+
+    checked = []
+    for info in pkgutil.walk_packages(oncely.__path__, "oncely."):
+        if info.name.endswith("__main__"):  # importing it runs the command
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an extra that is not installed
+            continue
+        logger = getattr(module, "logger", None)
+        if isinstance(logger, logging.Logger):
+            checked.append(info.name)
+            assert _ESCAPE in logger.filters, info.name
+    assert "oncely.stores._coalesce" in checked
+    assert "oncely.consumers.celery" in checked
+
+
+def test_the_disabled_switch_names_the_scope(
+    capture: _Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The UNPROTECTED warning of a disabled decorator carries the function's scope."""
+    from oncely import _switches, idempotent
+
+    monkeypatch.setattr(_switches, "disabled", True)
+
+    @idempotent(store=MemoryStore(), key="order", scope="billing.charge")
+    def charge(order: str) -> str:
+        return order
+
+    assert charge("o-1") == "o-1"
+    assert capture.fields("oncely is DISABLED") == {
+        "oncely_scope": "billing.charge",
+        "oncely_outcome": "unprotected",
+    }

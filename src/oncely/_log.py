@@ -60,6 +60,7 @@ def _safe(value: Any) -> Any:
 def fields(
     *,
     key: str | None = None,
+    scope: str | None = None,
     token: int | None = None,
     attempt: int | None = None,
     store: object = None,
@@ -70,7 +71,7 @@ def fields(
     Nothing is computed here: the mapping is read only when a record is made, that is when the
     logger is enabled for the level, and escapes its strings then.
     """
-    return _Fields(key, token, attempt, store, outcome)
+    return _Fields(key, scope, token, attempt, store, outcome)
 
 
 class _Fields(Mapping[str, Any]):
@@ -79,22 +80,25 @@ class _Fields(Mapping[str, Any]):
     def __init__(
         self,
         key: str | None,
+        scope: str | None,
         token: int | None,
         attempt: int | None,
         store: object,
         outcome: object,
     ) -> None:
-        self._given = (key, token, attempt, store, outcome)
+        self._given = (key, scope, token, attempt, store, outcome)
         self._made: dict[str, Any] | None = None
 
     def _values(self) -> dict[str, Any]:
         if self._made is None:
-            key, token, attempt, store, outcome = self._given
+            key, scope, token, attempt, store, outcome = self._given
             made: dict[str, Any] = {}
             if key is not None:
                 made["oncely_key"] = escape(key)
-                if "|" in key:  # a scope never holds "|": the stored key is "<scope>|<key>"
-                    made["oncely_scope"] = escape(key.partition("|")[0])
+                if scope is None and "|" in key:  # a scope never holds "|": "<scope>|<key>"
+                    scope = key.partition("|")[0]
+            if scope is not None:
+                made["oncely_scope"] = escape(scope)
             if token is not None:
                 made["oncely_token"] = token
             if attempt is not None:

@@ -29,7 +29,7 @@ from oncely._core.fingerprint import digest
 from oncely._core.keys import code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError
 from oncely.stores import open_store
 
@@ -265,6 +265,7 @@ def _unprotected(plan: _CallPlan) -> None:
         "oncely is DISABLED (%s): %s runs UNPROTECTED",
         _switches.DISABLED_VARIABLE,
         plan.scope,
+        extra=fields(scope=plan.scope, outcome="unprotected"),
     )
 
 
