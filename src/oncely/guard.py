@@ -56,7 +56,8 @@ class Guard:
             (``<module>.<module>`` at module level), named as an ``import`` names it however the
             program was started, so guards in two functions never share a key. Pass a fixed
             scope when the code may move or be renamed while keys are still live, or when
-            several call sites must name one operation.
+            several call sites must name one operation. (Earlier releases used
+            ``"guard"`` for every guard: pass it to keep finding the records they wrote.)
         policy: The base `Policy`; the keyword arguments below override single fields of it.
         ttl: How long the outcome is replayed (timedelta or seconds).
         lease: How long the lease lasts between heartbeats.
