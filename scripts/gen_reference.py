@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import sys
@@ -20,6 +21,7 @@ SECTIONS = [
     ("oncely.http.flask", ["Idempotency"]),
     ("oncely.http.django", ["IdempotencyMiddleware"]),
     ("oncely.inbox", ["InboxEntry", "AsyncInboxEntry"]),
+    ("oncely.consumers", None),
 ]
 OPTIONAL = [
     ("oncely.stores.postgres", ["PostgresStore"]),
@@ -28,7 +30,16 @@ OPTIONAL = [
         "oncely.http.client",
         ["IdempotentTransport", "AsyncIdempotentTransport", "OutcomeUnknownError"],
     ),
+    ("oncely.consumers.producer", None),
+    ("oncely.consumers.rabbitmq", None),
+    ("oncely.consumers.kafka", None),
+    ("oncely.consumers.nats", None),
+    ("oncely.consumers.redis_streams", None),
+    ("oncely.consumers.faststream", None),
+    ("oncely.consumers.celery", None),
 ]
+HELP_WIDTH = 100
+"""The width the CLI's help is rendered at, so the reference is the same on every terminal."""
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 
 
@@ -104,15 +115,46 @@ def render() -> str:
             if not (inspect.isclass(obj) or inspect.isfunction(obj)):
                 continue
             kind = "class" if inspect.isclass(obj) else "function"
-            out += [f"### {kind} `{name}{_signature(obj)}`", ""]
+            is_enum = inspect.isclass(obj) and issubclass(obj, enum.Enum)
+            signature = "" if is_enum else _signature(obj)  # an enum is not constructed
+            out += [f"### {kind} `{name}{signature}`", ""]
             doc = _doc(obj)
             if doc:
                 out += [doc, ""]
-            if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            if is_enum:
+                out += [", ".join(f"`{member.name}`" for member in obj), ""]
+            elif inspect.isclass(obj) and not issubclass(obj, BaseException):
                 members = _members(obj)
                 if members:
                     out += [*members, ""]
+    out += _cli()
     return "\n".join(out).rstrip() + "\n"
+
+
+def _cli() -> list[str]:
+    """The ``oncely`` command's help and each subcommand's, as click renders them."""
+    try:
+        import click
+
+        from oncely.cli._app import cli
+    except ImportError:  # the cli extra is not installed
+        return []
+    out = [
+        "## The `oncely` command",
+        "",
+        "Every command and option, as `oncely --help` and `oncely COMMAND --help` print them.",
+        "",
+    ]
+    root = click.Context(cli, info_name="oncely", terminal_width=HELP_WIDTH)
+    commands = [("oncely", cli, root)]
+    for name in cli.list_commands(root):
+        command = cli.get_command(root, name)
+        if command is not None:
+            context = click.Context(command, info_name=name, parent=root, terminal_width=HELP_WIDTH)
+            commands.append((f"oncely {name}", command, context))
+    for title, command, context in commands:
+        out += [f"### `{title}`", "", "```text", command.get_help(context), "```", ""]
+    return out
 
 
 if __name__ == "__main__":

@@ -67,3 +67,61 @@ def test_benchmark_figures_are_current() -> None:
     spec.loader.exec_module(module)
     for page in module.PAGES:
         assert module.render(page.read_text()) == page.read_text(), page
+
+
+CONSUMER_MODULES = [
+    "oncely.consumers",
+    "oncely.consumers.producer",
+    "oncely.consumers.rabbitmq",
+    "oncely.consumers.kafka",
+    "oncely.consumers.nats",
+    "oncely.consumers.redis_streams",
+    "oncely.consumers.faststream",
+    "oncely.consumers.celery",
+]
+
+
+@pytest.mark.parametrize("module_name", CONSUMER_MODULES)
+def test_the_reference_covers_every_consumer_class_and_parameter(module_name: str) -> None:
+    """Each public class and function of the consumers, and each of a class's constructor
+    parameters, is listed."""
+    import enum
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    reference = (ROOT / "docs/reference.md").read_text()
+    section = reference.split(f"## `{module_name}`\n", 1)[1].split("\n## ", 1)[0]
+    public = [getattr(module, name) for name in module.__all__]
+    functions = [obj for obj in public if inspect.isfunction(obj)]
+    classes = [obj for obj in public if inspect.isclass(obj)]
+    assert classes or functions
+    for function in functions:
+        assert f"### function `{function.__name__}(" in section
+    for cls in classes:
+        assert f"### class `{cls.__name__}" in section
+        if issubclass(cls, (enum.Enum, BaseException)):
+            continue
+        heading = section.split(f"### class `{cls.__name__}", 1)[1].split("\n", 1)[0]
+        for parameter in inspect.signature(cls).parameters:
+            assert f"{parameter}" in heading, (cls, parameter)
+
+
+def test_the_reference_covers_every_cli_command_and_option() -> None:
+    """`oncely` and each subcommand appear with every option they take."""
+    import click
+
+    from oncely.cli._app import cli
+
+    reference = (ROOT / "docs/reference.md").read_text()
+    section = reference.split("## The `oncely` command\n", 1)[1]
+    root = click.Context(cli, info_name="oncely")
+    commands: list[tuple[str, click.Command]] = [("oncely", cli)]
+    commands += [(f"oncely {name}", cli.commands[name]) for name in cli.list_commands(root)]
+    assert len(commands) > 5
+    for title, command in commands:
+        text = section.split(f"### `{title}`\n", 1)[1].split("\n### ", 1)[0]
+        for parameter in command.params:
+            names = parameter.opts if isinstance(parameter, click.Option) else [parameter.name]
+            for name in names:
+                assert (name or "").upper() in text.upper(), (title, name)

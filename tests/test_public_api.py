@@ -21,6 +21,7 @@ SUBMODULES = {
     "guard",
     "inbox",
     "keys",
+    "pytest_plugin",
     "stores",
     "testing",
 }

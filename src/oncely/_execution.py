@@ -26,7 +26,7 @@ from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
     FingerprintMismatchError,
@@ -169,22 +169,37 @@ def acquire(key: str, fingerprint: str, policy: Policy) -> Flow[Lease | Replay]:
             lease = Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
             if answer.recovered:
                 logger.warning(
-                    "lease recovered key=%s token=%d attempt=%d", key, answer.token, answer.attempt
+                    "lease recovered key=%s token=%d attempt=%d",
+                    key,
+                    answer.token,
+                    answer.attempt,
+                    extra=fields(
+                        key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"
+                    ),
                 )
             if policy.heartbeat:
                 yield StartHeartbeat(lease)
             return lease
         if isinstance(answer, Replay):
-            logger.info("duplicate suppressed key=%s status=%s", key, answer.record.status.value)
+            logger.info(
+                "duplicate suppressed key=%s status=%s",
+                key,
+                answer.record.status.value,
+                extra=fields(key=key, token=answer.record.token, outcome=answer.record.status),
+            )
             return answer
         if isinstance(answer, Mismatch):
-            logger.info("fingerprint mismatch key=%s", key)
+            logger.info(
+                "fingerprint mismatch key=%s", key, extra=fields(key=key, outcome="mismatch")
+            )
             raise FingerprintMismatchError(key)
         if not isinstance(answer, InProgress):  # pragma: no cover - a store broke the contract
             raise TypeError(f"claim answered {answer!r}")
         remaining = deadline - time.monotonic()
         if policy.on_conflict == "raise" or remaining <= 0:
-            logger.info("duplicate in progress key=%s", key)
+            logger.info(
+                "duplicate in progress key=%s", key, extra=fields(key=key, outcome="in_progress")
+            )
             raise InProgressError(key, retry_after=answer.retry_after)
         yield Sleep(min(answer.retry_after.total_seconds(), backoff, remaining))
         backoff = min(backoff * 2, 1.0)
@@ -216,6 +231,7 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
                         verb,
                         lease.key,
                         lease.token,
+                        extra=fields(key=lease.key, token=lease.token, outcome="store_unavailable"),
                     )
                     raise
                 yield Sleep(delay)
@@ -237,7 +253,13 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
             return
     if isinstance(answer, LeaseLost):
         lease.lost = True
-        logger.error("lease lost key=%s token=%d on %s", lease.key, lease.token, verb)
+        logger.error(
+            "lease lost key=%s token=%d on %s",
+            lease.key,
+            lease.token,
+            verb,
+            extra=fields(key=lease.key, token=lease.token, outcome="lease_lost"),
+        )
         if verb != "release":
             raise LeaseLostError(lease.key, token=lease.token)
 
@@ -251,6 +273,7 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
             "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
             lease.key,
             exc,
+            extra=fields(key=lease.key, token=lease.token, outcome="unserialisable"),
         )
         payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
     yield from settle(lease, "complete", payload, policy)
@@ -269,7 +292,12 @@ def settle_error(lease: Lease, exc: BaseException, policy: Policy) -> Flow[None]
         else:
             yield from settle(lease, "release", None, policy)
     except Exception as settle_exc:
-        logger.error("could not record the failure of key=%s: %s", lease.key, settle_exc)
+        logger.error(
+            "could not record the failure of key=%s: %s",
+            lease.key,
+            settle_exc,
+            extra=fields(key=lease.key, token=lease.token, outcome="not_recorded"),
+        )
         _chain(exc, settle_exc)
 
 
@@ -477,7 +505,12 @@ def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
     if isinstance(answer, LeaseLost):
         if not lease.settling:  # else the settle's own answer decides: this one may follow it
             lease.lost = True
-            logger.error("lease lost key=%s token=%d during heartbeat", lease.key, lease.token)
+            logger.error(
+                "lease lost key=%s token=%d during heartbeat",
+                lease.key,
+                lease.token,
+                extra=fields(key=lease.key, token=lease.token, outcome="lease_lost"),
+            )
         return False
     return True
 
@@ -487,6 +520,7 @@ def _no_answer(lease: Lease, timeout: float) -> None:
         "heartbeat failed key=%s: %s",
         lease.key,
         f"no answer within {timeout:.3f}s; the next beat tries again",
+        extra=fields(key=lease.key, token=lease.token, outcome="heartbeat_failed"),
     )
 
 
@@ -524,7 +558,14 @@ async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
                     answer = task.result()
                 except Exception as exc:  # the next beat may succeed; the lease is not lost yet
                     if not lease.settling:
-                        logger.warning("heartbeat failed key=%s: %s", lease.key, exc)
+                        logger.warning(
+                            "heartbeat failed key=%s: %s",
+                            lease.key,
+                            exc,
+                            extra=fields(
+                                key=lease.key, token=lease.token, outcome="heartbeat_failed"
+                            ),
+                        )
                 else:
                     if not _beat_answered(lease, answer):
                         return
@@ -691,7 +732,12 @@ class _HeartbeatScheduler:
                 beating.expires = max(beating.expires, extend.sent + lease.lease.total_seconds())
         if error is not None:  # the next beat may succeed; the lease is not lost yet
             if not lease.settling:
-                logger.warning("heartbeat failed key=%s: %s", lease.key, error)
+                logger.warning(
+                    "heartbeat failed key=%s: %s",
+                    lease.key,
+                    error,
+                    extra=fields(key=lease.key, token=lease.token, outcome="heartbeat_failed"),
+                )
         elif not _beat_answered(lease, answer):
             with self._lock:
                 beating.active = False

@@ -18,21 +18,18 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import sys
 import typing
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 from oncely import _execution, _switches
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
-from oncely._core.keys import scope_key, validate_key
+from oncely._core.keys import code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError
 from oncely.stores import open_store
 
@@ -108,9 +105,7 @@ class _CallPlan:
             key = bound.arguments[self.key]
         else:
             key = self.key(*bound.args, **bound.kwargs)
-        if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
-            key = str(key)  # ints and UUIDs name operations too; bools do not
-        return scope_key(self.scope, validate_key(key))
+        return scope_key(self.scope, validate_key(name_key(key)))
 
     def fingerprint_for(self, bound: inspect.BoundArguments) -> str:
         spec = self.fingerprint
@@ -248,27 +243,7 @@ def default_scope(fn: Callable[..., Any]) -> str:
     script (``python app.py`` or ``python -m app``, where Python calls it ``__main__``), so keys
     do not depend on how the program was started.
     """
-    module = fn.__module__
-    if module == "__main__":
-        module = _main_module_name()
-    return f"{module}.{fn.__qualname__}"
-
-
-def _main_module_name() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
-        return str(spec.name).removesuffix(".__main__")
-    path = getattr(main, "__file__", None)
-    if not path:  # an interactive session: there is no module to name
-        return "__main__"
-    file = Path(path).resolve()
-    parts = [file.stem]
-    folder = file.parent
-    while (folder / "__init__.py").is_file():  # python pkg/app.py: still pkg.app
-        parts.insert(0, folder.name)
-        folder = folder.parent
-    return ".".join(parts)
+    return code_scope(fn.__module__, fn.__qualname__)
 
 
 def _check_result_type(fn: Callable[..., Any], codec: Codec) -> None:
@@ -290,6 +265,7 @@ def _unprotected(plan: _CallPlan) -> None:
         "oncely is DISABLED (%s): %s runs UNPROTECTED",
         _switches.DISABLED_VARIABLE,
         plan.scope,
+        extra=fields(scope=plan.scope, outcome="unprotected"),
     )
 
 

@@ -19,6 +19,10 @@ declared final.
 
 from __future__ import annotations
 
+import gc
+import sys
+import types
+import uuid
 from types import TracebackType
 from typing import Any, Literal
 
@@ -26,7 +30,7 @@ from oncely import _execution
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow
-from oncely._core.keys import scope_key, validate_key
+from oncely._core.keys import code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import Replay
@@ -41,10 +45,19 @@ class Guard:
     Args:
         store: The store that keeps the record (any `oncely.SyncStore` for ``with``, any
             `oncely.AsyncStore` for ``async with``).
-        key: The idempotency key; validated (`InvalidKeyError`) before it touches the store.
+        key: The idempotency key (a string, an int or a `uuid.UUID`); validated
+            (`InvalidKeyError`) before it touches the store.
         fingerprint: What the block was asked to do (any canonicalisable value); the same key with
-            another fingerprint raises `FingerprintMismatchError`. ``None``: not checked.
-        scope: A namespace for the key (for example the operation's name).
+            another fingerprint raises `FingerprintMismatchError`. A guard has no arguments of
+            its own to fingerprint, so the default ``None`` checks nothing: pass the request's
+            content (``fingerprint=(refund_id, amount)``) to catch a key reused for other work.
+        scope: A namespace for the key (for example the operation's name). Default: the code
+            that creates the guard, as ``<module>.<qualified name>`` of the calling function
+            (``<module>.<module>`` at module level), named as an ``import`` names it however the
+            program was started, so guards in two functions never share a key. Pass a fixed
+            scope when the code may move or be renamed while keys are still live, or when
+            several call sites must name one operation. (Earlier releases used
+            ``"guard"`` for every guard: pass it to keep finding the records they wrote.)
         policy: The base `Policy`; the keyword arguments below override single fields of it.
         ttl: How long the outcome is replayed (timedelta or seconds).
         lease: How long the lease lasts between heartbeats.
@@ -59,10 +72,10 @@ class Guard:
     def __init__(
         self,
         store: SyncStore | AsyncStore,
-        key: str,
+        key: str | int | uuid.UUID,
         *,
         fingerprint: Any = None,
-        scope: str = "guard",
+        scope: str | None = None,
         policy: Policy | None = None,
         ttl: Duration | _Unset = UNSET,
         lease: Duration | _Unset = UNSET,
@@ -72,7 +85,8 @@ class Guard:
         codec: Codec | None = None,
     ) -> None:
         self.store = store
-        self.key = scope_key(scope, validate_key(key))
+        scope = scope if scope is not None else _caller_scope()
+        self.key = scope_key(scope, validate_key(name_key(key)))
         self.fingerprint = "" if fingerprint is None else digest([fingerprint])
         self.policy = derive(
             policy,
@@ -221,6 +235,27 @@ class Guard:
         """Async `release`."""
         store = _require(self.store, AsyncStore, "async with")
         await _execution.arun(self._settle_flow("release"), store)
+
+
+def _caller_scope() -> str:
+    """The scope of the code that creates a guard: its module and qualified name."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back  # Guard.__init__ itself, and any subclass defined here
+    if frame is None:  # pragma: no cover - a guard is always created by some code
+        return "guard"
+    return code_scope(str(frame.f_globals.get("__name__", "__main__")), _qualname(frame.f_code))
+
+
+def _qualname(code: types.CodeType) -> str:
+    qualname = getattr(code, "co_qualname", None)  # Python 3.11+
+    if isinstance(qualname, str):
+        return qualname
+    # Python 3.10: the function object that runs this code knows its qualified name.
+    for referrer in gc.get_referrers(code):
+        if isinstance(referrer, types.FunctionType) and referrer.__code__ is code:
+            return referrer.__qualname__
+    return code.co_name
 
 
 def _nothing() -> Flow[None]:

@@ -6,6 +6,9 @@
 * entity + operation (+ version): `entity_key`;
 * time-windowed: `windowed` puts a key in a time bucket ("at most once per hour").
 
+A value that is too long or not ASCII to be a key itself (a long natural key, a name with
+accents) becomes one with `hashed`.
+
 Every entry point scopes keys before they reach a store (by function, route and principal, or
 consumer group), so one caller can never read or overwrite another's record.
 
@@ -19,7 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from oncely._core.fingerprint import canonical_json, parse_document
-from oncely._core.keys import MAX_KEY_LENGTH, content_key, validate_key
+from oncely._core.keys import MAX_KEY_LENGTH, content_key, hashed_key, validate_key
 from oncely.errors import ConfigurationError, FingerprintError, InvalidKeyError
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "content_hash",
     "entity_key",
     "from_header",
+    "hashed",
     "validate_key",
     "windowed",
 ]
@@ -46,11 +50,15 @@ def from_header(value: str | bytes) -> str:
         try:
             value = value.decode("ascii")
         except UnicodeDecodeError as exc:
-            raise InvalidKeyError("the idempotency key is not ASCII") from exc
+            raise InvalidKeyError(
+                "the idempotency key is not ASCII; derive a valid key from it with "
+                "oncely.keys.hashed(value)"
+            ) from exc
     value = value.strip(" \t")
     if len(value) > 2 * MAX_KEY_LENGTH + 2:  # too long even quoted with every char escaped
         raise InvalidKeyError(
-            f"the idempotency key has {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed"
+            f"the idempotency key has {len(value)} characters; at most {MAX_KEY_LENGTH} are "
+            "allowed; derive a valid key from it with oncely.keys.hashed(value)"
         )
     if value.startswith('"'):
         if len(value) < 2 or not value.endswith('"'):
@@ -72,6 +80,22 @@ def from_header(value: str | bytes) -> str:
             raise InvalidKeyError("the quoted idempotency key ends in a backslash")
         value = "".join(out)
     return validate_key(value)
+
+
+def hashed(value: str | bytes, *, prefix: str = "sha256:") -> str:
+    """Return a valid key derived from any text: ``<prefix><SHA-256 hex digest>``.
+
+    Use it for values that are too long (over 255 characters) or not printable ASCII to be keys
+    themselves. Text is digested as its UTF-8 bytes, so ``hashed("café")`` is
+    ``"sha256:" + hashlib.sha256("café".encode()).hexdigest()`` on every host; the result has
+    64 hex digits after *prefix*. Unlike `content_hash`, the value is taken as it is: no
+    canonical JSON, so ``" a"`` and ``"a"`` are different keys.
+
+    Raises:
+        InvalidKeyError: *prefix* makes the result invalid (over 255 characters in all, or not
+            printable ASCII).
+    """
+    return hashed_key(value, prefix)
 
 
 def content_hash(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
@@ -649,3 +650,15 @@ def test_sync_store_only_is_refused_for_aprocess() -> None:
 
     with pytest.raises(ConfigurationError):
         asyncio.run(consumer.aprocess(message(), handler))
+
+
+def test_a_key_callable_may_return_a_uuid_or_an_int(store: Store, process: Process) -> None:
+    """Like the decorator and the guard, a consumer's key= callable may name UUIDs and ints."""
+    order = uuid.UUID("8e03978e-40d5-43e8-bc93-6894a57f9324")
+    for value in (order, 7):
+        consumer = consumer_for(store, key=lambda delivery, value=value: value)
+        calls = Calls(result="done")
+        verdicts = [process(consumer, message(), calls) for _ in range(2)]
+        assert [v.action for v in verdicts] == [Action.ACK, Action.ACK]
+        assert verdicts[0].key == f"orders|{value}"
+        assert calls.count == 1

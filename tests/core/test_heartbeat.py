@@ -89,7 +89,7 @@ def test_a_stalled_extend_holds_up_no_other_lease(redis_store: RedisStore) -> No
 
     def job(key: str) -> None:
         try:
-            with Guard(store, key, lease=lease, ttl=60):  # type: ignore[arg-type]
+            with Guard(store, key, scope="guard", lease=lease, ttl=60):  # type: ignore[arg-type]
                 entered.wait(10)
                 finish.wait(60)
         except BaseException as exc:
@@ -164,7 +164,7 @@ def test_the_next_beat_retries_a_hung_sync_extend(redis_store: RedisStore) -> No
     lease = timedelta(seconds=1.5)
     store = _FirstExtendHangs(redis_store)
     try:
-        with Guard(store, "k", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
+        with Guard(store, "k", scope="guard", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
             _probe_until_extended(store, "guard|k", lease)
         assert store.hanging.is_set()
         assert not guard.lease_lost
@@ -179,7 +179,7 @@ def test_the_next_beat_retries_a_hung_async_extend(redis_store: RedisStore) -> N
     store = _FirstExtendHangs(redis_store)
 
     async def main() -> Guard:
-        async with Guard(store, "k", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
+        async with Guard(store, "k", scope="guard", lease=lease, ttl=60) as guard:  # type: ignore[arg-type]
             await asyncio.to_thread(_probe_until_extended, store, "guard|k", lease)
         return guard
 
@@ -243,7 +243,7 @@ def test_an_extend_answered_after_complete_is_not_a_lost_lease(
     """Sync: an extend in flight when complete lands answers LeaseLost; that is no lost lease."""
     store = _ExtendLandsAfterComplete(MemoryStore())
     with caplog.at_level(logging.INFO, logger="oncely"):
-        with Guard(store, "k", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
+        with Guard(store, "k", scope="guard", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
             assert store.extending.wait(10)
             guard.complete("done")
         eventually(lambda: store.answers)
@@ -263,7 +263,7 @@ def test_an_async_extend_answered_after_complete_is_not_a_lost_lease(
     store = _ExtendLandsAfterComplete(MemoryStore())
 
     async def main() -> Guard:
-        async with Guard(store, "k", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
+        async with Guard(store, "k", scope="guard", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
             await store.aextending.wait()
             await guard.acomplete("done")
         return guard
@@ -277,7 +277,7 @@ def test_an_async_extend_answered_after_complete_is_not_a_lost_lease(
 
 def _child_runs_a_long_guard(path: str) -> None:
     store = MemoryStore()
-    with Guard(store, "child", lease=0.6, ttl=60) as guard:
+    with Guard(store, "child", scope="guard", lease=0.6, ttl=60) as guard:
         answer = None
         for _ in range(4):  # over two leases: the child's heartbeat must extend it
             time.sleep(0.3)
@@ -292,7 +292,7 @@ def test_a_forked_child_beats_on_its_own(tmp_path: Any) -> None:
     """A child forked while the parent's heartbeats run gets a scheduler of its own."""
     store = MemoryStore()
     path = str(tmp_path / "child.txt")
-    with Guard(store, "parent", lease=0.6, ttl=60) as guard:
+    with Guard(store, "parent", scope="guard", lease=0.6, ttl=60) as guard:
         eventually(lambda: store.get("guard|parent") and _extended(store, "guard|parent"))
         process = multiprocessing.get_context("fork").Process(
             target=_child_runs_a_long_guard, args=(path,)
@@ -340,7 +340,7 @@ class _CompleteDownFourTimes(_Wrapped):
 def test_the_heartbeat_goes_on_while_complete_is_retried() -> None:
     """Sync and async: retrying a complete for longer than the lease does not lose it."""
     store = _CompleteDownFourTimes(MemoryStore())
-    with Guard(store, "k", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
+    with Guard(store, "k", scope="guard", lease=0.6, ttl=60) as guard:  # type: ignore[arg-type]
         guard.complete(1)
     assert not guard.lease_lost
     assert len(store.probes) == 4
@@ -349,7 +349,7 @@ def test_the_heartbeat_goes_on_while_complete_is_retried() -> None:
     astore = _CompleteDownFourTimes(MemoryStore())
 
     async def main() -> Guard:
-        async with Guard(astore, "k", lease=0.6, ttl=60) as aguard:  # type: ignore[arg-type]
+        async with Guard(astore, "k", scope="guard", lease=0.6, ttl=60) as aguard:  # type: ignore[arg-type]
             await aguard.acomplete(1)
         return aguard
 

@@ -9,6 +9,7 @@ from decimal import Decimal
 
 import pytest
 
+import oncely.keys
 from oncely import ConfigurationError, FingerprintError, InvalidKeyError
 from oncely._core.fingerprint import canonical_json
 from oncely._core.keys import scope_key
@@ -192,3 +193,24 @@ def test_windowed_keys_bucket_by_time() -> None:
         windowed("digest", hour, at=datetime(2026, 1, 1))
     with pytest.raises(ConfigurationError):
         windowed("digest", timedelta(0), at=at)
+
+
+def test_hashed_turns_any_text_into_a_valid_documented_key() -> None:
+    """Over-long and non-ASCII values get a SHA-256 key instead of only a refusal."""
+    long_value = "x" * 1000
+    key = oncely.keys.hashed(long_value)
+    assert key == "sha256:" + hashlib.sha256(long_value.encode()).hexdigest()
+    assert oncely.keys.validate_key(key) == key
+    assert oncely.keys.hashed("café") == "sha256:" + hashlib.sha256("café".encode()).hexdigest()
+    assert oncely.keys.hashed(b"caf\xc3\xa9") == oncely.keys.hashed("café")
+    assert oncely.keys.hashed("café", prefix="user:") != oncely.keys.hashed("cafe", prefix="user:")
+    assert oncely.keys.hashed("café", prefix="user:").startswith("user:")
+
+
+@pytest.mark.parametrize("bad", ["x" * 256, "café"])
+def test_a_refused_key_points_at_hashed(bad: str) -> None:
+    """The error of a too-long or non-ASCII key says how to derive a valid one."""
+    with pytest.raises(InvalidKeyError, match=r"oncely\.keys\.hashed"):
+        oncely.keys.validate_key(bad)
+    with pytest.raises(InvalidKeyError, match=r"oncely\.keys\.hashed"):
+        oncely.keys.from_header(bad.encode() if bad.isascii() else bad.encode("utf-8"))

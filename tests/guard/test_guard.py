@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from oncely import (
     Status,
     Store,
 )
+from oncely._core.keys import scope_key
 from oncely.stores.memory import MemoryStore
 from oncely.stores.sqlite import SQLiteStore
 from oncely.testing import FrozenClock
@@ -82,12 +84,12 @@ def test_exception_releases_and_final_error_is_stored(store: Store) -> None:
 
 def test_explicit_fail_and_release(store: Store) -> None:
     """fail() with a final error stores it; release() lets the next claim run."""
-    with Guard(store, "a", final_errors=(Refused,)) as guard:
+    with Guard(store, "a", scope="guard", final_errors=(Refused,)) as guard:
         guard.fail(Refused("declined"))
     record = store.get("guard|a")
     assert record is not None
     assert record.status is Status.FAILED
-    with Guard(store, "b") as guard:
+    with Guard(store, "b", scope="guard") as guard:
         guard.release()
     record = store.get("guard|b")
     assert record is not None
@@ -237,7 +239,7 @@ def test_cancelling_during_guard_exit_reaches_the_caller(store: Store) -> None:
         slow = SlowToStop()
 
         async def block() -> None:
-            async with Guard(slow, "k", lease=0.6, ttl=60):  # type: ignore[arg-type]
+            async with Guard(slow, "k", scope="op", lease=0.6, ttl=60):  # type: ignore[arg-type]
                 await slow.extending.wait()
 
         task = asyncio.create_task(block())
@@ -247,7 +249,47 @@ def test_cancelling_during_guard_exit_reaches_the_caller(store: Store) -> None:
         slow.let_go.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        async with Guard(store, "k") as again:
+        async with Guard(store, "k", scope="op") as again:
             assert again.replayed
 
     asyncio.run(main())
+
+
+def _refund(store: Store, key: str) -> Any:
+    with Guard(store, key) as guard:
+        if guard.replayed:
+            return guard.result
+        guard.complete("refunded")
+        return "refunded"
+
+
+def _ship(store: Store, key: str) -> Any:
+    with Guard(store, key) as guard:
+        if guard.replayed:
+            return guard.result
+        guard.complete("shipped")
+        return "shipped"
+
+
+def test_guards_in_two_functions_do_not_share_a_key(store: Store) -> None:
+    """Without scope=, each call site is its own scope: one key in two functions is two runs."""
+    assert _refund(store, "order-7") == "refunded"
+    assert _ship(store, "order-7") == "shipped"
+    assert _refund(store, "order-7") == "refunded"
+
+
+def test_the_derived_scope_is_the_call_sites_module_and_qualified_name(store: Store) -> None:
+    """The scope is stable: the same call site always derives the same stored key."""
+    guard = Guard(store, "k")
+    this = test_the_derived_scope_is_the_call_sites_module_and_qualified_name
+    assert guard.key == scope_key(f"{__name__}.{this.__qualname__}", "k")
+    assert Guard(store, "k", scope="billing").key == "billing|k"
+
+
+def test_int_and_uuid_keys_are_accepted(store: Store) -> None:
+    """A guard takes the same key types as the decorator: str, int and UUID (not bool)."""
+    order = uuid.UUID("8e03978e-40d5-43e8-bc93-6894a57f9324")
+    assert Guard(store, order, scope="s").key == f"s|{order}"
+    assert Guard(store, 7, scope="s").key == "s|7"
+    with pytest.raises(oncely.InvalidKeyError):
+        Guard(store, True, scope="s")  # a bool is a mistake, not a key

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import sys
+import uuid
+from pathlib import Path
 
 from oncely.errors import InvalidKeyError
 
-__all__ = ["CONTENT_KEY_VERSION", "MAX_KEY_LENGTH", "content_key", "scope_key", "validate_key"]
+__all__ = [
+    "CONTENT_KEY_VERSION",
+    "MAX_KEY_LENGTH",
+    "code_scope",
+    "content_key",
+    "hashed_key",
+    "name_key",
+    "scope_key",
+    "validate_key",
+]
 
 MAX_KEY_LENGTH = 255
 """The longest key a client may send (characters), as in Stripe's API."""
@@ -18,6 +30,17 @@ Keys of the first format (``sha256:<hex>``) read numbers as binary floats where 
 chosen and in the consumers' ``key="content"``, so payloads that differed only past a float's
 17 digits shared a key. Version 2 keys are exact and never equal a first-format key.
 """
+
+
+def name_key(key: object) -> object:
+    """*key* as text when it is an int or a `uuid.UUID` (they name operations too; bools do
+    not), else unchanged for `validate_key` to judge."""
+    if type(key) is not str and isinstance(key, (int, uuid.UUID)) and type(key) is not bool:
+        return str(key)
+    return key
+
+
+_HASH_IT = "; derive a valid key from it with oncely.keys.hashed(value)"
 
 
 def validate_key(key: object) -> str:
@@ -32,13 +55,14 @@ def validate_key(key: object) -> str:
         raise InvalidKeyError("the idempotency key is empty")
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKeyError(
-            f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed"
+            f"the idempotency key has {len(key)} characters; at most {MAX_KEY_LENGTH} are "
+            f"allowed{_HASH_IT}"
         )
     if not (key.isascii() and key.isprintable()):  # printable ASCII is exactly " " to "~"
         position, char = next((i, c) for i, c in enumerate(key) if not " " <= c <= "~")
         raise InvalidKeyError(
             f"the idempotency key has a character that is not printable ASCII "
-            f"({char!r} at position {position})"
+            f"({char!r} at position {position}){_HASH_IT}"
         )
     if key[0] == " " or key[-1] == " ":
         raise InvalidKeyError("the idempotency key starts or ends with a space")
@@ -57,8 +81,43 @@ def scope_key(scope: str, key: str) -> str:
     return f"{scope}|{key}"
 
 
+def hashed_key(value: str | bytes, prefix: str = "sha256:") -> str:
+    """``<prefix><SHA-256 hex of value>`` (text is encoded as UTF-8), validated."""
+    data = value.encode("utf-8") if isinstance(value, str) else value
+    return validate_key(f"{prefix}{hashlib.sha256(data).hexdigest()}")
+
+
 def content_key(canonical: str, prefix: str = "sha256:") -> str:
     """The content key of a payload whose canonical JSON is *canonical*:
     ``<prefix>v2:<sha-256 hex>`` (`CONTENT_KEY_VERSION`)."""
     digest = hashlib.sha256(canonical.encode("ascii")).hexdigest()
     return f"{prefix}{CONTENT_KEY_VERSION}:{digest}"
+
+
+def code_scope(module: str, qualname: str) -> str:
+    """The scope of code named *qualname* in *module*: ``<module>.<qualname>``.
+
+    The module is named as an ``import`` would name it even when the program was started as a
+    script (``python app.py`` or ``python -m app``, where Python calls it ``__main__``), so keys
+    do not depend on how the program was started.
+    """
+    if module == "__main__":
+        module = _main_module_name()
+    return f"{module}.{qualname}"
+
+
+def _main_module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
+        return str(spec.name).removesuffix(".__main__")
+    path = getattr(main, "__file__", None)
+    if not path:  # an interactive session: there is no module to name
+        return "__main__"
+    file = Path(path).resolve()
+    parts = [file.stem]
+    folder = file.parent
+    while (folder / "__init__.py").is_file():  # python pkg/app.py: still pkg.app
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts)

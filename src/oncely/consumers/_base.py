@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import enum
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,11 +55,11 @@ from oncely._core.fingerprint import (
     parse_document,
 )
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.keys import content_key, scope_key
+from oncely._core.keys import content_key, name_key, scope_key, validate_key
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -203,12 +204,13 @@ class Verdict:
     result: Any = None
 
 
-KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str]"
+KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str | int | uuid.UUID]"
 """Where a message's key comes from.
 
 ``"header"``: the first of `KEY_HEADERS` present, else the broker's message id; ``"content"``:
 a canonical hash of the body (JSON bodies are canonicalised, so key order and number formatting
-do not matter); or a callable over the `Delivery`.
+do not matter); or a callable over the `Delivery` returning the key (a string, an int or a
+`uuid.UUID`).
 """
 
 FingerprintSource: TypeAlias = "Literal['body'] | Callable[[Delivery], Any] | None"
@@ -412,7 +414,8 @@ class IdempotentConsumer:
             except KeyError as exc:
                 raise InvalidKeyError(str(exc.args[0])) from None
         else:
-            raw = from_header(self.key(delivery))
+            named = name_key(self.key(delivery))  # a UUID or an int names a message too
+            raw = from_header(named) if isinstance(named, (str, bytes)) else validate_key(named)
         return scope_key(self.scope, raw)
 
     def fingerprint_for(self, delivery: Delivery) -> str:
@@ -445,7 +448,11 @@ class IdempotentConsumer:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
-            logger.error("message dead-lettered: no usable idempotency key (%s)", exc)
+            logger.error(
+                "message dead-lettered: no usable idempotency key (%s)",
+                exc,
+                extra=fields(store=self.store, outcome="dead_lettered"),
+            )
             return self._verdict(Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc))
         try:
             outcome = yield from _execution.acquire(key, fingerprint, self._policy)
@@ -454,13 +461,27 @@ class IdempotentConsumer:
             delay = self._retry_delay(exc.retry_after)
             return self._verdict(Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay))
         except FingerprintMismatchError as exc:
-            logger.error("message dead-lettered: key=%s was used for another payload", key)
+            logger.error(
+                "message dead-lettered: key=%s was used for another payload",
+                key,
+                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            )
             return self._verdict(Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=exc))
         except CorruptRecordError as exc:
-            logger.error("message dead-lettered: the record of key=%s is corrupt (%s)", key, exc)
+            logger.error(
+                "message dead-lettered: the record of key=%s is corrupt (%s)",
+                key,
+                exc,
+                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            )
             return self._verdict(Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=exc))
         except StoreError as exc:
-            logger.warning("store error claiming key=%s; redelivering later: %s", key, exc)
+            logger.warning(
+                "store error claiming key=%s; redelivering later: %s",
+                key,
+                exc,
+                extra=fields(key=key, store=self.store, outcome="store_unavailable"),
+            )
             delay = self._retry_delay()
             return self._verdict(
                 Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=exc)
@@ -474,6 +495,13 @@ class IdempotentConsumer:
                 "message dead-lettered: key=%s was started %d times without finishing",
                 key,
                 lease.attempt - 1,
+                extra=fields(
+                    key=key,
+                    token=lease.token,
+                    attempt=lease.attempt,
+                    store=self.store,
+                    outcome="dead_lettered",
+                ),
             )
             return self._verdict(
                 Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt)
@@ -573,14 +601,22 @@ class IdempotentConsumer:
                 key = self.key_for(delivery)
                 fingerprint = self.fingerprint_for(delivery)
             except Exception as exc:
-                logger.error("message dead-lettered: no usable idempotency key (%s)", exc)
+                logger.error(
+                    "message dead-lettered: no usable idempotency key (%s)",
+                    exc,
+                    extra=fields(store=self.store, outcome="dead_lettered"),
+                )
                 verdicts[index] = self._verdict(
                     Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
                 )
                 continue
             if key in firsts:
                 if prints[key] != fingerprint:
-                    logger.error("message dead-lettered: key=%s was used for another payload", key)
+                    logger.error(
+                        "message dead-lettered: key=%s was used for another payload",
+                        key,
+                        extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+                    )
                     verdicts[index] = self._verdict(
                         Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key)
                     )
@@ -603,7 +639,12 @@ class IdempotentConsumer:
                         "extend", (key, kept.token), {"lease": policy.lease}
                     )
                 except StoreError as exc:  # kept: the next round asks again
-                    logger.warning("store error renewing key=%s; redelivering later: %s", key, exc)
+                    logger.warning(
+                        "store error renewing key=%s; redelivering later: %s",
+                        key,
+                        exc,
+                        extra=fields(key=key, store=self.store, outcome="store_unavailable"),
+                    )
                     delay = self._retry_delay()
                     verdicts[index] = self._verdict(
                         Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=exc)
@@ -613,7 +654,12 @@ class IdempotentConsumer:
                 if isinstance(renewed, LeaseLost):
                     kept.lost = True
                     logger.warning(
-                        "held lease lost key=%s token=%d; claiming again", key, kept.token
+                        "held lease lost key=%s token=%d; claiming again",
+                        key,
+                        kept.token,
+                        extra=fields(
+                            key=key, token=kept.token, store=self.store, outcome="lease_lost"
+                        ),
                     )
                     claims[key] = index
                 else:
@@ -630,6 +676,13 @@ class IdempotentConsumer:
                         "message dead-lettered: key=%s was started %d times without finishing",
                         key,
                         lease.attempt - 1,
+                        extra=fields(
+                            key=key,
+                            token=lease.token,
+                            attempt=lease.attempt,
+                            store=self.store,
+                            outcome="dead_lettered",
+                        ),
                     )
                     verdict = Verdict(
                         Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt
@@ -658,7 +711,11 @@ class IdempotentConsumer:
             assert outcome is not None
             for index in others:
                 if outcome.action is Action.ACK:
-                    logger.info("duplicate suppressed key=%s status=in_batch", outcome.key)
+                    logger.info(
+                        "duplicate suppressed key=%s status=in_batch",
+                        outcome.key,
+                        extra=fields(key=outcome.key, store=self.store, outcome="in_batch"),
+                    )
                     copy = Verdict(Action.ACK, Reason.DUPLICATE, outcome.key, result=outcome.result)
                 else:  # redelivered: a later claim decides it (never dead-lettered twice here)
                     copy = Verdict(
@@ -683,7 +740,11 @@ class IdempotentConsumer:
         except StoreUnavailableError as exc:
             answers = [exc] * len(requests)
         except StoreError as exc:
-            logger.warning("store error claiming a batch; redelivering later: %s", exc)
+            logger.warning(
+                "store error claiming a batch; redelivering later: %s",
+                exc,
+                extra=fields(store=self.store, outcome="store_unavailable"),
+            )
             return [exc] * len(requests)
         unknown = [
             i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
@@ -704,10 +765,15 @@ class IdempotentConsumer:
                 logger.warning(
                     "claim of key=%s may have been applied; it recovers after its lease",
                     requests[i][0],
+                    extra=fields(key=requests[i][0], store=self.store, outcome="store_unavailable"),
                 )
         errors = [answer for answer in answers if isinstance(answer, StoreError)]
         if errors:
-            logger.warning("store error claiming a batch; redelivering later: %s", errors[0])
+            logger.warning(
+                "store error claiming a batch; redelivering later: %s",
+                errors[0],
+                extra=fields(store=self.store, outcome="store_unavailable"),
+            )
         return answers
 
     def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
@@ -715,27 +781,65 @@ class IdempotentConsumer:
         if isinstance(answer, Acquired):
             if answer.recovered:
                 logger.warning(
-                    "lease recovered key=%s token=%d attempt=%d", key, answer.token, answer.attempt
+                    "lease recovered key=%s token=%d attempt=%d",
+                    key,
+                    answer.token,
+                    answer.attempt,
+                    extra=fields(
+                        key=key,
+                        token=answer.token,
+                        attempt=answer.attempt,
+                        store=self.store,
+                        outcome="recovered",
+                    ),
                 )
             lease = _execution.Lease(
                 key, answer.token, self._policy.lease, answer.recovered, answer.attempt
             )
             return None, lease
         if isinstance(answer, Replay):
-            logger.info("duplicate suppressed key=%s status=%s", key, answer.record.status.value)
+            logger.info(
+                "duplicate suppressed key=%s status=%s",
+                key,
+                answer.record.status.value,
+                extra=fields(
+                    key=key,
+                    token=answer.record.token,
+                    store=self.store,
+                    outcome=answer.record.status,
+                ),
+            )
             return self._duplicate(key, answer), None
         if isinstance(answer, InProgress):
-            logger.info("duplicate in progress key=%s", key)
+            logger.info(
+                "duplicate in progress key=%s",
+                key,
+                extra=fields(key=key, store=self.store, outcome="in_progress"),
+            )
             delay = self._retry_delay(answer.retry_after)
             return Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay), None
         if isinstance(answer, Mismatch):
-            logger.error("message dead-lettered: key=%s was used for another payload", key)
+            logger.error(
+                "message dead-lettered: key=%s was used for another payload",
+                key,
+                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            )
             return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key), None
         error = answer if isinstance(answer, Exception) else TypeError(f"claim answered {answer!r}")
         if isinstance(error, CorruptRecordError):
-            logger.error("message dead-lettered: the record of key=%s is corrupt (%s)", key, error)
+            logger.error(
+                "message dead-lettered: the record of key=%s is corrupt (%s)",
+                key,
+                error,
+                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            )
             return Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=error), None
-        logger.warning("store error claiming key=%s; redelivering later: %s", key, error)
+        logger.warning(
+            "store error claiming key=%s; redelivering later: %s",
+            key,
+            error,
+            extra=fields(key=key, store=self.store, outcome="store_unavailable"),
+        )
         delay = self._retry_delay()
         return Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=error), None
 
@@ -802,7 +906,14 @@ class IdempotentConsumer:
                 verdicts.append((index, done))
             elif isinstance(outcome, LeaseLost):
                 lease.lost = True
-                logger.error("lease lost key=%s token=%d on complete", key, lease.token)
+                logger.error(
+                    "lease lost key=%s token=%d on complete",
+                    key,
+                    lease.token,
+                    extra=fields(
+                        key=key, token=lease.token, store=self.store, outcome="lease_lost"
+                    ),
+                )
                 verdicts.append((index, Verdict(Action.RETRY, Reason.LEASE_LOST, key, delay)))
             else:  # an error for this item alone, or for the whole call
                 failed = Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=outcome)
@@ -845,12 +956,20 @@ class IdempotentConsumer:
                 )
             except StoreUnavailableError as exc:
                 if delay is None:
-                    logger.error("could not complete a batch: the store is unavailable: %s", exc)
+                    logger.error(
+                        "could not complete a batch: the store is unavailable: %s",
+                        exc,
+                        extra=fields(store=self.store, outcome="complete_failed"),
+                    )
                     return [exc] * len(items)
                 retried = True
                 yield _execution.Sleep(delay)
             except StoreError as exc:
-                logger.error("could not complete a batch: %s", exc)
+                logger.error(
+                    "could not complete a batch: %s",
+                    exc,
+                    extra=fields(store=self.store, outcome="complete_failed"),
+                )
                 return [exc] * len(items)
             else:
                 if retried:
@@ -894,6 +1013,7 @@ class IdempotentConsumer:
                 attempt,
                 self.policy.max_attempts,
                 exc,
+                extra=fields(key=key, attempt=attempt, store=self.store, outcome="dead_lettered"),
             )
             reason = Reason.HANDLER_FAILED if final else Reason.EXHAUSTED
             return Verdict(Action.DEAD_LETTER, reason, key, attempt=attempt, error=exc)
@@ -903,6 +1023,7 @@ class IdempotentConsumer:
             attempt,
             self.policy.max_attempts,
             exc,
+            extra=fields(key=key, attempt=attempt, store=self.store, outcome="retry"),
         )
         return Verdict(Action.RETRY, Reason.HANDLER_FAILED, key, attempt=attempt, error=exc)
 
@@ -915,7 +1036,11 @@ class IdempotentConsumer:
                 if record.attempt >= self.policy.max_attempts
                 else Reason.HANDLER_FAILED
             )
-            logger.error("message dead-lettered: key=%s was dead-lettered before", key)
+            logger.error(
+                "message dead-lettered: key=%s was dead-lettered before",
+                key,
+                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            )
             return Verdict(Action.DEAD_LETTER, reason, key, attempt=record.attempt)
         return Verdict(Action.ACK, Reason.DUPLICATE, key, result=self._replayed(outcome))
 
@@ -934,13 +1059,27 @@ class IdempotentConsumer:
         try:
             yield from _execution.settle(lease, "fail", _codec.encode_error(exc), self._policy)
         except OncelyError as settle_exc:  # the lease recovers on expiry; the broker redelivers
-            logger.error("could not record the dead letter of key=%s: %s", lease.key, settle_exc)
+            logger.error(
+                "could not record the dead letter of key=%s: %s",
+                lease.key,
+                settle_exc,
+                extra=fields(
+                    key=lease.key, token=lease.token, store=self.store, outcome="dead_letter_failed"
+                ),
+            )
 
     def _release(self, lease: _execution.Lease) -> Flow[None]:
         try:
             yield from _execution.settle(lease, "release", None, self._policy)
         except OncelyError as exc:  # the lease recovers on expiry; the broker redelivers
-            logger.error("could not release key=%s: %s", lease.key, exc)
+            logger.error(
+                "could not release key=%s: %s",
+                lease.key,
+                exc,
+                extra=fields(
+                    key=lease.key, token=lease.token, store=self.store, outcome="release_failed"
+                ),
+            )
 
     # -- drivers -----------------------------------------------------------------------------
 
@@ -1041,6 +1180,7 @@ def _encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
             "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
             lease.key,
             exc,
+            extra=fields(key=lease.key, token=lease.token, outcome="unserialisable"),
         )
         return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
 

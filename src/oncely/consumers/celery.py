@@ -58,7 +58,6 @@ a publish (`celery_options` does, from an HTTP request's key) and duplicates col
 from __future__ import annotations
 
 import inspect
-import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -67,6 +66,7 @@ from oncely._core.codec import Codec
 from oncely._core.fingerprint import canonical_json
 from oncely._core.protocols import SyncStore
 from oncely._deps import require
+from oncely._log import fields, get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -87,7 +87,7 @@ _exceptions = require("celery.exceptions", extra="celery")
 
 __all__ = ["celery_options", "IdempotentTask"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def celery_options(key: str, *, header: str = KEY_HEADERS[0]) -> dict[str, Any]:
@@ -214,7 +214,7 @@ class IdempotentTask(_Task):  # type: ignore[misc]
         try:
             body = self._body(args, kwargs)
         except FingerprintError as exc:  # sent by a client that bypassed apply_async's check
-            logger.error("task dead-lettered: %s", exc)
+            logger.error("task dead-lettered: %s", exc, extra=fields(outcome="dead_lettered"))
             runner.stats.add(Reason.INVALID_KEY)
             verdict = Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
         else:
@@ -237,7 +237,12 @@ class IdempotentTask(_Task):  # type: ignore[misc]
             except Exception as exc:
                 # Not acked away: the decision is in the record, so the task that comes back
                 # is dead-lettered again without running.
-                logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
+                logger.error(
+                    "could not dead-letter key=%s; retrying: %s",
+                    verdict.key,
+                    exc,
+                    extra=fields(key=verdict.key, outcome="dead_letter_failed"),
+                )
                 raise self.retry(
                     args=args,
                     kwargs=kwargs,

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from oncely._core.codec import Codec
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -182,7 +182,12 @@ class IdempotencyMiddleware:
                 try:
                     await self.dead_letter(msg, verdict)
                 except Exception as exc:
-                    logger.error("could not dead-letter key=%s; kept: %s", verdict.key, exc)
+                    logger.error(
+                        "could not dead-letter key=%s; kept: %s",
+                        verdict.key,
+                        exc,
+                        extra=fields(key=verdict.key, outcome="dead_letter_failed"),
+                    )
                 else:
                     await msg.ack()
                     return
@@ -193,6 +198,7 @@ class IdempotencyMiddleware:
                 logger.error(
                     "key=%s must be dead-lettered but no dead_letter= is configured; kept",
                     verdict.key,
+                    extra=fields(key=verdict.key, outcome="dead_letter_failed"),
                 )
             delay = seconds(self.consumer.policy.retry_delay)
         else:

@@ -67,7 +67,7 @@ from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._deps import require
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -265,7 +265,12 @@ class _KafkaFlows:
                 except Exception as exc:
                     # The decision is in the record: the next round dead-letters it again,
                     # without running the handler.
-                    logger.error("could not dead-letter key=%s; retrying: %s", verdict.key, exc)
+                    logger.error(
+                        "could not dead-letter key=%s; retrying: %s",
+                        verdict.key,
+                        exc,
+                        extra=fields(key=verdict.key, outcome="dead_letter_failed"),
+                    )
                     continue
             elif verdict.action is Action.RETRY:
                 blocker = blocker or verdict

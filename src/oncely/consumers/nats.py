@@ -54,7 +54,7 @@ from oncely._core.codec import Codec
 from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.consumers._base import (
     KEY_HEADERS,
     Action,
@@ -192,7 +192,11 @@ class IdempotentHandler:
             verdict = await self._process(msg)
         action = verdict.action
         if action is Action.RETRY and self._last_delivery(msg):
-            logger.error("message dead-lettered: key=%s reached max_deliver", verdict.key)
+            logger.error(
+                "message dead-lettered: key=%s reached max_deliver",
+                verdict.key,
+                extra=fields(key=verdict.key, attempt=verdict.attempt, outcome="dead_lettered"),
+            )
             action = Action.DEAD_LETTER
         if action is Action.ACK:
             await msg.ack()

@@ -29,7 +29,7 @@ from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
 from oncely._core.records import Replay, Status
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
     FingerprintMismatchError,
@@ -75,7 +75,12 @@ def begin(
     except FingerprintMismatchError:
         return _semantics.mismatch(policy)
     except CorruptRecordError as exc:  # never a reason to run again, fail-open or not
-        logger.error("corrupt record key=%s: %s", plan.key, exc)
+        logger.error(
+            "corrupt record key=%s: %s",
+            plan.key,
+            exc,
+            extra=fields(key=plan.key, outcome="corrupt"),
+        )
         return _semantics.corrupt()
     except StoreError as exc:
         if policy.fail_open:
@@ -85,9 +90,16 @@ def begin(
                 path,
                 plan.key,
                 exc,
+                extra=fields(key=plan.key, outcome="unprotected"),
             )
             return PASS_THROUGH
-        logger.error("store unavailable, answering 503 for %s %s: %s", method, path, exc)
+        logger.error(
+            "store unavailable, answering 503 for %s %s: %s",
+            method,
+            path,
+            exc,
+            extra=fields(key=plan.key, outcome="unavailable_503"),
+        )
         return _semantics.unavailable(policy)
     if isinstance(outcome, Replay):
         return replay(outcome, policy)
@@ -105,7 +117,12 @@ def replay(outcome: Replay, policy: HttpPolicy) -> Response:
             raise ValueError(f"an HTTP record holds a {stored.kind} outcome")
         return _semantics.replayed(stored.body, policy)
     except ValueError as exc:
-        logger.error("corrupt record key=%s: %s", record.key, exc)
+        logger.error(
+            "corrupt record key=%s: %s",
+            record.key,
+            exc,
+            extra=fields(key=record.key, token=record.token, outcome="corrupt"),
+        )
         return _semantics.corrupt()
 
 
@@ -123,7 +140,12 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
         yield from _settle(lease, "release", None, policy)
     elif capture.overflowed:
         reason = f"the response body is over the {policy.max_response_bytes}-byte limit"
-        logger.warning("response of key=%s not stored: %s", lease.key, reason)
+        logger.warning(
+            "response of key=%s not stored: %s",
+            lease.key,
+            reason,
+            extra=fields(key=lease.key, token=lease.token, outcome="not_stored"),
+        )
         yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
     else:
         payload = _codec.encode_value(capture.snapshot(policy))
@@ -144,7 +166,12 @@ def cut(
         yield from _settle(lease, "release", None, policy)
         return
     reason = f"the response was cut short after the handler ran: {cause}"
-    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    logger.warning(
+        "response of key=%s not stored: %s",
+        lease.key,
+        reason,
+        extra=fields(key=lease.key, token=lease.token, outcome="not_stored"),
+    )
     yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
 
 
@@ -160,14 +187,23 @@ def finish_with_trailers(
         yield from _settle(lease, "release", None, policy)
         return
     reason = "the response has trailers, which are not stored"
-    logger.warning("response of key=%s not stored: %s", lease.key, reason)
+    logger.warning(
+        "response of key=%s not stored: %s",
+        lease.key,
+        reason,
+        extra=fields(key=lease.key, token=lease.token, outcome="not_stored"),
+    )
     yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
 
 
 def abort(lease: _execution.Lease, exc: BaseException | None, policy: HttpPolicy) -> Flow[None]:
     """Release the lease of a request whose handler raised or sent no complete response."""
     if exc is None:
-        logger.warning("the app returned no complete response for key=%s", lease.key)
+        logger.warning(
+            "the app returned no complete response for key=%s",
+            lease.key,
+            extra=fields(key=lease.key, token=lease.token, outcome="released"),
+        )
     yield from _settle(lease, "release", None, policy)
 
 
@@ -198,4 +234,10 @@ def _settle(
         yield from _execution.settle(lease, verb, payload, policy.core)
     except (StoreError, LeaseLostError) as exc:
         # The handler ran; the response still goes out. The key recovers after its lease.
-        logger.error("could not %s key=%s after the handler ran: %s", verb, lease.key, exc)
+        logger.error(
+            "could not %s key=%s after the handler ran: %s",
+            verb,
+            lease.key,
+            exc,
+            extra=fields(key=lease.key, token=lease.token, outcome=f"{verb}_failed"),
+        )

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from oncely._core.flow import Flow
 from oncely._core.policy import Duration, to_timedelta
-from oncely._log import get_logger
+from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError
 
 __all__ = ["CloseOp", "RetryPolicy", "SendOp", "SleepOp", "parse_retry_after", "retry_flow"]
@@ -166,6 +166,7 @@ def retry_flow(
                 type(exc).__name__,
                 attempt,
                 pause,
+                extra=fields(attempt=attempt, outcome="retry"),
             )
         else:
             status = response.status_code
@@ -190,6 +191,7 @@ def retry_flow(
                 status,
                 attempt,
                 pause,
+                extra=fields(attempt=attempt, outcome="retry"),
             )
             yield CloseOp(response)
         yield SleepOp(pause)

@@ -19,17 +19,17 @@ and that caller keeps the error (the lease, if it is its own, expires on its own
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record, Status
+from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 
 __all__ = ["CoalescingStore"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 
@@ -172,7 +172,9 @@ class _Claims(_Coalescer):
         if isinstance(answer, (InProgress, StoreError)):
             key = item[0]
             logger.warning(
-                "claim of key=%s may have been applied; it recovers after its lease", key
+                "claim of key=%s may have been applied; it recovers after its lease",
+                key,
+                extra=fields(key=key, outcome="store_unavailable"),
             )
             return _UNKNOWN
         return answer
