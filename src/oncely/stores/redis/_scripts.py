@@ -214,13 +214,25 @@ def _each(decode: Callable[[str, Any], _T], call: BatchCall, replies: Any) -> li
 
 
 def claim_many(
-    space: Keyspace, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+    space: Keyspace,
+    requests: Sequence[tuple[str, str]],
+    lease: timedelta,
+    ttl: timedelta,
+    ops: Sequence[str] | None = None,
 ) -> Flow[list[ClaimResult | StoreError]]:
-    """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`."""
+    """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`.
+
+    *ops*, one per request, are the claims' call ids (new ones when omitted): a caller that
+    sends a batch again with the same ids gets its own applied claims back as `Acquired`.
+    """
+    if ops is None:
+        ops = [call_id() for _ in requests]
+    elif len(ops) != len(requests):
+        raise ValueError(f"ops has {len(ops)} ids for {len(requests)} requests")
     lease_ms, ttl_ms = _ms(lease), _ms(ttl)
     items = tuple(
-        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, call_id()))
-        for key, fingerprint in requests
+        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, str(op)))
+        for (key, fingerprint), op in zip(requests, ops, strict=True)
     )
     if not items:
         return []

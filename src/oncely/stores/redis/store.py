@@ -386,10 +386,19 @@ class _RedisStoreBase:
     # -- batch verbs ---------------------------------------------------------------------------
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`. One round trip (per slot on a cluster)."""
-        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        """See `oncely.BatchStore.claim_many`. One round trip (per slot on a cluster).
+
+        *ops*, one per request, are the claims' call ids (new ones when omitted): a batch sent
+        again with the same ids, after a reply that never came, gets its own applied claims
+        back as `Acquired` (not `InProgress`)."""
+        flow = _scripts.claim_many(self._space, requests, lease, ttl, ops)
         return drive(flow, self._perform_batch)
 
     def complete_many(
@@ -399,10 +408,15 @@ class _RedisStoreBase:
         return drive(_scripts.complete_many(self._space, items, ttl), self._perform_batch)
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
         """See `oncely.BatchStore.aclaim_many`."""
-        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        flow = _scripts.claim_many(self._space, requests, lease, ttl, ops)
         return await adrive(flow, self._aperform_batch)
 
     async def acomplete_many(
