@@ -40,7 +40,7 @@ _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 _UNKNOWN: Any = object()
 
 
-def takes_ops(verb: Callable[..., Any]) -> bool:
+def takes_ops(verb: Any) -> bool:
     """Whether a batch claim *verb* takes the claims' call ids (``ops=``): then a batch sent
     again with the same ids gets its own applied claims back as Acquired."""
     try:
@@ -296,12 +296,21 @@ class CoalescingStore:
         return record
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """`oncely.BatchStore.aclaim_many`, sent as it is."""
-        answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
-            requests, lease=lease, ttl=ttl
-        )
+        """`oncely.BatchStore.aclaim_many`, sent as it is (with the claims' call ids *ops* when
+        given and the store takes them)."""
+        if ops is not None and self._claims.takes_ops:
+            answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
+                requests, lease=lease, ttl=ttl, ops=ops
+            )
+        else:
+            answers = await self.store.aclaim_many(requests, lease=lease, ttl=ttl)
         return answers
 
     async def acomplete_many(
