@@ -9,8 +9,8 @@ The batch verbs run ``claim_many`` and ``complete_many``: the same transition fi
 wrapped in a function that ``lua/batch.lua`` calls once per item. Their flows yield one
 `BatchCall`, which the store performs as one EVALSHA (one per slot on a cluster: `BatchCall.split`).
 
-redis-py re-sends a command after a connection error (and the cluster client after a timeout
-too), so a script may run twice for one call whose first reply was lost. Every claim, complete,
+The store has redis-py re-send a command after a connection error or a timeout, so a script
+may run twice for one call whose first reply was lost. Every claim, complete,
 fail and release therefore carries an id of its own (`call_id`), which the script stores in the
 record: a re-sent call that finds its own effect answers as the first run did (its own lease is
 Acquired, not InProgress; its own completion is done, not LeaseLost). An extend re-run only
