@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -461,3 +463,38 @@ def test_completions_of_two_consumers_in_one_driver_keep_their_own_ttl(mode: str
             assert record is not None
             assert record.status is Status.COMPLETED
             assert record.expires_at_ms == record.updated_at_ms + ttl * 1000
+
+
+@pytest.mark.redis
+def test_a_batch_claim_applied_with_its_reply_lost_runs_once_on_redis(batch: Batch) -> None:
+    """Against the real Redis: claim_many ran but its reply never came. Sent again with the
+    same call ids, the runner's own claims answer Acquired: every handler runs once, now, and
+    no key is left in progress for a lease."""
+    from tests.conftest import service_url
+    from tests.stores.test_coalesce import _CuttingProxy
+
+    url = service_url("ONCELY_TEST_REDIS_URL")
+    namespace = f"oncely-t-{uuid.uuid4().hex[:12]}"
+    proxy = _CuttingProxy(urlsplit(url).port or 6379)
+    through = oncely.open_store(
+        f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5", namespace=namespace, retries=0
+    )
+    direct = oncely.open_store(url, namespace=namespace)
+    try:
+        consumer = IdempotentConsumer(through, scope="s", policy=POLICY)
+        proxy.arm(b"s|b", "reply")
+        seen: list[Any] = []
+        verdicts = batch(consumer, deliveries("a", "b", "c"), seen.append)
+        assert proxy.cut.is_set()
+        assert reasons(verdicts) == ["processed"] * 3
+        assert seen == [(0, "a"), (1, "b"), (2, "c")]
+        for key in "abc":
+            record = direct.get(f"s|{key}")
+            assert record is not None
+            assert record.status is Status.COMPLETED
+    finally:
+        asyncio.run(through.aclose())
+        through.close()
+        direct.close()
+        proxy.close()
+        delete_namespace(url, namespace)

@@ -440,3 +440,26 @@ def test_a_batch_of_claims_never_applied_is_answered_per_caller(
     assert proxy.cut.is_set()
     assert plain == first == last == Acquired(1, recovered=False, attempt=1)
     assert isinstance(done, Replay)
+
+
+@pytest.mark.redis
+def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_by_its_callers(
+    cutting: tuple[_CuttingProxy, Any, Any],
+) -> None:
+    """The claims ran but their reply never came: the batch is sent again with the same call
+    ids, so each caller gets its own lease (Acquired), not InProgress or the batch's timeout,
+    and no key is left locked for a lease."""
+    proxy, through, direct = cutting
+    view = CoalescingStore(through, max_in_flight=1)
+    proxy.arm(b"cut-1", "reply")
+    keys = ["plain", "cut-1", "cut-2", "cut-3"]
+
+    async def main() -> list[Any]:
+        claims = [view.aclaim(key, "fp", lease=LEASE, ttl=TTL) for key in keys]
+        return await _one_then_batch(claims[0], claims[1:])
+
+    answers = asyncio.run(main())
+    assert proxy.cut.is_set()
+    assert answers == [Acquired(1, recovered=False, attempt=1)] * 4
+    for key, answer in zip(keys, answers, strict=True):
+        assert direct.complete(key, answer.token, b"r", ttl=TTL) is None

@@ -1097,7 +1097,7 @@ def _behind_cutters(
         port = int(url.partition("://")[2].partition("/")[0].rpartition(":")[2])
         with (
             ReplyCutter(port) as cutter,
-            RedisStore(f"redis://127.0.0.1:{cutter.port}/0", namespace=ns) as store,
+            RedisStore(f"redis://127.0.0.1:{cutter.port}/0", namespace=ns, **options) as store,
         ):
             yield store, cutter
         return
@@ -1135,10 +1135,9 @@ class _SharedCutter:
 
 
 class TestLostReplies:
-    """redis-py re-sends a script after a lost reply (standalone: after a connection error;
-    cluster: after a connection error or a timeout). The script already ran: the re-send must
-    find its own effect and answer as the first reply would have, never InProgress to its own
-    claim nor LeaseLost to its own settle."""
+    """redis-py re-sends a script after a lost reply (a connection error or a timeout). The
+    script already ran: the re-send must find its own effect and answer as the first reply
+    would have, never InProgress to its own claim nor LeaseLost to its own settle."""
 
     @pytest.mark.parametrize("verb", VERBS)
     @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -1157,6 +1156,23 @@ class TestLostReplies:
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key())  # type: ignore[arg-type]
+            finally:
+                api.close()
+
+    @pytest.mark.redis
+    @pytest.mark.parametrize("verb", VERBS)
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_standalone_resend_after_a_timeout_answers_as_the_first_run(
+        self, mode: str, verb: str, namespace: str
+    ) -> None:
+        """The script ran, its reply never came and the client timed out: the store re-sends
+        it (same call id) on a fresh connection and the caller gets the first run's answer (its
+        own lease, not a StoreUnavailableError and then InProgress until the lease ends)."""
+        url = service_url("ONCELY_TEST_REDIS_URL")
+        with _behind_cutters("standalone", url, namespace, socket_timeout=0.5) as (store, cutter):
+            api = StoreCalls(store, mode)
+            try:
+                assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
             finally:
                 api.close()
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import secrets
 import threading
 import uuid
 from collections import Counter
@@ -72,7 +73,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.keys import from_header
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalesce import CoalescingStore, takes_ops
 
 __all__ = [
     "Action",
@@ -728,12 +729,18 @@ class IdempotentConsumer:
 
     def _claim_many(self, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
         """Claim every request in one call. A call whose outcome is unknown (it timed out, or
-        its connection broke) is sent once more to learn each item's: an item answered
-        `InProgress` then may hold its own first claim, applied with the reply lost, and keeps
-        the error (never run: its lease, if it is ours, expires on its own); the others get
-        their answers."""
+        its connection broke) is sent once more to learn each item's, with the same call ids
+        when the store takes them (``ops``): a claim applied with its reply lost then answers
+        `Acquired`. Without ids, an item answered `InProgress` may hold its own first claim and
+        keeps the error (never run: its lease, if it is ours, expires on its own); the others
+        get their answers."""
+        options: dict[str, Any] = {"lease": self._policy.lease, "ttl": self._policy.ttl}
+        ops: list[str] | None = None
+        verb = getattr(self.store, "claim_many", None) or getattr(self.store, "aclaim_many", None)
+        if takes_ops(verb):
+            ops = [secrets.token_hex(8) for _ in requests]  # the same ids if sent again
         call = _execution.StoreCall(
-            "claim_many", (requests,), {"lease": self._policy.lease, "ttl": self._policy.ttl}
+            "claim_many", (requests,), options if ops is None else {**options, "ops": ops}
         )
         try:
             answers: list[Any] = yield call
@@ -752,14 +759,17 @@ class IdempotentConsumer:
         if not unknown:
             return answers
         try:
+            kwargs = options if ops is None else {**options, "ops": [ops[i] for i in unknown]}
             again: list[Any] = yield _execution.StoreCall(
-                "claim_many", ([requests[i] for i in unknown],), call.kwargs
+                "claim_many", ([requests[i] for i in unknown],), kwargs
             )
         except StoreError:
             again = [answers[i] for i in unknown]
         answers = list(answers)
         for i, answer in zip(unknown, again, strict=True):
-            if not isinstance(answer, (InProgress, StoreError)):
+            if ops is not None and not isinstance(answer, StoreError):
+                answers[i] = answer  # with its own id, its own applied claim is Acquired
+            elif not isinstance(answer, (InProgress, StoreError)):
                 answers[i] = answer
             elif isinstance(answer, InProgress):
                 logger.warning(

@@ -11,14 +11,17 @@ would have given: the batch verbs answer every item as the single verb would, in
 
 A batch call that times out or loses its connection is resolved per caller: its items are
 sent again once, and every answer that tells what happened replaces the error (a completion
-found applied is a success). A claim answered `InProgress` then may be its own first send,
-applied with the reply lost: without a claim identity from the store that cannot be told,
-and that caller keeps the error (the lease, if it is its own, expires on its own).
+found applied is a success). Claims are sent again with the same call ids (when the store's
+``aclaim_many`` takes ``ops``), so a claim applied with its reply lost answers `Acquired` with
+its own token. A store without them cannot tell such a claim from another worker's lease: it
+answers `InProgress`, and that caller keeps the error (the lease expires on its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -35,6 +38,15 @@ _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 
 
 _UNKNOWN: Any = object()
+
+
+def takes_ops(verb: Any) -> bool:
+    """Whether a batch claim *verb* takes the claims' call ids (``ops=``): then a batch sent
+    again with the same ids gets its own applied claims back as Acquired."""
+    try:
+        return "ops" in inspect.signature(verb).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class _LoopState:
@@ -76,7 +88,7 @@ class _Coalescer:
         if state.in_flight < self._max_in_flight and not state.waiting:
             state.in_flight += 1  # the store is not busy: go now, alone
             try:
-                return await self._single(*item, **options)
+                return await self._call_single(item, options)
             finally:
                 state.in_flight -= 1
                 self._send_waiting(loop, state)
@@ -101,6 +113,12 @@ class _Coalescer:
             self._sending.add(task)  # a reference, so the task is not collected mid-flight
             task.add_done_callback(self._sending.discard)
 
+    async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        return await self._single(*item, **options)
+
+    async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
+        return await self._many(items, **options)
+
     async def _send(
         self,
         loop: asyncio.AbstractEventLoop,
@@ -111,7 +129,7 @@ class _Coalescer:
         items = [item for item, _ in batch]
         try:
             try:
-                answers: list[Any] = await self._many(items, **options)
+                answers: list[Any] = await self._call_many(items, options)
             except StoreUnavailableError as exc:  # the outcome of every item is unknown
                 answers = [exc] * len(items)
             if any(isinstance(answer, StoreUnavailableError) for answer in answers):
@@ -149,7 +167,7 @@ class _Coalescer:
             i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
         ]
         try:
-            again = await self._many([items[i] for i in unknown], **options)
+            again = await self._call_many([items[i] for i in unknown], options)
         except StoreError:
             return answers  # still unreachable: the errors stand
         answers = list(answers)
@@ -165,10 +183,29 @@ class _Coalescer:
 
 
 class _Claims(_Coalescer):
+    """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
+    (both times) when the store's ``aclaim_many`` takes ``ops``."""
+
+    def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
+        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
+        self.takes_ops = takes_ops(store.aclaim_many)
+
+    async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        return await self._single(*item[:2], **options)
+
+    async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
+        requests = [item[:2] for item in items]
+        if self.takes_ops:
+            return await self._many(requests, ops=[item[2] for item in items], **options)
+        return await self._many(requests, **options)
+
     async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
-        # A claim answered InProgress may be this very claim, applied the first time with its
-        # reply lost: without a claim identity from the store, that is not known, and the
-        # caller keeps its error (the lease, if it is ours, expires on its own).
+        # Sent again with the same call id, a claim applied the first time (reply lost) answers
+        # Acquired with its own token: InProgress is then another worker's lease. Without ids,
+        # InProgress may be this very claim, which is not known, and the caller keeps its error
+        # (the lease, if it is ours, expires on its own).
+        if self.takes_ops and not isinstance(answer, StoreError):
+            return answer
         if isinstance(answer, (InProgress, StoreError)):
             key = item[0]
             logger.warning(
@@ -217,7 +254,7 @@ class CoalescingStore:
 
     def __init__(self, store: Any, *, max_in_flight: int = 4, max_batch: int = 256) -> None:
         self.store = store
-        self._claims = _Claims(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
+        self._claims = _Claims(store, max_in_flight, max_batch)
         self._completions = _Completions(store, max_in_flight, max_batch)
 
     async def aclaim(
@@ -225,7 +262,8 @@ class CoalescingStore:
     ) -> ClaimResult:
         """`oncely.AsyncStore.aclaim`, batched with other claims while the store is busy."""
         options = {"lease": lease, "ttl": ttl}
-        answer: ClaimResult = await self._claims.submit((key, fingerprint), options)
+        op = secrets.token_hex(8)  # the claim's call id, the same if it is sent again
+        answer: ClaimResult = await self._claims.submit((key, fingerprint, op), options)
         return answer
 
     async def acomplete(
@@ -260,12 +298,21 @@ class CoalescingStore:
         return record
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """`oncely.BatchStore.aclaim_many`, sent as it is."""
-        answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
-            requests, lease=lease, ttl=ttl
-        )
+        """`oncely.BatchStore.aclaim_many`, sent as it is (with the claims' call ids *ops* when
+        given and the store takes them)."""
+        if ops is not None and self._claims.takes_ops:
+            answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
+                requests, lease=lease, ttl=ttl, ops=ops
+            )
+        else:
+            answers = await self.store.aclaim_many(requests, lease=lease, ttl=ttl)
         return answers
 
     async def acomplete_many(

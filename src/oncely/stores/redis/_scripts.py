@@ -9,8 +9,8 @@ The batch verbs run ``claim_many`` and ``complete_many``: the same transition fi
 wrapped in a function that ``lua/batch.lua`` calls once per item. Their flows yield one
 `BatchCall`, which the store performs as one EVALSHA (one per slot on a cluster: `BatchCall.split`).
 
-redis-py re-sends a command after a connection error (and the cluster client after a timeout
-too), so a script may run twice for one call whose first reply was lost. Every claim, complete,
+The store has redis-py re-send a command after a connection error or a timeout, so a script
+may run twice for one call whose first reply was lost. Every claim, complete,
 fail and release therefore carries an id of its own (`call_id`), which the script stores in the
 record: a re-sent call that finds its own effect answers as the first run did (its own lease is
 Acquired, not InProgress; its own completion is done, not LeaseLost). An extend re-run only
@@ -221,13 +221,25 @@ def _each(decode: Callable[[str, Any], _T], call: BatchCall, replies: Any) -> li
 
 
 def claim_many(
-    space: Keyspace, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+    space: Keyspace,
+    requests: Sequence[tuple[str, str]],
+    lease: timedelta,
+    ttl: timedelta,
+    ops: Sequence[str] | None = None,
 ) -> Flow[list[ClaimResult | StoreError]]:
-    """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`."""
+    """Claim each ``(key, fingerprint)`` in order: see `batch.lua` and `claim.lua`.
+
+    *ops*, one per request, are the claims' call ids (new ones when omitted): a caller that
+    sends a batch again with the same ids gets its own applied claims back as `Acquired`.
+    """
+    if ops is None:
+        ops = [call_id() for _ in requests]
+    elif len(ops) != len(requests):
+        raise ValueError(f"ops has {len(ops)} ids for {len(requests)} requests")
     lease_ms, ttl_ms = _ms(lease), _ms(ttl)
     items = tuple(
-        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, call_id()))
-        for key, fingerprint in requests
+        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, str(op)))
+        for (key, fingerprint), op in zip(requests, ops, strict=True)
     )
     if not items:
         return []

@@ -147,12 +147,15 @@ class _RedisStoreBase:
     def _retry(self, retry_class: Any) -> Any:
         # Re-send once after a connection error: that heals a pooled connection the server or a
         # proxy dropped (restart, idle timeout, CLIENT KILL) while a down server still fails in
-        # milliseconds. Timeouts are not retried (a slow server is not helped by a second copy).
-        # A re-sent script may find its first copy already ran with the reply lost: each call
-        # carries an id the script recognises, so the re-send answers as the first would have
-        # (see _scripts). The cluster client also re-sends after timeouts, just as safely.
+        # milliseconds. Also after a timeout, on a fresh connection (redis-py disconnects
+        # first): the script may have run with its reply lost, and without a re-send its own
+        # claim would answer InProgress to every retry until the lease ends. A re-sent script
+        # carries the same call id, which the script recognises, so the re-send answers as the
+        # first would have (see _scripts); a late first copy finds its own effect just as well.
+        # Bounded: at most `retries` re-sends, each waiting socket_timeout at most.
         backoff = self._redis.backoff.ExponentialWithJitterBackoff(base=0.01, cap=0.25)
-        return retry_class(backoff, self._retries, supported_errors=(self._redis.ConnectionError,))
+        errors = (self._redis.ConnectionError, self._redis.TimeoutError)
+        return retry_class(backoff, self._retries, supported_errors=errors)
 
     def _register(self, client: Any) -> dict[str, Any]:
         return {name: client.register_script(text) for name, text in _scripts.sources().items()}
@@ -387,10 +390,19 @@ class _RedisStoreBase:
     # -- batch verbs ---------------------------------------------------------------------------
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`. One round trip (per slot on a cluster)."""
-        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        """See `oncely.BatchStore.claim_many`. One round trip (per slot on a cluster).
+
+        *ops*, one per request, are the claims' call ids (new ones when omitted): a batch sent
+        again with the same ids, after a reply that never came, gets its own applied claims
+        back as `Acquired` (not `InProgress`)."""
+        flow = _scripts.claim_many(self._space, requests, lease, ttl, ops)
         return drive(flow, self._perform_batch)
 
     def complete_many(
@@ -400,10 +412,15 @@ class _RedisStoreBase:
         return drive(_scripts.complete_many(self._space, items, ttl), self._perform_batch)
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
         """See `oncely.BatchStore.aclaim_many`."""
-        flow = _scripts.claim_many(self._space, requests, lease, ttl)
+        flow = _scripts.claim_many(self._space, requests, lease, ttl, ops)
         return await adrive(flow, self._aperform_batch)
 
     async def acomplete_many(
@@ -580,9 +597,9 @@ class RedisStore(_RedisStoreBase):
             judges every lease and expiry.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
         socket_connect_timeout: Seconds to wait for a connection.
-        retries: How often a command is re-sent after a connection error (0: never); timeouts
-            are not retried. A re-sent script that finds its first copy ran answers as the first
-            reply would have (each call carries an id of its own).
+        retries: How often a command is re-sent after a connection error or a timeout (0:
+            never), on a fresh connection. A re-sent script that finds its first copy ran
+            answers as the first reply would have (each call carries an id of its own).
         **client_options: Passed to both redis-py clients (``max_connections``,
             ``ssl_ca_certs``, ``client_name``…).
 
