@@ -50,11 +50,42 @@ ADAPTERS = [
 
 ASGI = {"asgi_app", "fastapi_app", "starlette_app", "django_asgi_app"}
 
+STORE_SAMPLERS = {"asgi_app", "wsgi_app"}
+"""The adapters that run a `store_independent` test against every store (async and sync paths);
+the others run it against the memory store only."""
+
 LEASE = 0.6
 """The suite's lease in seconds: short, so a lost lease shows within a test."""
 
 MAX_RESPONSE = 64 * 1024
 """The suite's response size limit."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "store_independent: a test of the adapter's timing that no store changes: every adapter "
+        "on the memory store, every store on the bare ASGI and WSGI adapters (the full cross "
+        "product costs seconds per combination and adds no coverage)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Thin the adapter x store matrix of `store_independent` tests (see the marker)."""
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("store_independent") and callspec is not None:
+            adapter = callspec.params.get("adapter")
+            backend = callspec.params.get("backend_store")
+            if backend not in (None, "memory") and adapter not in STORE_SAMPLERS:
+                dropped.append(item)
+                continue
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

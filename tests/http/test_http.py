@@ -275,6 +275,7 @@ class TestConflicts:
             assert reply.status == 409 or (reply.status == 201 and reply.body == executed[0].body)
         assert api.ledger.count() == 1
 
+    @pytest.mark.store_independent
     def test_in_progress_retry_after_is_short_whatever_the_lease(
         self, make_api: Callable[..., Api], key: str
     ) -> None:
@@ -400,6 +401,7 @@ class TestFailures:
         assert len(unprotected) == 2
         assert "/webhooks" in unprotected[0].getMessage()
 
+    @pytest.mark.store_independent
     def test_store_unavailable_during_handler(self, make_api: Callable[..., Api], key: str) -> None:
         """Heartbeats failing while the handler runs do not stop it; the response is stored."""
         api = make_api(HttpPolicy(lease=0.15))
@@ -424,6 +426,7 @@ class TestFailures:
         assert second.body == first.body
         assert api.ledger.count() == 1
 
+    @pytest.mark.store_independent
     def test_store_down_after_handler_still_delivers_the_response(
         self, make_api: Callable[..., Api], key: str
     ) -> None:
@@ -463,6 +466,7 @@ class TestFailures:
         problem(api.post(key=key, json_body=PAYMENT), 500, "idempotency-record-corrupt")
         assert api.ledger.count() == 1
 
+    @pytest.mark.store_independent
     def test_handler_slower_than_the_lease(self, make_api: Callable[..., Api], key: str) -> None:
         """A repeat while the first request executes gets 409 with Retry-After, without entering
         the handler; the heartbeat keeps a short lease alive, so that holds even when the repeat
