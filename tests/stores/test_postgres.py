@@ -1256,15 +1256,21 @@ def test_batch_whose_session_is_killed_raises_and_takes_nothing(
     app: str,
     world: str,
 ) -> None:
-    """The session dies in the middle of a batch: StoreUnavailableError, and no item of it took
-    effect (one transaction); the next batch runs on a new session."""
+    """The session dies in the middle of a batch, and so does the one that re-sends it:
+    StoreUnavailableError, and no item of it took effect (one transaction); the next batch runs
+    on a new session."""
     blocker = _batch_stuck_behind(admin, schema, f"{store.namespace}:m", app)
     requests = [("z", "fp"), ("a", "fp"), ("m", "fp"), ("b", "fp")]
     try:
         with _batches(store, world) as batches, ThreadPoolExecutor(max_workers=1) as pool:
             running = pool.submit(batches.claim_many, requests)
-            (waiting,) = eventually(lambda: _waiting_on_a_lock(admin, app))
-            admin.execute("SELECT pg_terminate_backend(%s)", (waiting,))
+            killed: set[int] = set()
+            for _ in range(2):  # the batch, then its re-send on a fresh session
+                (waiting,) = eventually(
+                    lambda: [pid for pid in _waiting_on_a_lock(admin, app) if pid not in killed]
+                )
+                admin.execute("SELECT pg_terminate_backend(%s)", (waiting,))
+                killed.add(waiting)
             with pytest.raises(StoreUnavailableError) as info:
                 running.result(timeout=30)
             assert isinstance(info.value.__cause__, psycopg.OperationalError)
