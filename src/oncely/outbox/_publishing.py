@@ -9,11 +9,16 @@ Outcomes follow the `oncely.outbox.Publisher` contract:
 
 * an event whose send raised, or whose confirmation failed or did not come within *timeout*,
   answers its error;
-* the first failure of an ordering key is that key's error: later events of the key that were
-  not sent yet are not sent, and those already in the pipeline that the broker did not confirm
-  answer `NOT_ATTEMPTED` too (the failure is the first event's, not theirs, so it does not count
-  against them). A later event the broker did confirm answers ``None``: it is published, and
-  saying otherwise would only publish it twice.
+* the first failure of an ordering key is that key's error, and its later events are not sent.
+  Most failures are a destination's (no such exchange, stream or topic; a key of another type),
+  so the first event of a key to a destination not yet *proven* (confirmed once by this
+  publisher) is confirmed before the key's next event is sent: then a key never has a later
+  event published after an earlier one failed there. Once proven, a destination is pipelined;
+  if one of its events still fails (the broker refused it, or its connection dropped), the
+  key's later events already in the pipeline that the broker did not confirm answer
+  `NOT_ATTEMPTED` (the failure is the first event's, so it does not count against them), and
+  those it did confirm answer ``None``: they are published, and saying otherwise would only
+  publish them twice.
 """
 
 from __future__ import annotations
@@ -37,18 +42,34 @@ async def publish_ordered(
     send: Send,
     *,
     timeout: float | None,
+    proven: set[str],
     flush: Callable[[], Awaitable[None]] | None = None,
 ) -> list[Outcome]:
-    """Send *events* in order through *send*, then call *flush* (which sends what *send*
-    queued, for a driver that pipelines explicitly), await the confirmations, return the
-    outcomes. *flush* raising is a failure of the whole call: it propagates."""
+    """Send *events* in order through *send*, await their confirmations, return the outcomes.
+
+    Args:
+        events: In commit order.
+        send: Hands one event to the driver (see `Send`).
+        timeout: Seconds to wait for all the confirmations.
+        proven: The destinations this publisher has had confirmed; updated.
+        flush: For a driver that pipelines explicitly: sends what *send* queued. Raising is a
+            failure of the whole call: it propagates.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
     outcomes: list[Outcome] = [None] * len(events)
     confirms: dict[int, asyncio.Future[Any]] = {}
     failed: set[str] = set()  # keys whose later events are not sent
+    gates: dict[str, asyncio.Future[Any]] = {}  # a key's event to an unproven destination
 
-    def on_done(key: str) -> Callable[[asyncio.Future[Any]], None]:
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - loop.time())
+
+    def on_done(destination: str, key: str | None) -> Callable[[asyncio.Future[Any]], None]:
         def done(future: asyncio.Future[Any]) -> None:
-            if future.cancelled() or future.exception() is not None:
+            if not future.cancelled() and future.exception() is None:
+                proven.add(destination)
+            elif key is not None:  # a refusal that arrives meanwhile stops the key's sends
                 failed.add(key)
 
         return done
@@ -56,6 +77,13 @@ async def publish_ordered(
     try:
         for index, event in enumerate(events):
             key = event.ordering_key
+            if key is not None and key not in failed and key in gates:
+                gate = gates.pop(key)
+                if flush is not None:
+                    await flush()
+                await asyncio.wait([gate], timeout=left())
+                if not gate.done() or gate.cancelled() or gate.exception() is not None:
+                    failed.add(key)
             if key is not None and key in failed:
                 outcomes[index] = NOT_ATTEMPTED
                 continue
@@ -66,13 +94,14 @@ async def publish_ordered(
                 if key is not None:
                     failed.add(key)
                 continue
-            if key is not None:  # a refusal that arrives meanwhile stops the key's next sends
-                confirm.add_done_callback(on_done(key))
+            confirm.add_done_callback(on_done(event.destination, key))
+            if key is not None and event.destination not in proven:
+                gates[key] = confirm
             confirms[index] = confirm
-        if flush is not None and confirms:
+        if flush is not None:
             await flush()
         if confirms:
-            await asyncio.wait(confirms.values(), timeout=timeout)
+            await asyncio.wait(confirms.values(), timeout=left())
         for index, answer in confirms.items():
             if not answer.done():
                 outcomes[index] = TimeoutError(f"no confirmation from the broker in {timeout}s")

@@ -54,6 +54,7 @@ class KafkaPublisher:
         self.bootstrap_servers = bootstrap_servers
         self.idempotent = idempotent
         self.timeout = timeout
+        self._proven: set[str] = set()  # destinations confirmed once
         self._options = producer_options or {}
         self._producer: Any = None
         self._lock = asyncio.Lock()
@@ -130,7 +131,7 @@ class KafkaPublisher:
             )
             return sent
 
-        return await publish_ordered(events, send, timeout=self.timeout)
+        return await publish_ordered(events, send, timeout=self.timeout, proven=self._proven)
 
     async def _started(self) -> Any:
         async with self._lock:

@@ -60,6 +60,7 @@ class NATSPublisher:
     ) -> None:
         self.servers = servers
         self.timeout = timeout
+        self._proven: set[str] = set()  # destinations confirmed once
         self._connect_options = connect_options or {}
         self._client: Any = None
         self._jetstream: Any = None
@@ -128,7 +129,7 @@ class NATSPublisher:
             )
             return acked
 
-        return await publish_ordered(events, send, timeout=self.timeout)
+        return await publish_ordered(events, send, timeout=self.timeout, proven=self._proven)
 
     async def _connected(self) -> Any:
         async with self._lock:

@@ -59,6 +59,7 @@ class RabbitMQPublisher:
         self.persistent = persistent
         self.mandatory = mandatory
         self.timeout = timeout
+        self._proven: set[str] = set()  # destinations confirmed once
         self._connect_options = connect_options or {}
         self._connection: Any = None
         self._channel: Any = None  # aio-pika's, in confirm mode
@@ -148,7 +149,7 @@ class RabbitMQPublisher:
             return confirm
 
         try:
-            return await publish_ordered(events, send, timeout=self.timeout)
+            return await publish_ordered(events, send, timeout=self.timeout, proven=self._proven)
         finally:
             if channel.is_closed:  # by the broker (an exchange deleted meanwhile): a new one
                 self._channel = None

@@ -57,6 +57,7 @@ class RedisStreamsPublisher:
         self.url = url
         self.maxlen = maxlen
         self.timeout = timeout
+        self._proven: set[str] = set()  # destinations confirmed once
         self._client_options = client_options or {}
         self._client: Any = None
 
@@ -124,18 +125,24 @@ class RedisStreamsPublisher:
             queued.append((event.destination, fields, reply))
             return reply
 
-        async def flush() -> None:  # every entry in one round trip, in order
+        async def flush() -> None:  # the entries queued, in one round trip, in order
+            batch = queued[:]
+            queued.clear()
+            if not batch:
+                return
             async with client.pipeline(transaction=False) as pipeline:
-                for stream, fields, _ in queued:
+                for stream, fields, _ in batch:
                     pipeline.xadd(stream, fields, **maxlen)
                 answers = await pipeline.execute(raise_on_error=False)
-            for (_, _, reply), answer in zip(queued, answers, strict=True):
+            for (_, _, reply), answer in zip(batch, answers, strict=True):
                 if isinstance(answer, Exception):
                     reply.set_exception(answer)
                 else:
                     reply.set_result(answer)
 
-        return await publish_ordered(events, send, timeout=self.timeout, flush=flush)
+        return await publish_ordered(
+            events, send, timeout=self.timeout, proven=self._proven, flush=flush
+        )
 
     async def aclose(self) -> None:
         """Close the client's connections (the next `publish` opens new ones)."""
