@@ -133,12 +133,11 @@ def _attribute_to_first_failure(
 
 
 def check_options(target: Callable[..., Any], options: Mapping[str, Any], what: str) -> None:
-    """Raise `ConfigurationError` for an option *target* (a driver's constructor) does not take,
-    now rather than at the first publish."""
+    """Raise `ConfigurationError` for an option *target* (a driver's constructor) does not name,
+    now rather than at the first publish (its ``**kwargs``, if any, are not taken)."""
     parameters = inspect.signature(target).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    unknown = sorted(set(options) - set(parameters))
+    named = {n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    unknown = sorted(set(options) - named)
     if unknown:
         raise ConfigurationError(f"{what} takes no option {', '.join(map(repr, unknown))}")
 

@@ -88,7 +88,9 @@ class RabbitMQPublisher:
                 Turn it off for exchanges where an unrouted event is fine (a fanout nobody
                 listens to yet).
             timeout: Seconds to wait for the confirmations of one `publish` call.
-            **connect_options: Passed to `aio_pika.connect`.
+            **connect_options: Passed to `aio_pika.connect` (``timeout``, ``ssl_context``,
+                ``client_properties``...); connection parameters such as ``heartbeat`` go in
+                the URL's query.
 
         Raises:
             ConfigurationError: The URL or an option is malformed.

@@ -1,0 +1,170 @@
+"""The outbox's broker publishers against the real brokers: one suite, run over all four."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from oncely.errors import ConfigurationError
+from oncely.outbox import NOT_ATTEMPTED, OutboxEvent, Publisher
+from tests.outbox._brokers_pub import BROKERS, Broker
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.kafka, pytest.mark.nats, pytest.mark.redis]
+
+
+@pytest.fixture(params=BROKERS, ids=[broker.id for broker in BROKERS])
+def broker(request: pytest.FixtureRequest) -> Broker:
+    made: Broker = request.param(f"oncely-pub-{uuid.uuid4().hex[:10]}")
+    return made
+
+
+def run(broker: Broker, test: Callable[[Publisher], Awaitable[Any]], **options: Any) -> Any:
+    """Set up *broker*, run *test* with a publisher, close it, clean up."""
+
+    async def main() -> Any:
+        await broker.setup()
+        publisher = broker.publisher(**options)
+        try:
+            return await test(publisher)
+        finally:
+            await publisher.aclose()
+            await broker.teardown()
+
+    return asyncio.run(main())
+
+
+def events(broker: Broker, count: int, keys: tuple[str | None, ...] = ("a",)) -> list[OutboxEvent]:
+    """*count* events to the broker's destination, their ordering keys cycling over *keys*."""
+    return [
+        OutboxEvent(
+            id=number,
+            message_id=f"{broker.name}-{number}",
+            destination=broker.destination,
+            payload=b'{"n": %d}' % number,
+            headers={"Content-Kind": "test", "N": str(number)},
+            ordering_key=keys[number % len(keys)],
+        )
+        for number in range(count)
+    ]
+
+
+def test_events_arrive_with_payload_headers_and_key(broker: Broker) -> None:
+    sent = events(broker, 3, keys=("order-1", None))
+
+    async def test(publisher: Publisher) -> Any:
+        assert await publisher.publish(sent) == [None, None, None]
+        return await broker.read(3)
+
+    arrived = run(broker, test)
+    by_id = {message.headers["Idempotency-Key"]: message for message in arrived}
+    assert sorted(by_id) == sorted(event.message_id for event in sent)
+    for event in sent:
+        message = by_id[event.message_id]
+        assert message.payload == event.payload
+        assert message.headers["Content-Kind"] == "test"
+        assert message.headers["N"] == event.headers["N"]
+        if broker.id in ("rabbitmq", "nats"):  # the broker's own message id too
+            assert message.broker_id == event.message_id
+        if broker.id == "kafka":
+            assert message.record_key == event.ordering_key
+
+
+def test_events_of_one_key_arrive_in_order(broker: Broker) -> None:
+    keys = ("k0", "k1", "k2", None)
+    sent = events(broker, 60, keys=keys)
+
+    async def test(publisher: Publisher) -> Any:
+        for start in range(0, len(sent), 20):  # several calls, pipelined within each
+            assert await publisher.publish(sent[start : start + 20]) == [None] * 20
+        return await broker.read(len(sent))
+
+    arrived = run(broker, test)
+    key_of = {event.message_id: event.ordering_key for event in sent}
+    for key in keys[:-1]:
+        numbers = [
+            int(m.headers["N"]) for m in arrived if key_of[m.headers["Idempotency-Key"]] == key
+        ]
+        assert numbers == sorted(numbers)
+        assert len(numbers) == 15
+
+
+def test_a_republished_event_takes_effect_once_in_the_oncely_consumer(broker: Broker) -> None:
+    """A relay killed between the broker's confirm and its mark publishes the event again."""
+    sent = events(broker, 2, keys=("order-7",))
+
+    async def test(publisher: Publisher) -> Any:
+        assert await publisher.publish(sent) == [None, None]
+        assert await publisher.publish(sent[:1]) == [None]  # the crash: the first one again
+        return await broker.consume(copies=3)
+
+    effects, settled = run(broker, test)
+    assert effects.counts == {event.message_id: 1 for event in sent}
+    # JetStream drops the copy itself (Nats-Msg-Id); the others deliver it, the consumer skips it
+    assert settled == (2 if broker.id == "nats" else 3)
+
+
+def test_an_unreachable_broker_publishes_nothing(broker: Broker) -> None:
+    sent = events(broker, 3, keys=("a", None))
+
+    async def main() -> Any:
+        publisher = broker.publisher(broker.unreachable_url)
+        try:
+            for _ in range(2):  # and the next call tries to connect again
+                try:
+                    outcomes = await publisher.publish(sent)
+                except Exception:
+                    continue
+                assert all(isinstance(o, BaseException) or o is NOT_ATTEMPTED for o in outcomes)
+                assert any(isinstance(o, BaseException) for o in outcomes)
+        finally:
+            await publisher.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_failing_event_stops_its_key_and_not_the_others(broker: Broker) -> None:
+    sent = events(broker, 9, keys=("bad", "good", None))
+    sent[3] = broker.failing(sent[3])  # the second event of key "bad"
+
+    async def test(publisher: Publisher) -> Any:
+        outcomes = await publisher.publish(sent)
+        return outcomes, await broker.read(7)
+
+    outcomes, arrived = run(broker, test)
+    assert isinstance(outcomes[3], Exception)
+    assert outcomes[6] is NOT_ATTEMPTED  # later events of "bad": not sent
+    published = [n for n, outcome in enumerate(outcomes) if outcome is None]
+    assert published == [0, 1, 2, 4, 5, 7, 8]
+    assert sorted(int(m.headers["N"]) for m in arrived) == published
+
+
+def test_the_publisher_is_usable_again_after_a_failed_call(broker: Broker) -> None:
+    """A call that fails (a bad event) leaves the next call working: the channel, connection or
+    producer is reopened when the failure closed it."""
+    first = events(broker, 2, keys=("a",))
+    first[0] = broker.failing(first[0])
+    second = events(broker, 4, keys=("b",))[2:]
+
+    async def test(publisher: Publisher) -> Any:
+        outcomes = await publisher.publish(first)
+        assert isinstance(outcomes[0], Exception)
+        assert outcomes[1] is NOT_ATTEMPTED
+        assert await publisher.publish(second) == [None, None]
+        return await broker.read(2)
+
+    arrived = run(broker, test)
+    assert sorted(m.headers["Idempotency-Key"] for m in arrived) == [e.message_id for e in second]
+
+
+def test_bad_urls_and_options_are_configuration_errors(broker: Broker) -> None:
+    for url in broker.bad_urls:
+        with pytest.raises(ConfigurationError):
+            broker.publisher(url)
+    with pytest.raises(ConfigurationError, match="no_such_option"):
+        broker.publisher(no_such_option=1)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        broker.publisher(timeout=0)
