@@ -35,6 +35,9 @@ __all__ = ["NATSPublisher"]
 
 _SCHEMES = ("nats", "tls", "ws", "wss")
 
+_MAX_PENDING = 4000
+"""Messages awaiting their ack at once (nats-py's default); more wait for a free slot."""
+
 _CONNECT_DEFAULTS: dict[str, Any] = {
     "allow_reconnect": False,
     "max_reconnect_attempts": 1,  # 0 means forever to nats-py: two tries per server
@@ -121,10 +124,12 @@ class NATSPublisher:
         jetstream = await self._connected()
 
         async def send(event: OutboxEvent) -> Awaitable[Any]:
+            # A bounded wait for a free slot costs nats-py a task per message: only when full.
+            full = jetstream.publish_async_pending() >= _MAX_PENDING
             acked: Awaitable[Any] = await jetstream.publish_async(
                 event.destination,
                 event.payload,
-                wait_stall=self.timeout,
+                wait_stall=self.timeout if full else None,
                 headers=producer.nats_headers(event.message_id, event.headers),
             )
             return acked
@@ -136,7 +141,7 @@ class NATSPublisher:
             if self._client is None or self._client.is_closed:
                 nats = require("nats", extra="nats")
                 self._client = await nats.connect(self.servers, **self._connect_options)
-                self._jetstream = self._client.jetstream()
+                self._jetstream = self._client.jetstream(publish_async_max_pending=_MAX_PENDING)
             return self._jetstream
 
     async def aclose(self) -> None:
