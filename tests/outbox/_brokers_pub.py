@@ -60,6 +60,8 @@ class Broker:
     id: str
     unreachable_url: str
     bad_urls: tuple[str, ...]
+    url_at: str | None = None
+    """The URL of the server on another port (a proxy's), ``{port}`` left to fill in."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -91,6 +93,7 @@ class Broker:
 class RabbitMQ(Broker):
     id = "rabbitmq"
     unreachable_url = "amqp://guest:guest@127.0.0.1:9/"
+    url_at = "amqp://guest:guest@127.0.0.1:{port}/"
     bad_urls = ("http://127.0.0.1:5672/", "amqp://", "amqp://guest:guest@127.0.0.1:notaport/")
 
     def publisher(self, url: str | None = None, **options: Any) -> Publisher:
@@ -257,6 +260,7 @@ class Kafka(Broker):
 class NATS(Broker):
     id = "nats"
     unreachable_url = "nats://127.0.0.1:9"
+    url_at = "nats://127.0.0.1:{port}"
     bad_urls = ("http://127.0.0.1:4222", "nats://", "nats://127.0.0.1:notaport", "nats://h/path")
 
     def __init__(self, name: str) -> None:
@@ -328,6 +332,7 @@ class NATS(Broker):
 class RedisStreams(Broker):
     id = "redis_streams"
     unreachable_url = "redis://127.0.0.1:9/0"
+    url_at = "redis://127.0.0.1:{port}/0"
     bad_urls = (
         "http://127.0.0.1:6379",
         "redis://127.0.0.1:notaport/0",

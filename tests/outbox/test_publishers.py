@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
 from oncely.errors import ConfigurationError
 from oncely.outbox import NOT_ATTEMPTED, OutboxEvent, Publisher
-from tests.outbox._brokers_pub import BROKERS, Broker
+from tests.conftest import service_url
+from tests.consumers._proxy import TcpProxy
+from tests.outbox._brokers_pub import BROKERS, Broker, until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.kafka, pytest.mark.nats, pytest.mark.redis]
 
@@ -158,6 +162,47 @@ def test_the_publisher_is_usable_again_after_a_failed_call(broker: Broker) -> No
 
     arrived = run(broker, test)
     assert sorted(m.headers["Idempotency-Key"] for m in arrived) == [e.message_id for e in second]
+
+
+PROXIED = [kind for kind in BROKERS if kind.url_at]
+"""Not Kafka: its clients follow the broker's advertised address, past a proxy."""
+
+
+@pytest.mark.parametrize("broker", PROXIED, ids=[kind.id for kind in PROXIED], indirect=True)
+def test_the_publisher_reconnects_after_losing_its_connection(broker: Broker) -> None:
+    """The broker goes away between two calls (connections reset, new ones refused) and comes
+    back: a call meanwhile publishes nothing, a later one connects again."""
+    assert broker.url_at is not None
+    port = int(
+        urlsplit(service_url(f"ONCELY_TEST_{broker.id.upper()}_URL".replace("_STREAMS", ""))).port
+        or 0
+    )
+    before, during, after = (events(broker, 6, keys=("k",))[n : n + 2] for n in (0, 2, 4))
+
+    async def test(_: Publisher) -> Any:
+        with TcpProxy(port) as proxy:
+            publisher = broker.publisher(broker.url_at.format(port=proxy.port))
+            try:
+                assert await publisher.publish(before) == [None, None]
+                proxy.down()
+                with contextlib.suppress(Exception):
+                    outcomes = await publisher.publish(during)
+                    assert all(o is not None for o in outcomes)
+                proxy.up()
+
+                async def published() -> bool:
+                    return await publisher.publish(after) == [None, None]
+
+                await until(published, interval=0.1)
+            finally:
+                await publisher.aclose()
+        return await broker.read(4)
+
+    arrived = run(broker, test)
+    ids = [m.headers["Idempotency-Key"] for m in arrived]
+    assert [e.message_id for e in before + after] == [
+        i for i in ids if i not in {e.message_id for e in during}
+    ]
 
 
 def test_bad_urls_and_options_are_configuration_errors(broker: Broker) -> None:

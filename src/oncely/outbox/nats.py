@@ -21,7 +21,7 @@ their acknowledgements awaited together.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -67,6 +67,7 @@ class NATSPublisher:
         self._connect_options = connect_options or {}
         self._client: Any = None
         self._jetstream: Any = None
+        self._awaiting: set[asyncio.Future[Any]] = set()  # acks not yet received
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -126,12 +127,14 @@ class NATSPublisher:
         async def send(event: OutboxEvent) -> Awaitable[Any]:
             # A bounded wait for a free slot costs nats-py a task per message: only when full.
             full = jetstream.publish_async_pending() >= _MAX_PENDING
-            acked: Awaitable[Any] = await jetstream.publish_async(
+            acked: asyncio.Future[Any] = await jetstream.publish_async(
                 event.destination,
                 event.payload,
                 wait_stall=self.timeout if full else None,
                 headers=producer.nats_headers(event.message_id, event.headers),
             )
+            self._awaiting.add(acked)
+            acked.add_done_callback(self._awaiting.discard)
             return acked
 
         return await publish_ordered(events, send, timeout=self.timeout, proven=self._proven)
@@ -140,9 +143,25 @@ class NATSPublisher:
         async with self._lock:
             if self._client is None or self._client.is_closed:
                 nats = require("nats", extra="nats")
-                self._client = await nats.connect(self.servers, **self._connect_options)
+                options = dict(self._connect_options)
+                for name in ("disconnected_cb", "closed_cb"):
+                    options[name] = self._on_lost(options.get(name))
+                self._client = await nats.connect(self.servers, **options)
                 self._jetstream = self._client.jetstream(publish_async_max_pending=_MAX_PENDING)
             return self._jetstream
+
+    def _on_lost(self, then: Callable[[], Awaitable[None]] | None) -> Callable[[], Awaitable[None]]:
+        """A connection callback failing the acks still awaited (nats-py would leave them
+        pending until the call's timeout), then calling the application's own *then*."""
+
+        async def lost() -> None:
+            for acked in list(self._awaiting):
+                if not acked.done():
+                    acked.set_exception(ConnectionError("the NATS connection was lost"))
+            if then is not None:
+                await then()
+
+        return lost
 
     async def aclose(self) -> None:
         """Close the connection (the next `publish` opens a new one)."""

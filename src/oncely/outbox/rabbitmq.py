@@ -158,7 +158,10 @@ class RabbitMQPublisher:
 
     async def _connected(self) -> Any:
         async with self._lock:
-            if self._connection is None or self._connection.is_closed:
+            connection = self._connection
+            # A connection the broker dropped is not `is_closed` (that is close()), only
+            # no longer `connected`.
+            if connection is None or connection.is_closed or not connection.connected.is_set():
                 await self._drop()
                 aio_pika = require("aio_pika", extra="rabbitmq")
                 self._connection = await aio_pika.connect(self.url, **self._connect_options)
