@@ -8,7 +8,7 @@ gathered, one redis-py pipeline of XADDs per batch). Modes alternate within each
 are medians over rounds, the ratio the median of the per-round ratios.
 
     python benchmarks/outbox/bench_publish.py     # writes benchmarks/results/outbox_publish.md
-    python benchmarks/outbox/bench_publish.py --events 2000 --batch 200 --rounds 3
+    python benchmarks/outbox/bench_publish.py --events 4000 --batch 200 --rounds 5
 
 Servers: the test URLs (``ONCELY_TEST_*``, see scripts/services) or the loopback defaults.
 """
@@ -307,10 +307,10 @@ def report(args: argparse.Namespace, load: tuple[float, ...], rows: list[str]) -
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=2000, help="events per mode and round")
+    parser.add_argument("--events", type=int, default=4000, help="events per mode and round")
     parser.add_argument("--batch", type=int, default=200, help="events per publish call")
     parser.add_argument("--keys", type=int, default=32, help="ordering keys (0: none)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--brokers", nargs="*", default=[b.name for b in BENCHES])
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()

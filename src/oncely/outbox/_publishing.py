@@ -60,29 +60,23 @@ async def publish_ordered(
     outcomes: list[Outcome] = [None] * len(events)
     confirms: dict[int, asyncio.Future[Any]] = {}
     failed: set[str] = set()  # keys whose later events are not sent
-    gates: dict[str, asyncio.Future[Any]] = {}  # a key's event to an unproven destination
+    latest: dict[str, asyncio.Future[Any]] = {}  # each key's last event sent
+    probes: dict[asyncio.Future[Any], str] = {}  # events sent to an unproven destination
 
     def left() -> float | None:
         return None if deadline is None else max(0.0, deadline - loop.time())
 
-    def on_done(destination: str, key: str | None) -> Callable[[asyncio.Future[Any]], None]:
-        def done(future: asyncio.Future[Any]) -> None:
-            if not future.cancelled() and future.exception() is None:
-                proven.add(destination)
-            elif key is not None:  # a refusal that arrives meanwhile stops the key's sends
-                failed.add(key)
-
-        return done
-
     try:
         for index, event in enumerate(events):
             key = event.ordering_key
-            if key is not None and key not in failed and key in gates:
-                gate = gates.pop(key)
-                if flush is not None:
-                    await flush()
-                await asyncio.wait([gate], timeout=left())
-                if not gate.done() or gate.cancelled() or gate.exception() is not None:
+            if key is not None and key not in failed and (last := latest.get(key)) is not None:
+                if not last.done() and last in probes:
+                    if flush is not None:
+                        await flush()
+                    await asyncio.wait((last,), timeout=left())
+                if last.done() and not last.cancelled() and last.exception() is None:
+                    proven.add(probes.get(last, event.destination))
+                elif last.done() or last in probes:  # refused, or a probe not confirmed in time
                     failed.add(key)
             if key is not None and key in failed:
                 outcomes[index] = NOT_ATTEMPTED
@@ -94,10 +88,11 @@ async def publish_ordered(
                 if key is not None:
                     failed.add(key)
                 continue
-            confirm.add_done_callback(on_done(event.destination, key))
-            if key is not None and event.destination not in proven:
-                gates[key] = confirm
             confirms[index] = confirm
+            if key is not None:
+                latest[key] = confirm
+                if event.destination not in proven:
+                    probes[confirm] = event.destination
         if flush is not None:
             await flush()
         if confirms:
@@ -109,6 +104,8 @@ async def publish_ordered(
                 outcomes[index] = ConnectionError("the driver dropped the confirmation")
             else:
                 outcomes[index] = answer.exception()
+                if outcomes[index] is None:
+                    proven.add(events[index].destination)
     finally:
         for pending in confirms.values():
             if not pending.done():
