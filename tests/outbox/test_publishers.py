@@ -20,7 +20,7 @@ from oncely.errors import ConfigurationError, InvalidKeyError
 from oncely.outbox import NOT_ATTEMPTED, OutboxEvent, Publisher
 from tests.conftest import service_url
 from tests.consumers._proxy import TcpProxy
-from tests.outbox._brokers_pub import BROKERS, Broker, Kafka, until
+from tests.outbox._brokers_pub import BROKERS, Broker, Kafka, RabbitMQ, until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.kafka, pytest.mark.nats, pytest.mark.redis]
 
@@ -184,6 +184,23 @@ def test_an_event_with_an_invalid_message_id_is_that_events_error(broker: Broker
     assert isinstance(outcomes[0], InvalidKeyError)
     assert outcomes[1:] == [None, NOT_ATTEMPTED]
     assert [m.headers["Idempotency-Key"] for m in arrived] == [sent[1].message_id]
+
+
+def test_rabbitmq_destinations_name_an_exchange_before_the_first_slash() -> None:
+    """``exchange/routing_key``; ``/key`` is a routing key on the default exchange."""
+    broker = RabbitMQ(f"oncely-pub-{uuid.uuid4().hex[:10]}")
+    sent = [
+        OutboxEvent(1, f"{broker.name}-1", f"amq.direct/{broker.name}", b"1", {"N": "1"}, "k"),
+        OutboxEvent(2, f"{broker.name}-2", f"/{broker.name}", b"2", {"N": "2"}, "k"),
+    ]
+
+    async def test(publisher: Publisher) -> Any:
+        await broker.queue.bind("amq.direct", routing_key=broker.name)
+        assert await publisher.publish(sent) == [None, None]
+        return await broker.read(2)
+
+    arrived = run(broker, test)
+    assert [m.payload for m in arrived] == [b"1", b"2"]
 
 
 def test_redis_refuses_a_header_the_consumer_would_read_as_body_or_key() -> None:

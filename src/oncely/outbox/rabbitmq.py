@@ -21,6 +21,7 @@ message's AMQP ``message_id`` and its ``Idempotency-Key`` header are the event's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -186,7 +187,8 @@ class RabbitMQPublisher:
         self._channel = self._probe = None
         self._exchanges.clear()
         if connection is not None and not connection.is_closed:
-            await connection.close()
+            with contextlib.suppress(Exception):  # the broker may have dropped it already
+                await connection.close()
 
     async def aclose(self) -> None:
         """Close the connection (the next `publish` opens a new one)."""
