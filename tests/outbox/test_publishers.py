@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -337,3 +338,32 @@ def test_bad_urls_and_options_are_configuration_errors(broker: Broker) -> None:
         broker.publisher(no_such_option=1)
     with pytest.raises(ConfigurationError, match="timeout"):
         broker.publisher(timeout=0)
+
+
+def test_the_modules_import_no_driver_and_from_url_names_the_missing_extra() -> None:
+    code = """
+import sys
+drivers = ("aio_pika", "aiokafka", "nats", "redis")
+for name in drivers:
+    sys.modules[name] = None
+from oncely.errors import MissingDependencyError
+from oncely.outbox.kafka import KafkaPublisher
+from oncely.outbox.nats import NATSPublisher
+from oncely.outbox.rabbitmq import RabbitMQPublisher
+from oncely.outbox.redis_streams import RedisStreamsPublisher
+print([name for name in drivers if sys.modules[name] is not None])
+for cls, url in [
+    (RabbitMQPublisher, "amqp://h:5672/"), (KafkaPublisher, "kafka://h:9092"),
+    (NATSPublisher, "nats://h:4222"), (RedisStreamsPublisher, "redis://h:6379/0"),
+]:
+    try:
+        cls.from_url(url)
+    except MissingDependencyError as exc:
+        print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[]"
+    for line, extra in zip(lines[1:], ["rabbitmq", "kafka", "nats", "redis"], strict=True):
+        assert f"pip install 'oncely[{extra}]'" in line
