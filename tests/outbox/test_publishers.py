@@ -37,11 +37,13 @@ def run(broker: Broker, test: Callable[[Publisher], Awaitable[Any]], **options: 
 
     async def main() -> Any:
         await broker.setup()
-        publisher = broker.publisher(**options)
         try:
-            return await test(publisher)
+            publisher = broker.publisher(**options)
+            try:
+                return await test(publisher)
+            finally:
+                await publisher.aclose()
         finally:
-            await publisher.aclose()
             await broker.teardown()
 
     return asyncio.run(main())
