@@ -28,6 +28,13 @@ How it behaves, seen from one transaction:
 * The block's own writes and the record go together: if the block raises, both are rolled back
   to a savepoint taken at the claim, and the exception propagates. oncely never commits or rolls
   back the caller's transaction itself.
+* An exception of ``final_errors`` is an outcome, as for `oncely.idempotent`: the block's writes
+  are undone, the error is recorded in the caller's transaction (kept if it commits), and a
+  replay raises it again.
+
+On PostgreSQL a claim is one round trip (savepoint, bounded wait and claim in one script) and its
+completion another. `Inbox.idempotent` is the decorator form, for functions that are given the
+connection or session.
 
 Connections: psycopg 3 (`psycopg.Connection`; `psycopg.AsyncConnection` with `aclaim`), the
 standard library's `sqlite3.Connection` (in a transaction that holds the write lock: ``BEGIN
@@ -41,12 +48,15 @@ with `aclaim`) over those drivers, and Django's ``django.db.connection`` inside
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from oncely import _execution
 from oncely._core import codec as _codec
@@ -55,7 +65,25 @@ from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Mismatch, Replay
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Replay,
+    Status,
+)
+from oncely.decorator import (
+    _ALL,
+    _IMPLICIT,
+    KeyFunc,
+    _AllArguments,
+    _CallPlan,
+    _check_result_type,
+    _is_async,
+    default_scope,
+)
 from oncely.errors import (
     ConfigurationError,
     FingerprintMismatchError,
@@ -66,7 +94,16 @@ from oncely.errors import (
 
 __all__ = ["AsyncInboxEntry", "Inbox", "InboxEntry"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
+"""The parameters `Inbox.idempotent` looks for the connection in, in this order."""
+
 _SAVEPOINT = "oncely_inbox"
+_BLOCK_SAVEPOINT = "oncely_inbox_block"
+"""Taken after the claim when the policy has final errors: such an error undoes the block's
+writes back to it, and keeps the claim to record the error on."""
 _BUSY_HINT = timedelta(seconds=1)
 """`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
@@ -84,6 +121,10 @@ class Inbox:
             (the default here, bounded by ``wait_timeout``) then replay or run; or ``"raise"``
             `InProgressError` at once.
         wait_timeout: The bound on waiting.
+        final_errors: Exception types that are outcomes, as for `oncely.idempotent`: raised in
+            the block, they undo its writes and are recorded (in the caller's transaction) in
+            place of a result; replays raise them again. Any other exception undoes the claim
+            too, so that a retry runs.
         codec: Serialises the value given to `InboxEntry.complete` (JSON by default).
 
     Raises:
@@ -100,6 +141,7 @@ class Inbox:
         ttl: Duration | _Unset = UNSET,
         on_conflict: Literal["raise", "wait"] = "wait",
         wait_timeout: Duration | _Unset = UNSET,
+        final_errors: tuple[type[BaseException], ...] | _Unset = UNSET,
         codec: Codec | None = None,
     ) -> None:
         backend = getattr(store, "backend", None)
@@ -110,7 +152,12 @@ class Inbox:
             )
         self.store = store
         self.policy = derive(
-            policy, ttl=ttl, on_conflict=on_conflict, wait_timeout=wait_timeout, heartbeat=False
+            policy,
+            ttl=ttl,
+            on_conflict=on_conflict,
+            wait_timeout=wait_timeout,
+            final_errors=final_errors,
+            heartbeat=False,
         )
         self.codec: Codec = codec or JSONCodec()
 
@@ -136,6 +183,55 @@ class Inbox:
         plan = self._plan(key, scope, fingerprint)
         return AsyncInboxEntry(self, plan, _AsyncPerformer(self.store, connection))
 
+    def idempotent(
+        self,
+        *,
+        key: str | KeyFunc,
+        scope: str | None = None,
+        fingerprint: Sequence[str] | Callable[..., Any] | _AllArguments | None = _ALL,
+        connection: str | Callable[..., Any] | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorate a function that writes through a connection or session it is given, so
+        that it takes effect once per key, its record written in that connection's transaction.
+
+        .. code-block:: python
+
+            @inbox.idempotent(key="order_id")
+            def place_order(conn, order_id: str, cents: int) -> dict:
+                conn.execute("INSERT INTO orders VALUES (%s, %s)", (order_id, cents))
+                return {"order": order_id}
+
+            with conn.transaction():
+                place_order(conn, "o-1", 500)   # runs; a repeat returns the stored result
+
+        The caller opens and ends the transaction, as with `claim`. A final error (see
+        ``final_errors``) is recorded in it and raised; it is kept only if the caller commits.
+
+        Args:
+            key: As for `oncely.idempotent`: the name of the parameter holding the key, or a
+                callable over the function's arguments returning it.
+            scope: The key's namespace (default: the function's module and qualified name).
+            fingerprint: As for `oncely.idempotent`: by default every argument but the
+                connection (and ``self``, ``cls``); a list of names; a callable; or ``None``.
+            connection: The parameter holding the connection, session or cursor, or a callable
+                over the arguments returning it. By default the first parameter named
+                ``connection``, ``conn``, ``session`` or ``cursor``.
+
+        Raises:
+            ConfigurationError: At decoration time, for a parameter the function does not have,
+                or none that holds a connection.
+        """
+        if not (isinstance(key, str) or callable(key)):
+            raise ConfigurationError(f"key must be a parameter name or a callable, not {key!r}")
+        if isinstance(fingerprint, str):
+            raise ConfigurationError("fingerprint takes a list of parameter names, not a string")
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            wrapped: Callable[P, R] = _decorate(self, fn, key, scope, fingerprint, connection)
+            return wrapped
+
+        return decorate
+
     def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
         if not isinstance(scope, str) or not scope:
             raise ConfigurationError("the inbox needs a scope naming the operation")
@@ -149,30 +245,117 @@ class _Plan:
     fingerprint: str
 
 
+def _decorate(
+    inbox: Inbox,
+    fn: Callable[..., Any],
+    key: str | KeyFunc,
+    scope: str | None,
+    fingerprint: Sequence[str] | Callable[..., Any] | _AllArguments | None,
+    connection: str | Callable[..., Any] | None,
+) -> Any:
+    """`Inbox.idempotent` applied to *fn*: the decorator's call plan, the inbox's entry."""
+    if not callable(fn):
+        raise ConfigurationError(f"@inbox.idempotent decorates functions, not {fn!r}")
+    _check_result_type(fn, inbox.codec)
+    signature = inspect.signature(fn)
+    parameters = list(signature.parameters)
+    if connection is None:
+        found = [name for name in _CONNECTION_NAMES if name in parameters]
+        if not found:
+            raise ConfigurationError(
+                f"{fn.__qualname__}() has no parameter named {' or '.join(_CONNECTION_NAMES)}: "
+                "name the one holding the connection with connection=..."
+            )
+        connection = found[0]
+    named = [name for name in (key, connection) if isinstance(name, str)]
+    if isinstance(fingerprint, (list, tuple)):
+        named += fingerprint
+    for name in named:
+        if name not in parameters:
+            raise ConfigurationError(
+                f"{fn.__qualname__}() has no parameter {name!r} "
+                f"(parameters: {', '.join(parameters)})"
+            )
+    if fingerprint is _ALL:  # every argument but the connection: it differs on every call
+        fingerprint = [name for name in parameters if name not in _IMPLICIT and name != connection]
+    plan = _CallPlan(
+        fn=fn,
+        store=inbox.store,
+        signature=signature,
+        scope=scope or default_scope(fn),
+        key=key,
+        fingerprint=fingerprint,
+        policy=inbox.policy,
+        codec=inbox.codec,
+    )
+    get_connection = connection
+
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Plan, Any]:
+        bound = plan.bind(args, kwargs)
+        if isinstance(get_connection, str):
+            handle = bound.arguments[get_connection]
+        else:
+            handle = get_connection(*bound.args, **bound.kwargs)
+        return _Plan(plan.key_for(bound, None), plan.fingerprint_for(bound)), handle
+
+    if _is_async(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            claim, handle = prepare(args, kwargs)
+            performer = _AsyncPerformer(inbox.store, handle)
+            async with AsyncInboxEntry(inbox, claim, performer, plan.annotation) as entry:
+                if entry.replayed:
+                    return entry.result
+                value = await fn(*args, **kwargs)
+                entry.complete(value)
+            return value
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        claim, handle = prepare(args, kwargs)
+        performer = _sync_performer(inbox.store, handle)
+        with InboxEntry(inbox, claim, performer, plan.annotation) as entry:
+            if entry.replayed:
+                return entry.result
+            value = fn(*args, **kwargs)
+            entry.complete(value)
+        return value
+
+    return wrapper
+
+
 # -- the flow, once for sync and async ----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class _Begin:
-    """Take a savepoint and claim. An `Acquired` answer keeps the savepoint open; any other
-    answer (`InProgress` also when the wait for another transaction timed out) drops it."""
+    """Take a savepoint and claim. An `Acquired` answer keeps the savepoint open (and takes
+    the block's savepoint after the claim, if *nested*); any other answer (`InProgress` also
+    when the wait for another transaction timed out) drops it."""
 
     key: str
     fingerprint: str
     lease: timedelta
     ttl: timedelta
     wait: timedelta
+    nested: bool
 
 
 @dataclass(frozen=True, slots=True)
 class _Finish:
-    """Complete the record in the transaction, then drop the savepoint; answers `LeaseLost`
-    (after rolling back to the savepoint) or ``None``."""
+    """Settle the record in the transaction (as *status*: completed, or failed with a final
+    error, after undoing the block back to its savepoint when *undo_block*), then drop the
+    savepoint; answers `LeaseLost` (after rolling back to the savepoint) or ``None``."""
 
     key: str
     token: int
+    status: Status
     result: bytes
     ttl: timedelta
+    undo_block: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +371,7 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
         if policy.on_conflict == "wait":
             wait = timedelta(seconds=max(deadline - time.monotonic(), 0))
         answer: ClaimResult = yield _Begin(
-            plan.key, plan.fingerprint, policy.lease, policy.ttl, wait
+            plan.key, plan.fingerprint, policy.lease, policy.ttl, wait, bool(policy.final_errors)
         )
         if isinstance(answer, (Acquired, Replay)):
             return answer
@@ -204,24 +387,38 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
 def _exit(
     inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None
 ) -> Flow[None]:
-    if error is not None:
+    """Record the block's outcome, as the decorator does: a value, or a final error (which
+    still propagates: whatever recording it raises is chained to it, never masking it)."""
+    policy = inbox.policy
+    if error is None:
+        try:
+            payload = _codec.encode_value(inbox.codec.encode(value))
+        except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
+            payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
+        finish = _Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
+    elif isinstance(error, policy.final_errors):
+        payload = _codec.encode_error(error)
+        finish = _Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
+    else:
         yield _Rollback()
         return
     try:
-        payload = _codec.encode_value(inbox.codec.encode(value))
-    except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
-        payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-    answer = yield _Finish(plan.key, token, payload, inbox.policy.ttl)
-    if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
-        raise LeaseLostError(plan.key, token=token)
+        answer = yield finish
+        if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
+            raise LeaseLostError(plan.key, token=token)
+    except Exception as exc:
+        if error is None:
+            raise
+        _execution._chain(error, exc)
 
 
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
-    def __init__(self, inbox: Inbox, plan: _Plan) -> None:
+    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any) -> None:
         self._inbox = inbox
         self._plan = plan
+        self._annotation = annotation
         self._acquired: Acquired | None = None
         self._replay: Replay | None = None
         self._value: Any = None
@@ -242,10 +439,14 @@ class _EntryState:
 
         Raises:
             OncelyError: This entry did not replay (it holds the claim).
+            Exception: The final error the earlier transaction recorded, rebuilt as its type
+                (one of ``final_errors``; any other stored error is `ResultUnavailableError`).
         """
         if self._replay is None:
             raise OncelyError("this entry holds the claim: there is no stored result to replay")
-        return _execution.replay(self._replay, self._inbox.codec, Any, self._inbox.policy)
+        return _execution.replay(
+            self._replay, self._inbox.codec, self._annotation, self._inbox.policy
+        )
 
     @property
     def token(self) -> int:
@@ -278,8 +479,10 @@ class InboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any]) -> None:
-        super().__init__(inbox, plan)
+    def __init__(
+        self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any], annotation: Any = Any
+    ) -> None:
+        super().__init__(inbox, plan, annotation)
         self._perform = perform
 
     def __enter__(self) -> InboxEntry:
@@ -303,8 +506,10 @@ class AsyncInboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, performer: _AsyncPerformer) -> None:
-        super().__init__(inbox, plan)
+    def __init__(
+        self, inbox: Inbox, plan: _Plan, performer: _AsyncPerformer, annotation: Any = Any
+    ) -> None:
+        super().__init__(inbox, plan, annotation)
         self._performer = performer
 
     async def __aenter__(self) -> AsyncInboxEntry:
@@ -334,7 +539,8 @@ def _sync_performer(store: Any, connection: Any) -> Callable[[Any], Any]:
 
 
 def _raw_connection(connection: Any) -> Any:
-    """The driver's connection behind a SQLAlchemy session or connection, or Django's."""
+    """The driver's connection behind a SQLAlchemy session or connection, Django's, or a
+    DB-API cursor's."""
     module = type(connection).__module__
     if module.startswith("sqlalchemy"):
         get_connection = getattr(connection, "connection", None)
@@ -342,10 +548,13 @@ def _raw_connection(connection: Any) -> Any:
             connection = get_connection()
         return connection.connection.driver_connection
     if module.startswith("django"):
+        connection = getattr(connection, "db", connection)  # a cursor's connection
         if not connection.in_atomic_block:
             raise ConfigurationError("the inbox needs Django's transaction.atomic() around it")
         connection.ensure_connection()
         return connection.connection
+    if type(connection).__name__ in ("Cursor", "ClientCursor", "ServerCursor"):
+        return connection.connection  # a psycopg or sqlite3 cursor
     return connection
 
 
@@ -362,90 +571,138 @@ def _check_psycopg_transaction(connection: Any) -> None:
         raise ConfigurationError("the caller's transaction has failed: roll it back first")
 
 
-class _PostgresStatements:
-    """The statements of each operation on PostgreSQL, for the sync and the async performer."""
+_LEASE_LOST = "oncely: the inbox record was changed in this transaction"
+"""The text of the error a guarded finish raises when it updated no row (see `_guarded`)."""
+
+
+def _guarded(update: str) -> str:
+    """*update* made to fail when it changes no row, so that the savepoint release sent after
+    it in the same round trip does not run (and the block can still be rolled back).
+
+    The cast is of a value known only at run time: PostgreSQL cannot fold it while planning.
+    """
+    return (
+        f"WITH done AS ({update.strip()} RETURNING 1)\n"
+        f"SELECT CASE count(*) WHEN 1 THEN 1 ELSE ('{_LEASE_LOST} ' || count(*))::int END "
+        f"FROM done"
+    )
+
+
+class _PostgresScripts:
+    """Each operation on PostgreSQL as one script: one round trip (the sync and async
+    performers send them with client-side binding, which allows several statements)."""
 
     def __init__(self, store: Any) -> None:
         from oncely.stores.postgres import _sql
 
         self.sql = _sql
         self.store = store
-        self.savepoint = _sql.Statement(f"SAVEPOINT {_SAVEPOINT}", None)
-        self.release = _sql.Statement(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)
-        self.rollback = _sql.Statement(
-            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}", None
+        self.rollback = (
+            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}",
+            None,
         )
+        self.release = (f"RELEASE SAVEPOINT {_SAVEPOINT}", None)
+        self._complete = _guarded(store._queries.complete)
 
-    def wait(self, op: _Begin) -> Any:
-        # SET LOCAL inside the savepoint: undone by a rollback to it; restored after the claim.
-        wait_ms = max(int(op.wait.total_seconds() * 1000), 1)
-        return self.sql.Statement(
-            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(ms)s, true)",
-            {"ms": str(wait_ms)},
+    def begin(self, op: _Begin) -> tuple[str, dict[str, Any]]:
+        """Savepoint, bounded wait, claim, then the block's savepoint: the claim's reply is the
+        fourth. ``SET LOCAL`` values set inside the savepoint go with a rollback to it; the
+        claim restores the caller's ``lock_timeout`` itself when it answers."""
+        store = self.store
+        claim = self.sql._claim_statement(
+            store._queries,
+            store._stored_key(op.key),
             op.key,
+            op.fingerprint,
+            self.sql._ms(op.lease),
+            self.sql._ms(op.ttl),
         )
+        wait_ms = max(int(op.wait.total_seconds() * 1000), 1)
+        statements = [
+            f"SAVEPOINT {_SAVEPOINT}",
+            "SELECT set_config('oncely.lock_timeout', current_setting('lock_timeout'), true)",
+            "SELECT set_config('lock_timeout', %(oncely_wait_ms)s, true)",
+            claim.sql.strip(),
+            "SELECT set_config('lock_timeout', current_setting('oncely.lock_timeout'), true)",
+        ]
+        if op.nested:
+            statements.append(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
+        return ";\n".join(statements), {**(claim.params or {}), "oncely_wait_ms": str(wait_ms)}
 
-    def restore(self, previous: str) -> Any:
-        return self.sql.Statement(
-            "SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous}
-        )
+    def claimed(self, op: _Begin, replies: list[Any]) -> ClaimResult:
+        return self.sql.decode_claim(op.key, replies[3])
 
-    def claim(self, op: _Begin) -> Flow[ClaimResult]:
+    def finish(self, op: _Finish) -> tuple[str, dict[str, Any]]:
+        """Write the outcome and release the savepoint; a final error first undoes the block."""
         store = self.store
-        stored = store._stored_key(op.key)
-        return self.sql.claim(store._queries, stored, op.key, op.fingerprint, op.lease, op.ttl)
-
-    def finish(self, op: _Finish) -> Flow[LeaseLost | None]:
-        from oncely._core.records import Status
-
-        store = self.store
-        stored = store._stored_key(op.key)
-        return self.sql.finish(
-            store._queries, stored, op.key, op.token, Status.COMPLETED, op.result, op.ttl
+        statement = self.sql._finish_statement(
+            store._queries,
+            store._stored_key(op.key),
+            op.key,
+            op.token,
+            op.status,
+            op.result,
+            op.ttl,
         )
+        statements = [self._complete, f"RELEASE SAVEPOINT {_SAVEPOINT}"]
+        if op.undo_block:
+            statements.insert(0, f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
+        return ";\n".join(statements), dict(statement.params or {})
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) == "55P03"  # lock_not_available
 
 
+def _is_lease_lost(exc: BaseException) -> bool:
+    return getattr(exc, "sqlstate", None) == "22P02" and _LEASE_LOST in str(exc)
+
+
 class _PostgresPerformer:
     def __init__(self, store: Any, connection: Any) -> None:
-        from psycopg.rows import tuple_row
+        from psycopg import ClientCursor
 
         _check_psycopg_transaction(connection)
-        self._statements = _PostgresStatements(store)
-        self._cursor = connection.cursor(row_factory=tuple_row)
+        self._scripts = _PostgresScripts(store)
+        self._cursor = ClientCursor(connection)
 
-    def _run(self, statement: Any) -> Any:
-        cursor = self._cursor
-        cursor.execute(statement.sql, statement.params)
-        rows = cursor.fetchall() if cursor.description is not None else []
-        return self._statements.sql.Reply(rows, cursor.rowcount)
+    def _run(self, script: tuple[str, Any]) -> list[Any]:
+        """Send *script* (one round trip); the reply of each of its statements, in order."""
+        cursor, reply = self._cursor, self._scripts.sql.Reply
+        cursor.execute(*script)
+        replies = []
+        while True:
+            rows = cursor.fetchall() if cursor.description is not None else []
+            replies.append(reply(rows, cursor.rowcount))
+            if not cursor.nextset():
+                return replies
 
     def perform(self, op: Any) -> Any:
-        statements, run = self._statements, self._run
+        scripts, run = self._scripts, self._run
         kind = type(op)
         if kind is _Begin:
-            run(statements.savepoint)
-            previous = run(statements.wait(op)).rows[0][0]
             try:
-                answer = drive(statements.claim(op), run)
+                answer = scripts.claimed(op, run(scripts.begin(op)))
             except Exception as exc:
                 if not _is_lock_timeout(exc):
                     raise  # the caller's driver error, in the caller's transaction
-                run(statements.rollback)  # another transaction still holds the key
+                run(scripts.rollback)  # another transaction still holds the key
                 return InProgress(retry_after=_BUSY_HINT)
-            run(statements.restore(previous))
             if not isinstance(answer, Acquired):
-                run(statements.release)  # nothing was written
+                run(scripts.release)  # nothing was written
             return answer
         if kind is _Finish:
-            finished = drive(statements.finish(op), run)
-            run(statements.rollback if isinstance(finished, LeaseLost) else statements.release)
-            return finished
+            try:
+                run(scripts.finish(op))
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # give the caller its transaction back
+                    run(scripts.rollback)
+                if not _is_lease_lost(exc):
+                    raise
+                return LeaseLost()
+            return None
         if kind is _Rollback:
-            return run(statements.rollback)
+            return run(scripts.rollback)
         if kind is _execution.Sleep:
             return time.sleep(op.seconds)
         raise TypeError(f"cannot perform {op!r}")
@@ -457,14 +714,14 @@ class _AsyncPerformer:
     def __init__(self, store: Any, connection: Any) -> None:
         if store.backend != "postgres":
             raise ConfigurationError("aclaim needs PostgreSQL (async psycopg): SQLite is sync")
-        self._statements = _PostgresStatements(store)
+        self._scripts = _PostgresScripts(store)
         self._connection = connection
         self._cursor: Any = None
 
     async def bind(self) -> Callable[[Any], Awaitable[Any]]:
         """Find the driver connection (an await for SQLAlchemy); return the performer."""
         if self._cursor is None:
-            from psycopg.rows import tuple_row
+            from psycopg import AsyncClientCursor
 
             connection = self._connection
             if type(connection).__module__.startswith("sqlalchemy"):
@@ -472,41 +729,48 @@ class _AsyncPerformer:
                 if callable(get_connection):  # an AsyncSession
                     connection = await get_connection()
                 connection = (await connection.get_raw_connection()).driver_connection
+            elif type(connection).__name__ in ("AsyncCursor", "AsyncClientCursor"):
+                connection = connection.connection
             _check_psycopg_transaction(connection)
-            self._cursor = connection.cursor(row_factory=tuple_row)
+            self._cursor = AsyncClientCursor(connection)
         return self.perform
 
-    async def _run(self, statement: Any) -> Any:
-        cursor = self._cursor
-        await cursor.execute(statement.sql, statement.params)
-        rows = await cursor.fetchall() if cursor.description is not None else []
-        return self._statements.sql.Reply(rows, cursor.rowcount)
+    async def _run(self, script: tuple[str, Any]) -> list[Any]:
+        cursor, reply = self._cursor, self._scripts.sql.Reply
+        await cursor.execute(*script)
+        replies = []
+        while True:
+            rows = await cursor.fetchall() if cursor.description is not None else []
+            replies.append(reply(rows, cursor.rowcount))
+            if not cursor.nextset():
+                return replies
 
     async def perform(self, op: Any) -> Any:
-        statements, run = self._statements, self._run
+        scripts, run = self._scripts, self._run
         kind = type(op)
         if kind is _Begin:
-            await run(statements.savepoint)
-            previous = (await run(statements.wait(op))).rows[0][0]
             try:
-                answer = await adrive(statements.claim(op), run)
+                answer = scripts.claimed(op, await run(scripts.begin(op)))
             except Exception as exc:
                 if not _is_lock_timeout(exc):
                     raise
-                await run(statements.rollback)
+                await run(scripts.rollback)
                 return InProgress(retry_after=_BUSY_HINT)
-            await run(statements.restore(previous))
             if not isinstance(answer, Acquired):
-                await run(statements.release)
+                await run(scripts.release)
             return answer
         if kind is _Finish:
-            finished = await adrive(statements.finish(op), run)
-            await run(
-                statements.rollback if isinstance(finished, LeaseLost) else statements.release
-            )
-            return finished
+            try:
+                await run(scripts.finish(op))
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    await run(scripts.rollback)
+                if not _is_lease_lost(exc):
+                    raise
+                return LeaseLost()
+            return None
         if kind is _Rollback:
-            return await run(statements.rollback)
+            return await run(scripts.rollback)
         if kind is _execution.Sleep:
             return await asyncio.sleep(op.seconds)
         raise TypeError(f"cannot perform {op!r}")
@@ -523,7 +787,8 @@ class _SQLitePerformer:
         self._connection = connection
 
     def perform(self, op: Any) -> Any:
-        from oncely.stores._machine import _claim_step, _complete_step, _ms
+        from oncely._core import machine
+        from oncely.stores._machine import _claim_step, _ms
 
         connection, store = self._connection, self._store
         kind = type(op)
@@ -537,10 +802,19 @@ class _SQLitePerformer:
                 answer = store._apply(connection, stored, step, store.clock.now_ms())
             if not isinstance(answer, Acquired):
                 connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+            elif op.nested:
+                connection.execute(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
             return store._unscoped(answer)
         if kind is _Finish:
             stored = store._stored_key(op.key)
-            finish = _complete_step(op.token, op.result, _ms(op.ttl))
+            if op.undo_block:
+                connection.execute(f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
+            settle = machine.complete if op.status is Status.COMPLETED else machine.fail
+            result, ttl_ms = bytes(op.result), _ms(op.ttl)
+
+            def finish(record: Any, now_ms: int) -> Any:
+                return settle(record, op.token, result, now_ms=now_ms, ttl_ms=ttl_ms)
+
             with store._translate_errors(op.key):
                 finished = store._apply(connection, stored, finish, store.clock.now_ms())
             if isinstance(finished, LeaseLost):
