@@ -558,6 +558,19 @@ def _raw_connection(connection: Any) -> Any:
     return connection
 
 
+async def _araw_connection(connection: Any) -> Any:
+    """The async psycopg connection behind a SQLAlchemy ``AsyncSession`` or
+    ``AsyncConnection``, or an async cursor."""
+    if type(connection).__module__.startswith("sqlalchemy"):
+        get_connection = getattr(connection, "connection", None)
+        if callable(get_connection):  # an AsyncSession
+            connection = await get_connection()
+        return (await connection.get_raw_connection()).driver_connection
+    if type(connection).__name__ in ("AsyncCursor", "AsyncClientCursor"):
+        return connection.connection
+    return connection
+
+
 def _check_psycopg_transaction(connection: Any) -> None:
     from psycopg.pq import TransactionStatus
 
@@ -723,14 +736,7 @@ class _AsyncPerformer:
         if self._cursor is None:
             from psycopg import AsyncClientCursor
 
-            connection = self._connection
-            if type(connection).__module__.startswith("sqlalchemy"):
-                get_connection = getattr(connection, "connection", None)
-                if callable(get_connection):  # an AsyncSession
-                    connection = await get_connection()
-                connection = (await connection.get_raw_connection()).driver_connection
-            elif type(connection).__name__ in ("AsyncCursor", "AsyncClientCursor"):
-                connection = connection.connection
+            connection = await _araw_connection(self._connection)
             _check_psycopg_transaction(connection)
             self._cursor = AsyncClientCursor(connection)
         return self.perform
