@@ -160,6 +160,13 @@ class Inbox:
             heartbeat=False,
         )
         self.codec: Codec = codec or JSONCodec()
+        self._scripts: _PostgresScripts | None = None
+
+    def _postgres_scripts(self) -> _PostgresScripts:
+        """The store's statements, rendered once."""
+        if self._scripts is None:
+            self._scripts = _PostgresScripts(self.store)
+        return self._scripts
 
     def claim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
@@ -174,14 +181,14 @@ class Inbox:
                 ``None`` to skip the check.
         """
         plan = self._plan(key, scope, fingerprint)
-        return InboxEntry(self, plan, _sync_performer(self.store, connection))
+        return InboxEntry(self, plan, _sync_performer(self, connection))
 
     def aclaim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
     ) -> AsyncInboxEntry:
         """`claim` for an async connection or session: an ``async with`` block."""
         plan = self._plan(key, scope, fingerprint)
-        return AsyncInboxEntry(self, plan, _AsyncPerformer(self.store, connection))
+        return AsyncInboxEntry(self, plan, _AsyncPerformer(self, connection))
 
     def idempotent(
         self,
@@ -303,7 +310,7 @@ def _decorate(
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             claim, handle = prepare(args, kwargs)
-            performer = _AsyncPerformer(inbox.store, handle)
+            performer = _AsyncPerformer(inbox, handle)
             async with AsyncInboxEntry(inbox, claim, performer, plan.annotation) as entry:
                 if entry.replayed:
                     return entry.result
@@ -316,7 +323,7 @@ def _decorate(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         claim, handle = prepare(args, kwargs)
-        performer = _sync_performer(inbox.store, handle)
+        performer = _sync_performer(inbox, handle)
         with InboxEntry(inbox, claim, performer, plan.annotation) as entry:
             if entry.replayed:
                 return entry.result
@@ -531,11 +538,11 @@ class AsyncInboxEntry(_EntryState):
 # -- drivers: what each operation is on each kind of connection ---------------------------------
 
 
-def _sync_performer(store: Any, connection: Any) -> Callable[[Any], Any]:
+def _sync_performer(inbox: Inbox, connection: Any) -> Callable[[Any], Any]:
     raw = _raw_connection(connection)
-    if store.backend == "postgres":
-        return _PostgresPerformer(store, raw).perform
-    return _SQLitePerformer(store, raw).perform
+    if inbox.store.backend == "postgres":
+        return _PostgresPerformer(inbox, raw).perform
+    return _SQLitePerformer(inbox.store, raw).perform
 
 
 def _raw_connection(connection: Any) -> Any:
@@ -587,6 +594,43 @@ def _check_psycopg_transaction(connection: Any) -> None:
 _LEASE_LOST = "oncely: the inbox record was changed in this transaction"
 """The text of the error a guarded finish raises when it updated no row (see `_guarded`)."""
 
+_CLAIM = """
+WITH wait AS MATERIALIZED (
+    SELECT previous, set_config('lock_timeout', %(wait_ms)s, true)
+      FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS saved
+), inserted AS (
+    INSERT INTO {schema}.oncely_records AS r
+           (key, status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at,
+            updated_at, result, op)
+    SELECT %(key)s, 'in_progress', %(fingerprint)s, 1, 1,
+           statement_timestamp() + %(lease_ms)s::bigint * interval '1 millisecond',
+           statement_timestamp() + (%(lease_ms)s::bigint
+               + greatest(%(ttl_ms)s::bigint, %(lease_ms)s::bigint)) * interval '1 millisecond',
+           statement_timestamp(), statement_timestamp(), NULL, %(op)s
+      FROM wait
+    ON CONFLICT (key) DO NOTHING
+    RETURNING r.*
+)
+SELECT 'acquired'::text, statement_timestamp(), i.status, i.fingerprint, i.token, i.attempt,
+       i.lease_expires_at, i.expires_at, i.created_at, i.updated_at, i.result,
+       set_config('lock_timeout', wait.previous, true)
+  FROM inserted AS i, wait
+UNION ALL
+SELECT c.*, set_config('lock_timeout', wait.previous, true)
+  FROM wait, {schema}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint,
+                                   %(ttl_ms)s::bigint, %(op)s::text) AS c
+ WHERE NOT EXISTS (SELECT FROM inserted)
+"""
+"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement.
+
+A key never seen is one INSERT (the common case in the inbox: the row that ``oncely_claim``
+would insert, as schema.sql writes it); only a key that has a row runs ``oncely_claim``, whose
+reads then see that row. The INSERT waits for a transaction holding the key: if it commits, the
+claim function judges its record; if it rolls back, the INSERT goes ahead. The data flow orders
+the rest: the timeout is set (``wait``) before the INSERT reads its row from it, and the
+caller's is restored as each answer row is produced. Parameters: those of `_sql.CLAIM`, and
+wait_ms; the reply is `_sql.CLAIM`'s with the restored setting as a last column."""
+
 
 def _guarded(update: str) -> str:
     """*update* made to fail when it changes no row, so that the savepoint release sent after
@@ -601,51 +645,51 @@ def _guarded(update: str) -> str:
     )
 
 
+Script = list[tuple[str, Any]]
+"""Statements and their parameters, sent in one round trip (pipeline mode)."""
+
+
 class _PostgresScripts:
-    """Each operation on PostgreSQL as one script: one round trip (the sync and async
-    performers send them with client-side binding, which allows several statements)."""
+    """Each operation on PostgreSQL as one script of statements, sent by the sync and async
+    performers in one round trip (pipeline mode, so each statement can be prepared)."""
 
     def __init__(self, store: Any) -> None:
         from oncely.stores.postgres import _sql
 
         self.sql = _sql
         self.store = store
-        self.rollback = (
-            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}",
-            None,
-        )
-        self.release = (f"RELEASE SAVEPOINT {_SAVEPOINT}", None)
-        self._complete = _guarded(store._queries.complete)
-
-    def begin(self, op: _Begin) -> tuple[str, dict[str, Any]]:
-        """Savepoint, bounded wait, claim, then the block's savepoint: the claim's reply is the
-        fourth. ``SET LOCAL`` values set inside the savepoint go with a rollback to it; the
-        claim restores the caller's ``lock_timeout`` itself when it answers."""
-        store = self.store
-        claim = self.sql._claim_statement(
-            store._queries,
-            store._stored_key(op.key),
-            op.key,
-            op.fingerprint,
-            self.sql._ms(op.lease),
-            self.sql._ms(op.ttl),
-        )
-        wait_ms = max(int(op.wait.total_seconds() * 1000), 1)
-        statements = [
-            f"SAVEPOINT {_SAVEPOINT}",
-            "SELECT set_config('oncely.lock_timeout', current_setting('lock_timeout'), true)",
-            "SELECT set_config('lock_timeout', %(oncely_wait_ms)s, true)",
-            claim.sql.strip(),
-            "SELECT set_config('lock_timeout', current_setting('oncely.lock_timeout'), true)",
+        queries = store._queries
+        self.rollback: Script = [
+            (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", None),
+            (f"RELEASE SAVEPOINT {_SAVEPOINT}", None),
         ]
+        self.release: Script = [(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)]
+        self._claim = _CLAIM.format(schema=_sql.quote_identifier(queries.schema))
+        self._complete = _guarded(queries.complete)
+
+    def begin(self, op: _Begin) -> Script:
+        """The savepoint, the claim, then the block's savepoint: the claim's reply is the
+        second. A rollback to the savepoint undoes the claim's ``SET LOCAL`` too."""
+        store, sql = self.store, self.sql
+        params = {
+            "key": store._stored_key(op.key),
+            "fingerprint": op.fingerprint,
+            "lease_ms": sql._ms(op.lease),
+            "ttl_ms": sql._ms(op.ttl),
+            "op": sql.call_id(),
+            "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
+        }
+        script: Script = [(f"SAVEPOINT {_SAVEPOINT}", None), (self._claim, params)]
         if op.nested:
-            statements.append(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
-        return ";\n".join(statements), {**(claim.params or {}), "oncely_wait_ms": str(wait_ms)}
+            script.append((f"SAVEPOINT {_BLOCK_SAVEPOINT}", None))
+        return script
 
     def claimed(self, op: _Begin, replies: list[Any]) -> ClaimResult:
-        return self.sql.decode_claim(op.key, replies[3])
+        reply = replies[1]
+        rows = [row[:-1] for row in reply.rows]  # without the restored lock_timeout
+        return self.sql.decode_claim(op.key, self.sql.Reply(rows, reply.rowcount))
 
-    def finish(self, op: _Finish) -> tuple[str, dict[str, Any]]:
+    def finish(self, op: _Finish) -> Script:
         """Write the outcome and release the savepoint; a final error first undoes the block."""
         store = self.store
         statement = self.sql._finish_statement(
@@ -657,10 +701,10 @@ class _PostgresScripts:
             op.result,
             op.ttl,
         )
-        statements = [self._complete, f"RELEASE SAVEPOINT {_SAVEPOINT}"]
+        script: Script = [(self._complete, statement.params), *self.release]
         if op.undo_block:
-            statements.insert(0, f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
-        return ";\n".join(statements), dict(statement.params or {})
+            script.insert(0, (f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}", None))
+        return script
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
@@ -671,24 +715,33 @@ def _is_lease_lost(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) == "22P02" and _LEASE_LOST in str(exc)
 
 
+def _pipelines() -> bool:
+    """Whether the libpq psycopg uses has pipeline mode (libpq 14 and later)."""
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
+
+
 class _PostgresPerformer:
-    def __init__(self, store: Any, connection: Any) -> None:
-        from psycopg import ClientCursor
-
+    def __init__(self, inbox: Inbox, connection: Any) -> None:
         _check_psycopg_transaction(connection)
-        self._scripts = _PostgresScripts(store)
-        self._cursor = ClientCursor(connection)
+        self._scripts = inbox._postgres_scripts()
+        self._connection = connection
+        self._pipeline = _pipelines()
 
-    def _run(self, script: tuple[str, Any]) -> list[Any]:
-        """Send *script* (one round trip); the reply of each of its statements, in order."""
-        cursor, reply = self._cursor, self._scripts.sql.Reply
-        cursor.execute(*script)
-        replies = []
-        while True:
-            rows = cursor.fetchall() if cursor.description is not None else []
-            replies.append(reply(rows, cursor.rowcount))
-            if not cursor.nextset():
-                return replies
+    def _run(self, script: Script) -> list[Any]:
+        """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
+        from psycopg.rows import tuple_row
+
+        connection, reply = self._connection, self._scripts.sql.Reply
+        cursors = [connection.cursor(row_factory=tuple_row) for _ in script]
+        with connection.pipeline() if self._pipeline else contextlib.nullcontext():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                cursor.execute(sql, params)
+        return [
+            reply(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
+            for cursor in cursors
+        ]
 
     def perform(self, op: Any) -> Any:
         scripts, run = self._scripts, self._run
@@ -724,32 +777,35 @@ class _PostgresPerformer:
 class _AsyncPerformer:
     """Async psycopg, directly or behind SQLAlchemy's ``AsyncSession`` / ``AsyncConnection``."""
 
-    def __init__(self, store: Any, connection: Any) -> None:
-        if store.backend != "postgres":
+    def __init__(self, inbox: Inbox, connection: Any) -> None:
+        if inbox.store.backend != "postgres":
             raise ConfigurationError("aclaim needs PostgreSQL (async psycopg): SQLite is sync")
-        self._scripts = _PostgresScripts(store)
+        self._scripts = inbox._postgres_scripts()
         self._connection = connection
-        self._cursor: Any = None
+        self._raw: Any = None
+        self._pipeline = _pipelines()
 
     async def bind(self) -> Callable[[Any], Awaitable[Any]]:
         """Find the driver connection (an await for SQLAlchemy); return the performer."""
-        if self._cursor is None:
-            from psycopg import AsyncClientCursor
-
-            connection = await _araw_connection(self._connection)
-            _check_psycopg_transaction(connection)
-            self._cursor = AsyncClientCursor(connection)
+        if self._raw is None:
+            self._raw = await _araw_connection(self._connection)
+            _check_psycopg_transaction(self._raw)
         return self.perform
 
-    async def _run(self, script: tuple[str, Any]) -> list[Any]:
-        cursor, reply = self._cursor, self._scripts.sql.Reply
-        await cursor.execute(*script)
-        replies = []
-        while True:
-            rows = await cursor.fetchall() if cursor.description is not None else []
-            replies.append(reply(rows, cursor.rowcount))
-            if not cursor.nextset():
-                return replies
+    async def _run(self, script: Script) -> list[Any]:
+        from psycopg.rows import tuple_row
+
+        connection, reply = self._raw, self._scripts.sql.Reply
+        cursors = [connection.cursor(row_factory=tuple_row) for _ in script]
+        async with connection.pipeline() if self._pipeline else contextlib.nullcontext():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                await cursor.execute(sql, params)
+        return [
+            reply(
+                await cursor.fetchall() if cursor.description is not None else [], cursor.rowcount
+            )
+            for cursor in cursors
+        ]
 
     async def perform(self, op: Any) -> Any:
         scripts, run = self._scripts, self._run
