@@ -731,10 +731,13 @@ class _PostgresPerformer:
 
     def _run(self, script: Script) -> list[Any]:
         """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
+        from psycopg import Cursor
         from psycopg.rows import tuple_row
 
         connection, reply = self._connection, self._scripts.sql.Reply
-        cursors = [connection.cursor(row_factory=tuple_row) for _ in script]
+        # Server-side binding whatever the connection's cursor factory (Django's binds on the
+        # client): the statements are prepared after a few uses.
+        cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
         with connection.pipeline() if self._pipeline else contextlib.nullcontext():
             for cursor, (sql, params) in zip(cursors, script, strict=True):
                 cursor.execute(sql, params)
@@ -793,10 +796,11 @@ class _AsyncPerformer:
         return self.perform
 
     async def _run(self, script: Script) -> list[Any]:
+        from psycopg import AsyncCursor
         from psycopg.rows import tuple_row
 
         connection, reply = self._raw, self._scripts.sql.Reply
-        cursors = [connection.cursor(row_factory=tuple_row) for _ in script]
+        cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
         async with connection.pipeline() if self._pipeline else contextlib.nullcontext():
             for cursor, (sql, params) in zip(cursors, script, strict=True):
                 await cursor.execute(sql, params)
