@@ -206,10 +206,12 @@ def test_postgres_duplicate_raises_at_once_when_asked(pg: tuple[str, str], pg_st
     ):
         entry.complete("x")
         with pg_connect(pg) as other, other.transaction():
+            other.execute("SET LOCAL lock_timeout = '4s'")
             with pytest.raises(oncely.InProgressError) as raised:
                 inbox.claim(other, order, scope="s").__enter__()
             assert raised.value.retry_after <= timedelta(seconds=1)
-            other.execute("SELECT 1")  # the other transaction is still usable
+            # The other transaction is still usable, with its own lock_timeout.
+            assert other.execute("SHOW lock_timeout").fetchone() == ("4s",)
 
 
 @pytest.mark.postgres
@@ -490,10 +492,11 @@ def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any
             raise ValueError("rolled back to the claim")
 
     with pg_connect(pg) as connection, connection.transaction():
+        connection.execute("SET LOCAL lock_timeout = '3s'")
         assert round_trips(connection, lambda: claim_and_complete(False)) == 2
         assert round_trips(connection, lambda: claim_and_complete(True)) == 2
         assert round_trips(connection, block_raises) == 2
-        assert connection.execute("SHOW lock_timeout").fetchone() == ("0",)  # restored
+        assert connection.execute("SHOW lock_timeout").fetchone() == ("3s",)  # restored
     assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
     assert pg_store.get(f"s|{order}-x") is None
 
