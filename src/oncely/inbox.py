@@ -32,9 +32,9 @@ How it behaves, seen from one transaction:
   are undone, the error is recorded in the caller's transaction (kept if it commits), and a
   replay raises it again.
 
-On PostgreSQL a claim is one round trip (savepoint, bounded wait and claim in one script) and its
-completion another. `Inbox.idempotent` is the decorator form, for functions that are given the
-connection or session.
+On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
+one pipeline) and its completion another. `Inbox.idempotent` is the decorator form, for
+functions that are given the connection or session.
 
 Connections: psycopg 3 (`psycopg.Connection`; `psycopg.AsyncConnection` with `aclaim`), the
 standard library's `sqlite3.Connection` (in a transaction that holds the write lock: ``BEGIN
@@ -645,7 +645,7 @@ def _guarded(update: str) -> str:
     )
 
 
-Script = list[tuple[str, Any]]
+_Script = list[tuple[str, Any]]
 """Statements and their parameters, sent in one round trip (pipeline mode)."""
 
 
@@ -659,15 +659,15 @@ class _PostgresScripts:
         self.sql = _sql
         self.store = store
         queries = store._queries
-        self.rollback: Script = [
+        self.rollback: _Script = [
             (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", None),
             (f"RELEASE SAVEPOINT {_SAVEPOINT}", None),
         ]
-        self.release: Script = [(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)]
+        self.release: _Script = [(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)]
         self._claim = _CLAIM.format(schema=_sql.quote_identifier(queries.schema))
         self._complete = _guarded(queries.complete)
 
-    def begin(self, op: _Begin) -> Script:
+    def begin(self, op: _Begin) -> _Script:
         """The savepoint, the claim, then the block's savepoint: the claim's reply is the
         second. A rollback to the savepoint undoes the claim's ``SET LOCAL`` too."""
         store, sql = self.store, self.sql
@@ -679,7 +679,7 @@ class _PostgresScripts:
             "op": sql.call_id(),
             "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
         }
-        script: Script = [(f"SAVEPOINT {_SAVEPOINT}", None), (self._claim, params)]
+        script: _Script = [(f"SAVEPOINT {_SAVEPOINT}", None), (self._claim, params)]
         if op.nested:
             script.append((f"SAVEPOINT {_BLOCK_SAVEPOINT}", None))
         return script
@@ -689,7 +689,7 @@ class _PostgresScripts:
         rows = [row[:-1] for row in reply.rows]  # without the restored lock_timeout
         return self.sql.decode_claim(op.key, self.sql.Reply(rows, reply.rowcount))
 
-    def finish(self, op: _Finish) -> Script:
+    def finish(self, op: _Finish) -> _Script:
         """Write the outcome and release the savepoint; a final error first undoes the block."""
         store = self.store
         statement = self.sql._finish_statement(
@@ -701,10 +701,36 @@ class _PostgresScripts:
             op.result,
             op.ttl,
         )
-        script: Script = [(self._complete, statement.params), *self.release]
+        script: _Script = [(self._complete, statement.params), *self.release]
         if op.undo_block:
             script.insert(0, (f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}", None))
         return script
+
+    def flow(self, op: _Begin | _Finish | _Rollback) -> Flow[Any]:
+        """Perform *op* as scripts (yielded, answered with their replies): sync and async."""
+        if type(op) is _Begin:
+            try:
+                answer = self.claimed(op, (yield self.begin(op)))
+            except Exception as exc:
+                if not _is_lock_timeout(exc):
+                    raise  # the caller's driver error, in the caller's transaction
+                yield self.rollback  # another transaction still holds the key
+                return InProgress(retry_after=_BUSY_HINT)
+            if not isinstance(answer, Acquired):
+                yield self.release  # nothing was written
+            return answer
+        if type(op) is _Finish:
+            try:
+                yield self.finish(op)
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # give the caller its transaction back
+                    yield self.rollback
+                if not _is_lease_lost(exc):
+                    raise
+                return LeaseLost()
+            return None
+        yield self.rollback
+        return None
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
@@ -729,7 +755,7 @@ class _PostgresPerformer:
         self._connection = connection
         self._pipeline = _pipelines()
 
-    def _run(self, script: Script) -> list[Any]:
+    def _run(self, script: _Script) -> list[Any]:
         """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
         from psycopg import Cursor
         from psycopg.rows import tuple_row
@@ -747,34 +773,9 @@ class _PostgresPerformer:
         ]
 
     def perform(self, op: Any) -> Any:
-        scripts, run = self._scripts, self._run
-        kind = type(op)
-        if kind is _Begin:
-            try:
-                answer = scripts.claimed(op, run(scripts.begin(op)))
-            except Exception as exc:
-                if not _is_lock_timeout(exc):
-                    raise  # the caller's driver error, in the caller's transaction
-                run(scripts.rollback)  # another transaction still holds the key
-                return InProgress(retry_after=_BUSY_HINT)
-            if not isinstance(answer, Acquired):
-                run(scripts.release)  # nothing was written
-            return answer
-        if kind is _Finish:
-            try:
-                run(scripts.finish(op))
-            except Exception as exc:
-                with contextlib.suppress(Exception):  # give the caller its transaction back
-                    run(scripts.rollback)
-                if not _is_lease_lost(exc):
-                    raise
-                return LeaseLost()
-            return None
-        if kind is _Rollback:
-            return run(scripts.rollback)
-        if kind is _execution.Sleep:
+        if type(op) is _execution.Sleep:
             return time.sleep(op.seconds)
-        raise TypeError(f"cannot perform {op!r}")
+        return drive(self._scripts.flow(op), self._run)
 
 
 class _AsyncPerformer:
@@ -795,7 +796,7 @@ class _AsyncPerformer:
             _check_psycopg_transaction(self._raw)
         return self.perform
 
-    async def _run(self, script: Script) -> list[Any]:
+    async def _run(self, script: _Script) -> list[Any]:
         from psycopg import AsyncCursor
         from psycopg.rows import tuple_row
 
@@ -812,34 +813,9 @@ class _AsyncPerformer:
         ]
 
     async def perform(self, op: Any) -> Any:
-        scripts, run = self._scripts, self._run
-        kind = type(op)
-        if kind is _Begin:
-            try:
-                answer = scripts.claimed(op, await run(scripts.begin(op)))
-            except Exception as exc:
-                if not _is_lock_timeout(exc):
-                    raise
-                await run(scripts.rollback)
-                return InProgress(retry_after=_BUSY_HINT)
-            if not isinstance(answer, Acquired):
-                await run(scripts.release)
-            return answer
-        if kind is _Finish:
-            try:
-                await run(scripts.finish(op))
-            except Exception as exc:
-                with contextlib.suppress(Exception):
-                    await run(scripts.rollback)
-                if not _is_lease_lost(exc):
-                    raise
-                return LeaseLost()
-            return None
-        if kind is _Rollback:
-            return await run(scripts.rollback)
-        if kind is _execution.Sleep:
+        if type(op) is _execution.Sleep:
             return await asyncio.sleep(op.seconds)
-        raise TypeError(f"cannot perform {op!r}")
+        return await adrive(self._scripts.flow(op), self._run)
 
 
 class _SQLitePerformer:
