@@ -684,3 +684,34 @@ def test_decorator_form_is_checked_when_applied(sqlite_path: Path) -> None:
     with pytest.raises(oncely.ConfigurationError, match="list of parameter names"):
         inbox.idempotent(key="order", fingerprint="order")  # type: ignore[arg-type]
     store.close()
+
+
+CRASH_SQLITE = """
+import os, sqlite3, sys
+import oncely
+
+store = oncely.open_store("sqlite:///" + sys.argv[1])
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN IMMEDIATE")
+with oncely.Inbox(store).claim(connection, "o-crash", scope="s") as entry:
+    connection.execute("INSERT INTO orders VALUES ('o-crash', 1)")
+    entry.complete("placed")
+    os._exit(9)  # after the writes, before the commit: as a SIGKILL would
+"""
+
+
+def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path) -> None:
+    import subprocess
+    import sys
+
+    crashed = subprocess.run([sys.executable, "-c", CRASH_SQLITE, str(sqlite_path)], check=False)
+    assert crashed.returncode == 9
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    assert store.get("s|o-crash") is None
+    connection = sqlite_connect(sqlite_path)
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+    connection.execute("BEGIN IMMEDIATE")
+    with Inbox(store).claim(connection, "o-crash", scope="s") as entry:
+        assert not entry.replayed  # the retry runs
+    connection.execute("COMMIT")
+    store.close()
