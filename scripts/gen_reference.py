@@ -21,6 +21,7 @@ SECTIONS = [
     ("oncely.http.flask", ["Idempotency"]),
     ("oncely.http.django", ["IdempotencyMiddleware"]),
     ("oncely.inbox", ["InboxEntry", "AsyncInboxEntry"]),
+    ("oncely.aggregates", None),
     ("oncely.consumers", None),
 ]
 OPTIONAL = [

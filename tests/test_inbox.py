@@ -206,10 +206,12 @@ def test_postgres_duplicate_raises_at_once_when_asked(pg: tuple[str, str], pg_st
     ):
         entry.complete("x")
         with pg_connect(pg) as other, other.transaction():
+            other.execute("SET LOCAL lock_timeout = '4s'")
             with pytest.raises(oncely.InProgressError) as raised:
                 inbox.claim(other, order, scope="s").__enter__()
             assert raised.value.retry_after <= timedelta(seconds=1)
-            other.execute("SELECT 1")  # the other transaction is still usable
+            # The other transaction is still usable, with its own lock_timeout.
+            assert other.execute("SHOW lock_timeout").fetchone() == ("4s",)
 
 
 @pytest.mark.postgres
@@ -451,3 +453,265 @@ def test_postgres_sqlalchemy_async_session(pg: tuple[str, str], pg_store: Any) -
     assert asyncio.run(place()) == "ran"
     assert asyncio.run(place()) == "async session"
     assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 8)]
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+def round_trips(connection: psycopg.Connection[Any], block: Any) -> int:
+    """How many times *block* waited for the server: its ReadyForQuery messages (libpq trace)."""
+    import tempfile
+
+    from psycopg import pq
+
+    with tempfile.TemporaryFile("w+") as trace:
+        connection.pgconn.trace(trace.fileno())
+        connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            block()
+        finally:
+            connection.pgconn.untrace()
+        trace.seek(0)
+        return sum("\tReadyForQuery\t" in line for line in trace)
+
+
+@pytest.mark.postgres
+def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any) -> None:
+    """Claim (savepoint, bounded wait, claim) is one round trip; complete and release, one."""
+    inbox = Inbox(pg_store, final_errors=(Declined,))
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    def claim_and_complete(expect_replay: bool) -> None:
+        with inbox.claim(connection, order, scope="s") as entry:
+            assert entry.replayed is expect_replay
+            if not expect_replay:
+                entry.complete("done")
+
+    def block_raises() -> None:
+        with pytest.raises(ValueError), inbox.claim(connection, order + "-x", scope="s"):
+            raise ValueError("rolled back to the claim")
+
+    with pg_connect(pg) as connection, connection.transaction():
+        connection.execute("SET LOCAL lock_timeout = '3s'")
+        assert round_trips(connection, lambda: claim_and_complete(False)) == 2
+        assert round_trips(connection, lambda: claim_and_complete(True)) == 2
+        assert round_trips(connection, block_raises) == 2
+        assert connection.execute("SHOW lock_timeout").fetchone() == ("3s",)  # restored
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{order}-x") is None
+
+
+# -- final errors ---------------------------------------------------------------------------------
+
+
+class Declined(Exception):
+    """A final error: the outcome of the operation, replayed as such."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@pytest.mark.postgres
+def test_postgres_final_error_is_recorded_without_the_block_writes(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    inbox = Inbox(pg_store, final_errors=(Declined,))
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        with connection.transaction():
+            with pytest.raises(Declined), inbox.claim(connection, order, scope="s"):
+                connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+                raise Declined("card declined")
+            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-after",))
+        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+            assert entry.replayed
+            with pytest.raises(Declined) as replayed:
+                entry.result  # noqa: B018 - the property raises
+    assert replayed.value.reason == "card declined"
+    assert pg_store.get(f"s|{order}").status is oncely.Status.FAILED
+    ids = [row[0] for row in pg_orders(pg)]
+    assert order not in ids  # the block's writes were undone
+    assert order + "-after" in ids  # the caller's transaction went on
+
+
+@pytest.mark.postgres
+def test_postgres_final_error_recorded_by_the_decorator_replays_in_the_inbox(
+    pg_store: Any, pg: tuple[str, str]
+) -> None:
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    @oncely.idempotent(
+        store=pg_store, key="order", scope="s", fingerprint=None, final_errors=(Declined,)
+    )
+    def charge(order: str) -> None:
+        raise Declined("no funds")
+
+    with pytest.raises(Declined):
+        charge(order)
+    with pg_connect(pg) as connection, connection.transaction():
+        entry = Inbox(pg_store, final_errors=(Declined,)).claim(connection, order, scope="s")
+        with entry, pytest.raises(Declined, match="no funds"):
+            entry.result  # noqa: B018
+        # Without the declaration the stored error is not rebuilt: it was not declared final.
+        with (
+            Inbox(pg_store).claim(connection, order, scope="s") as undeclared,
+            pytest.raises(oncely.ResultUnavailableError),
+        ):
+            undeclared.result  # noqa: B018
+
+
+@pytest.mark.postgres
+def test_postgres_record_changed_in_the_transaction_is_a_lost_lease(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """The finish updated no row (the block deleted the record): LeaseLostError, and the block's
+    writes are rolled back to the claim; the caller's transaction stays usable."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection, connection.transaction():
+        with (
+            pytest.raises(oncely.LeaseLostError),
+            inbox.claim(connection, order, scope="s") as entry,
+        ):
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+            connection.execute("DELETE FROM oncely_records WHERE key = %s", (f"s|{order}",))
+            entry.complete("x")
+        count = connection.execute("SELECT count(*) FROM orders WHERE id = %s", (order,))
+        assert count.fetchone() == (0,)
+
+
+def test_sqlite_final_error_is_recorded_without_the_block_writes(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store, final_errors=(Declined,))
+    connection = sqlite_connect(sqlite_path)
+    connection.execute("BEGIN IMMEDIATE")
+    with pytest.raises(Declined), inbox.claim(connection, "o-f", scope="s"):
+        connection.execute("INSERT INTO orders VALUES ('o-f', 1)")
+        raise Declined("card declined")
+    connection.execute("COMMIT")
+    connection.execute("BEGIN IMMEDIATE")
+    with inbox.claim(connection, "o-f", scope="s") as entry, pytest.raises(Declined):
+        entry.result  # noqa: B018
+    connection.execute("COMMIT")
+    assert store.get("s|o-f").status is oncely.Status.FAILED
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+    store.close()
+
+
+# -- the decorator form ---------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_postgres_decorated_function_runs_once_per_key(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store, final_errors=(Declined,))
+    calls: list[str] = []
+
+    @inbox.idempotent(key="order", scope="orders.place")
+    def place(conn: Any, order: str, amount: int) -> dict[str, Any]:
+        calls.append(order)
+        if amount < 0:
+            raise Declined("negative")
+        conn.execute("INSERT INTO orders VALUES (%s, %s)", (order, amount))
+        return {"order": order, "amount": amount}
+
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    for _ in range(2):  # a new connection each time: it is not part of the fingerprint
+        with pg_connect(pg) as connection, connection.transaction():
+            assert place(connection, order, 5) == {"order": order, "amount": 5}
+    with pg_connect(pg) as connection, connection.transaction():
+        with pytest.raises(oncely.FingerprintMismatchError):
+            place(connection, order, 6)
+        with pytest.raises(Declined):
+            place(connection, order + "-neg", -1)
+        with pytest.raises(Declined):
+            place(conn=connection, order=order + "-neg", amount=-1)  # replayed
+    assert calls == [order, order + "-neg"]
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 5)]
+
+
+@pytest.mark.postgres
+def test_postgres_decorated_coroutine_with_a_key_callable(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    inbox = Inbox(pg_store)
+    base, schema = pg
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    @inbox.idempotent(key=lambda db, body: body["id"], connection="db", fingerprint=["body"])
+    async def place(db: psycopg.AsyncConnection[Any], body: dict[str, Any]) -> str:
+        await db.execute("INSERT INTO orders VALUES (%s, 9)", (body["id"],))
+        return "placed"
+
+    async def call() -> str:
+        async with await psycopg.AsyncConnection.connect(base) as connection:
+            await connection.execute(f'SET search_path TO "{schema}"')
+            async with connection.transaction():
+                return await place(connection, {"id": order})
+
+    assert asyncio.run(call()) == "placed"
+    assert asyncio.run(call()) == "placed"
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 9)]
+
+
+def test_sqlite_decorated_function_with_a_cursor(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+
+    @inbox.idempotent(key="order")
+    def place(cursor: sqlite3.Cursor, order: str) -> list[str]:
+        cursor.execute("INSERT INTO orders VALUES (?, 1)", (order,))
+        return [order]
+
+    connection = sqlite_connect(sqlite_path)
+    for _ in range(2):
+        connection.execute("BEGIN IMMEDIATE")
+        assert place(connection.cursor(), "o-c") == ["o-c"]
+        connection.execute("COMMIT")
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+    store.close()
+
+
+def test_decorator_form_is_checked_when_applied(sqlite_path: Path) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+    with pytest.raises(oncely.ConfigurationError, match="connection="):
+        inbox.idempotent(key="order")(lambda order: order)
+    with pytest.raises(oncely.ConfigurationError, match="no parameter 'order_id'"):
+        inbox.idempotent(key="order_id")(lambda conn, order: order)
+    with pytest.raises(oncely.ConfigurationError, match="no parameter 'db'"):
+        inbox.idempotent(key="order", connection="db")(lambda conn, order: order)
+    with pytest.raises(oncely.ConfigurationError, match="list of parameter names"):
+        inbox.idempotent(key="order", fingerprint="order")  # type: ignore[arg-type]
+    store.close()
+
+
+CRASH_SQLITE = """
+import os, sqlite3, sys
+import oncely
+
+store = oncely.open_store("sqlite:///" + sys.argv[1])
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN IMMEDIATE")
+with oncely.Inbox(store).claim(connection, "o-crash", scope="s") as entry:
+    connection.execute("INSERT INTO orders VALUES ('o-crash', 1)")
+    entry.complete("placed")
+    os._exit(9)  # after the writes, before the commit: as a SIGKILL would
+"""
+
+
+def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path) -> None:
+    import subprocess
+    import sys
+
+    crashed = subprocess.run([sys.executable, "-c", CRASH_SQLITE, str(sqlite_path)], check=False)
+    assert crashed.returncode == 9
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    assert store.get("s|o-crash") is None
+    connection = sqlite_connect(sqlite_path)
+    assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+    connection.execute("BEGIN IMMEDIATE")
+    with Inbox(store).claim(connection, "o-crash", scope="s") as entry:
+        assert not entry.replayed  # the retry runs
+    connection.execute("COMMIT")
+    store.close()

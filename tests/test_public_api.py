@@ -12,6 +12,7 @@ import oncely.errors
 import oncely.keys
 
 SUBMODULES = {
+    "aggregates",
     "cli",
     "consumers",
     "decorator",

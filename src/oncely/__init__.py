@@ -51,6 +51,7 @@ from oncely.errors import (
     SchemaMissingError,
     StoreError,
     StoreUnavailableError,
+    VersionConflictError,
 )
 from oncely.guard import Guard
 from oncely.inbox import Inbox
@@ -97,6 +98,7 @@ __all__ = [
     "StoreUnavailableError",
     "SyncStore",
     "SystemClock",
+    "VersionConflictError",
 ]
 
 

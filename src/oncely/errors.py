@@ -11,6 +11,7 @@ Every exception oncely raises on purpose derives from `OncelyError`, grouped by 
       * ConflictError               the repeat cannot run now; the caller chooses what to do
         * InProgressError           .key, .retry_after: another worker holds the lease
         * FingerprintMismatchError  .key: the same key was used for another operation
+        * VersionConflictError      .key, .expected, .actual: a versioned row moved on
       * LeaseLostError              .key, .token: the lease expired and was taken over
       * ResultUnavailableError      .key: the operation ran, but its result cannot be replayed
       * StoreError                  .backend
@@ -40,6 +41,7 @@ __all__ = [
     "SchemaMissingError",
     "StoreError",
     "StoreUnavailableError",
+    "VersionConflictError",
 ]
 
 
@@ -102,6 +104,23 @@ class FingerprintMismatchError(ConflictError):
         super().__init__(
             f"key {key!r} was already used for an operation with different arguments", key=key
         )
+
+
+class VersionConflictError(ConflictError):
+    """A versioned row was not at the version the change was decided on (optimistic locking):
+    the expected one, or, after the retries ran out, the one last read.
+
+    Attributes:
+        key: The table and the row's id, as ``table:id``.
+        expected: The version the change was made for.
+        actual: The version the row has (``None``: there is no such row).
+    """
+
+    def __init__(self, key: str, *, expected: int, actual: int | None) -> None:
+        now = "there is no such row" if actual is None else f"it is at version {actual}"
+        super().__init__(f"{key!r} is not at version {expected}: {now}", key=key)
+        self.expected = expected
+        self.actual = actual
 
 
 class LeaseLostError(OncelyError):

@@ -28,6 +28,13 @@ How it behaves, seen from one transaction:
 * The block's own writes and the record go together: if the block raises, both are rolled back
   to a savepoint taken at the claim, and the exception propagates. oncely never commits or rolls
   back the caller's transaction itself.
+* An exception of ``final_errors`` is an outcome, as for `oncely.idempotent`: the block's writes
+  are undone, the error is recorded in the caller's transaction (kept if it commits), and a
+  replay raises it again.
+
+On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
+one pipeline) and its completion another. `Inbox.idempotent` is the decorator form, for
+functions that are given the connection or session.
 
 Connections: psycopg 3 (`psycopg.Connection`; `psycopg.AsyncConnection` with `aclaim`), the
 standard library's `sqlite3.Connection` (in a transaction that holds the write lock: ``BEGIN
@@ -41,12 +48,15 @@ with `aclaim`) over those drivers, and Django's ``django.db.connection`` inside
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from oncely import _execution
 from oncely._core import codec as _codec
@@ -55,7 +65,25 @@ from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Mismatch, Replay
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Replay,
+    Status,
+)
+from oncely.decorator import (
+    _ALL,
+    _IMPLICIT,
+    KeyFunc,
+    _AllArguments,
+    _CallPlan,
+    _check_result_type,
+    _is_async,
+    default_scope,
+)
 from oncely.errors import (
     ConfigurationError,
     FingerprintMismatchError,
@@ -66,7 +94,16 @@ from oncely.errors import (
 
 __all__ = ["AsyncInboxEntry", "Inbox", "InboxEntry"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
+"""The parameters `Inbox.idempotent` looks for the connection in, in this order."""
+
 _SAVEPOINT = "oncely_inbox"
+_BLOCK_SAVEPOINT = "oncely_inbox_block"
+"""Taken after the claim when the policy has final errors: such an error undoes the block's
+writes back to it, and keeps the claim to record the error on."""
 _BUSY_HINT = timedelta(seconds=1)
 """`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
@@ -84,6 +121,10 @@ class Inbox:
             (the default here, bounded by ``wait_timeout``) then replay or run; or ``"raise"``
             `InProgressError` at once.
         wait_timeout: The bound on waiting.
+        final_errors: Exception types that are outcomes, as for `oncely.idempotent`: raised in
+            the block, they undo its writes and are recorded (in the caller's transaction) in
+            place of a result; replays raise them again. Any other exception undoes the claim
+            too, so that a retry runs.
         codec: Serialises the value given to `InboxEntry.complete` (JSON by default).
 
     Raises:
@@ -100,6 +141,7 @@ class Inbox:
         ttl: Duration | _Unset = UNSET,
         on_conflict: Literal["raise", "wait"] = "wait",
         wait_timeout: Duration | _Unset = UNSET,
+        final_errors: tuple[type[BaseException], ...] | _Unset = UNSET,
         codec: Codec | None = None,
     ) -> None:
         backend = getattr(store, "backend", None)
@@ -110,9 +152,21 @@ class Inbox:
             )
         self.store = store
         self.policy = derive(
-            policy, ttl=ttl, on_conflict=on_conflict, wait_timeout=wait_timeout, heartbeat=False
+            policy,
+            ttl=ttl,
+            on_conflict=on_conflict,
+            wait_timeout=wait_timeout,
+            final_errors=final_errors,
+            heartbeat=False,
         )
         self.codec: Codec = codec or JSONCodec()
+        self._scripts: _PostgresScripts | None = None
+
+    def _postgres_scripts(self) -> _PostgresScripts:
+        """The store's statements, rendered once."""
+        if self._scripts is None:
+            self._scripts = _PostgresScripts(self.store)
+        return self._scripts
 
     def claim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
@@ -127,14 +181,63 @@ class Inbox:
                 ``None`` to skip the check.
         """
         plan = self._plan(key, scope, fingerprint)
-        return InboxEntry(self, plan, _sync_performer(self.store, connection))
+        return InboxEntry(self, plan, _sync_performer(self, connection))
 
     def aclaim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
     ) -> AsyncInboxEntry:
         """`claim` for an async connection or session: an ``async with`` block."""
         plan = self._plan(key, scope, fingerprint)
-        return AsyncInboxEntry(self, plan, _AsyncPerformer(self.store, connection))
+        return AsyncInboxEntry(self, plan, _AsyncPerformer(self, connection))
+
+    def idempotent(
+        self,
+        *,
+        key: str | KeyFunc,
+        scope: str | None = None,
+        fingerprint: Sequence[str] | Callable[..., Any] | _AllArguments | None = _ALL,
+        connection: str | Callable[..., Any] | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorate a function that writes through a connection or session it is given, so
+        that it takes effect once per key, its record written in that connection's transaction.
+
+        .. code-block:: python
+
+            @inbox.idempotent(key="order_id")
+            def place_order(conn, order_id: str, cents: int) -> dict:
+                conn.execute("INSERT INTO orders VALUES (%s, %s)", (order_id, cents))
+                return {"order": order_id}
+
+            with conn.transaction():
+                place_order(conn, "o-1", 500)   # runs; a repeat returns the stored result
+
+        The caller opens and ends the transaction, as with `claim`. A final error (see
+        ``final_errors``) is recorded in it and raised; it is kept only if the caller commits.
+
+        Args:
+            key: As for `oncely.idempotent`: the name of the parameter holding the key, or a
+                callable over the function's arguments returning it.
+            scope: The key's namespace (default: the function's module and qualified name).
+            fingerprint: As for `oncely.idempotent`: by default every argument but the
+                connection (and ``self``, ``cls``); a list of names; a callable; or ``None``.
+            connection: The parameter holding the connection, session or cursor, or a callable
+                over the arguments returning it. By default the first parameter named
+                ``connection``, ``conn``, ``session`` or ``cursor``.
+
+        Raises:
+            ConfigurationError: At decoration time, for a parameter the function does not have,
+                or none that holds a connection.
+        """
+        if not (isinstance(key, str) or callable(key)):
+            raise ConfigurationError(f"key must be a parameter name or a callable, not {key!r}")
+        if isinstance(fingerprint, str):
+            raise ConfigurationError("fingerprint takes a list of parameter names, not a string")
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            wrapped: Callable[P, R] = _decorate(self, fn, key, scope, fingerprint, connection)
+            return wrapped
+
+        return decorate
 
     def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
         if not isinstance(scope, str) or not scope:
@@ -149,30 +252,117 @@ class _Plan:
     fingerprint: str
 
 
+def _decorate(
+    inbox: Inbox,
+    fn: Callable[..., Any],
+    key: str | KeyFunc,
+    scope: str | None,
+    fingerprint: Sequence[str] | Callable[..., Any] | _AllArguments | None,
+    connection: str | Callable[..., Any] | None,
+) -> Any:
+    """`Inbox.idempotent` applied to *fn*: the decorator's call plan, the inbox's entry."""
+    if not callable(fn):
+        raise ConfigurationError(f"@inbox.idempotent decorates functions, not {fn!r}")
+    _check_result_type(fn, inbox.codec)
+    signature = inspect.signature(fn)
+    parameters = list(signature.parameters)
+    if connection is None:
+        found = [name for name in _CONNECTION_NAMES if name in parameters]
+        if not found:
+            raise ConfigurationError(
+                f"{fn.__qualname__}() has no parameter named {' or '.join(_CONNECTION_NAMES)}: "
+                "name the one holding the connection with connection=..."
+            )
+        connection = found[0]
+    named = [name for name in (key, connection) if isinstance(name, str)]
+    if isinstance(fingerprint, (list, tuple)):
+        named += fingerprint
+    for name in named:
+        if name not in parameters:
+            raise ConfigurationError(
+                f"{fn.__qualname__}() has no parameter {name!r} "
+                f"(parameters: {', '.join(parameters)})"
+            )
+    if fingerprint is _ALL:  # every argument but the connection: it differs on every call
+        fingerprint = [name for name in parameters if name not in _IMPLICIT and name != connection]
+    plan = _CallPlan(
+        fn=fn,
+        store=inbox.store,
+        signature=signature,
+        scope=scope or default_scope(fn),
+        key=key,
+        fingerprint=fingerprint,
+        policy=inbox.policy,
+        codec=inbox.codec,
+    )
+    get_connection = connection
+
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Plan, Any]:
+        bound = plan.bind(args, kwargs)
+        if isinstance(get_connection, str):
+            handle = bound.arguments[get_connection]
+        else:
+            handle = get_connection(*bound.args, **bound.kwargs)
+        return _Plan(plan.key_for(bound, None), plan.fingerprint_for(bound)), handle
+
+    if _is_async(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            claim, handle = prepare(args, kwargs)
+            performer = _AsyncPerformer(inbox, handle)
+            async with AsyncInboxEntry(inbox, claim, performer, plan.annotation) as entry:
+                if entry.replayed:
+                    return entry.result
+                value = await fn(*args, **kwargs)
+                entry.complete(value)
+            return value
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        claim, handle = prepare(args, kwargs)
+        performer = _sync_performer(inbox, handle)
+        with InboxEntry(inbox, claim, performer, plan.annotation) as entry:
+            if entry.replayed:
+                return entry.result
+            value = fn(*args, **kwargs)
+            entry.complete(value)
+        return value
+
+    return wrapper
+
+
 # -- the flow, once for sync and async ----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class _Begin:
-    """Take a savepoint and claim. An `Acquired` answer keeps the savepoint open; any other
-    answer (`InProgress` also when the wait for another transaction timed out) drops it."""
+    """Take a savepoint and claim. An `Acquired` answer keeps the savepoint open (and takes
+    the block's savepoint after the claim, if *nested*); any other answer (`InProgress` also
+    when the wait for another transaction timed out) drops it."""
 
     key: str
     fingerprint: str
     lease: timedelta
     ttl: timedelta
     wait: timedelta
+    nested: bool
 
 
 @dataclass(frozen=True, slots=True)
 class _Finish:
-    """Complete the record in the transaction, then drop the savepoint; answers `LeaseLost`
-    (after rolling back to the savepoint) or ``None``."""
+    """Settle the record in the transaction (as *status*: completed, or failed with a final
+    error, after undoing the block back to its savepoint when *undo_block*), then drop the
+    savepoint; answers `LeaseLost` (after rolling back to the savepoint) or ``None``."""
 
     key: str
     token: int
+    status: Status
     result: bytes
     ttl: timedelta
+    undo_block: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +378,7 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
         if policy.on_conflict == "wait":
             wait = timedelta(seconds=max(deadline - time.monotonic(), 0))
         answer: ClaimResult = yield _Begin(
-            plan.key, plan.fingerprint, policy.lease, policy.ttl, wait
+            plan.key, plan.fingerprint, policy.lease, policy.ttl, wait, bool(policy.final_errors)
         )
         if isinstance(answer, (Acquired, Replay)):
             return answer
@@ -204,24 +394,38 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
 def _exit(
     inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None
 ) -> Flow[None]:
-    if error is not None:
+    """Record the block's outcome, as the decorator does: a value, or a final error (which
+    still propagates: whatever recording it raises is chained to it, never masking it)."""
+    policy = inbox.policy
+    if error is None:
+        try:
+            payload = _codec.encode_value(inbox.codec.encode(value))
+        except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
+            payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
+        finish = _Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
+    elif isinstance(error, policy.final_errors):
+        payload = _codec.encode_error(error)
+        finish = _Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
+    else:
         yield _Rollback()
         return
     try:
-        payload = _codec.encode_value(inbox.codec.encode(value))
-    except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
-        payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-    answer = yield _Finish(plan.key, token, payload, inbox.policy.ttl)
-    if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
-        raise LeaseLostError(plan.key, token=token)
+        answer = yield finish
+        if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
+            raise LeaseLostError(plan.key, token=token)
+    except Exception as exc:
+        if error is None:
+            raise
+        _execution._chain(error, exc)
 
 
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
-    def __init__(self, inbox: Inbox, plan: _Plan) -> None:
+    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any) -> None:
         self._inbox = inbox
         self._plan = plan
+        self._annotation = annotation
         self._acquired: Acquired | None = None
         self._replay: Replay | None = None
         self._value: Any = None
@@ -242,10 +446,14 @@ class _EntryState:
 
         Raises:
             OncelyError: This entry did not replay (it holds the claim).
+            Exception: The final error the earlier transaction recorded, rebuilt as its type
+                (one of ``final_errors``; any other stored error is `ResultUnavailableError`).
         """
         if self._replay is None:
             raise OncelyError("this entry holds the claim: there is no stored result to replay")
-        return _execution.replay(self._replay, self._inbox.codec, Any, self._inbox.policy)
+        return _execution.replay(
+            self._replay, self._inbox.codec, self._annotation, self._inbox.policy
+        )
 
     @property
     def token(self) -> int:
@@ -278,8 +486,10 @@ class InboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any]) -> None:
-        super().__init__(inbox, plan)
+    def __init__(
+        self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any], annotation: Any = Any
+    ) -> None:
+        super().__init__(inbox, plan, annotation)
         self._perform = perform
 
     def __enter__(self) -> InboxEntry:
@@ -303,8 +513,10 @@ class AsyncInboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, performer: _AsyncPerformer) -> None:
-        super().__init__(inbox, plan)
+    def __init__(
+        self, inbox: Inbox, plan: _Plan, performer: _AsyncPerformer, annotation: Any = Any
+    ) -> None:
+        super().__init__(inbox, plan, annotation)
         self._performer = performer
 
     async def __aenter__(self) -> AsyncInboxEntry:
@@ -326,15 +538,16 @@ class AsyncInboxEntry(_EntryState):
 # -- drivers: what each operation is on each kind of connection ---------------------------------
 
 
-def _sync_performer(store: Any, connection: Any) -> Callable[[Any], Any]:
+def _sync_performer(inbox: Inbox, connection: Any) -> Callable[[Any], Any]:
     raw = _raw_connection(connection)
-    if store.backend == "postgres":
-        return _PostgresPerformer(store, raw).perform
-    return _SQLitePerformer(store, raw).perform
+    if inbox.store.backend == "postgres":
+        return _PostgresPerformer(inbox, raw).perform
+    return _SQLitePerformer(inbox.store, raw).perform
 
 
 def _raw_connection(connection: Any) -> Any:
-    """The driver's connection behind a SQLAlchemy session or connection, or Django's."""
+    """The driver's connection behind a SQLAlchemy session or connection, Django's, or a
+    DB-API cursor's."""
     module = type(connection).__module__
     if module.startswith("sqlalchemy"):
         get_connection = getattr(connection, "connection", None)
@@ -342,9 +555,25 @@ def _raw_connection(connection: Any) -> Any:
             connection = get_connection()
         return connection.connection.driver_connection
     if module.startswith("django"):
+        connection = getattr(connection, "db", connection)  # a cursor's connection
         if not connection.in_atomic_block:
             raise ConfigurationError("the inbox needs Django's transaction.atomic() around it")
         connection.ensure_connection()
+        return connection.connection
+    if type(connection).__name__ in ("Cursor", "ClientCursor", "ServerCursor"):
+        return connection.connection  # a psycopg or sqlite3 cursor
+    return connection
+
+
+async def _araw_connection(connection: Any) -> Any:
+    """The async psycopg connection behind a SQLAlchemy ``AsyncSession`` or
+    ``AsyncConnection``, or an async cursor."""
+    if type(connection).__module__.startswith("sqlalchemy"):
+        get_connection = getattr(connection, "connection", None)
+        if callable(get_connection):  # an AsyncSession
+            connection = await get_connection()
+        return (await connection.get_raw_connection()).driver_connection
+    if type(connection).__name__ in ("AsyncCursor", "AsyncClientCursor"):
         return connection.connection
     return connection
 
@@ -362,154 +591,231 @@ def _check_psycopg_transaction(connection: Any) -> None:
         raise ConfigurationError("the caller's transaction has failed: roll it back first")
 
 
-class _PostgresStatements:
-    """The statements of each operation on PostgreSQL, for the sync and the async performer."""
+_LEASE_LOST = "oncely: the inbox record was changed in this transaction"
+"""The text of the error a guarded finish raises when it updated no row (see `_guarded`)."""
+
+_CLAIM = """
+WITH wait AS MATERIALIZED (
+    SELECT previous, set_config('lock_timeout', %(wait_ms)s, true)
+      FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS saved
+), inserted AS (
+    INSERT INTO {schema}.oncely_records AS r
+           (key, status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at,
+            updated_at, result, op)
+    SELECT %(key)s, 'in_progress', %(fingerprint)s, 1, 1,
+           statement_timestamp() + %(lease_ms)s::bigint * interval '1 millisecond',
+           statement_timestamp() + (%(lease_ms)s::bigint
+               + greatest(%(ttl_ms)s::bigint, %(lease_ms)s::bigint)) * interval '1 millisecond',
+           statement_timestamp(), statement_timestamp(), NULL, %(op)s
+      FROM wait
+    ON CONFLICT (key) DO NOTHING
+    RETURNING r.*
+)
+SELECT 'acquired'::text, statement_timestamp(), i.status, i.fingerprint, i.token, i.attempt,
+       i.lease_expires_at, i.expires_at, i.created_at, i.updated_at, i.result,
+       set_config('lock_timeout', wait.previous, true)
+  FROM inserted AS i, wait
+UNION ALL
+SELECT c.*, set_config('lock_timeout', wait.previous, true)
+  FROM wait, {schema}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint,
+                                   %(ttl_ms)s::bigint, %(op)s::text) AS c
+ WHERE NOT EXISTS (SELECT FROM inserted)
+"""
+"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement.
+
+A key never seen is one INSERT (the common case in the inbox: the row that ``oncely_claim``
+would insert, as schema.sql writes it); only a key that has a row runs ``oncely_claim``, whose
+reads then see that row. The INSERT waits for a transaction holding the key: if it commits, the
+claim function judges its record; if it rolls back, the INSERT goes ahead. The data flow orders
+the rest: the timeout is set (``wait``) before the INSERT reads its row from it, and the
+caller's is restored as each answer row is produced. Parameters: those of `_sql.CLAIM`, and
+wait_ms; the reply is `_sql.CLAIM`'s with the restored setting as a last column."""
+
+
+def _guarded(update: str) -> str:
+    """*update* made to fail when it changes no row, so that the savepoint release sent after
+    it in the same round trip does not run (and the block can still be rolled back).
+
+    The cast is of a value known only at run time: PostgreSQL cannot fold it while planning.
+    """
+    return (
+        f"WITH done AS ({update.strip()} RETURNING 1)\n"
+        f"SELECT CASE count(*) WHEN 1 THEN 1 ELSE ('{_LEASE_LOST} ' || count(*))::int END "
+        f"FROM done"
+    )
+
+
+_Script = list[tuple[str, Any]]
+"""Statements and their parameters, sent in one round trip (pipeline mode)."""
+
+
+class _PostgresScripts:
+    """Each operation on PostgreSQL as one script of statements, sent by the sync and async
+    performers in one round trip (pipeline mode, so each statement can be prepared)."""
 
     def __init__(self, store: Any) -> None:
         from oncely.stores.postgres import _sql
 
         self.sql = _sql
         self.store = store
-        self.savepoint = _sql.Statement(f"SAVEPOINT {_SAVEPOINT}", None)
-        self.release = _sql.Statement(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)
-        self.rollback = _sql.Statement(
-            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}", None
-        )
+        queries = store._queries
+        self.rollback: _Script = [
+            (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", None),
+            (f"RELEASE SAVEPOINT {_SAVEPOINT}", None),
+        ]
+        self.release: _Script = [(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)]
+        self._claim = _CLAIM.format(schema=_sql.quote_identifier(queries.schema))
+        self._complete = _guarded(queries.complete)
 
-    def wait(self, op: _Begin) -> Any:
-        # SET LOCAL inside the savepoint: undone by a rollback to it; restored after the claim.
-        wait_ms = max(int(op.wait.total_seconds() * 1000), 1)
-        return self.sql.Statement(
-            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(ms)s, true)",
-            {"ms": str(wait_ms)},
+    def begin(self, op: _Begin) -> _Script:
+        """The savepoint, the claim, then the block's savepoint: the claim's reply is the
+        second. A rollback to the savepoint undoes the claim's ``SET LOCAL`` too."""
+        store, sql = self.store, self.sql
+        params = {
+            "key": store._stored_key(op.key),
+            "fingerprint": op.fingerprint,
+            "lease_ms": sql._ms(op.lease),
+            "ttl_ms": sql._ms(op.ttl),
+            "op": sql.call_id(),
+            "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
+        }
+        script: _Script = [(f"SAVEPOINT {_SAVEPOINT}", None), (self._claim, params)]
+        if op.nested:
+            script.append((f"SAVEPOINT {_BLOCK_SAVEPOINT}", None))
+        return script
+
+    def claimed(self, op: _Begin, replies: list[Any]) -> ClaimResult:
+        reply = replies[1]
+        rows = [row[:-1] for row in reply.rows]  # without the restored lock_timeout
+        return self.sql.decode_claim(op.key, self.sql.Reply(rows, reply.rowcount))
+
+    def finish(self, op: _Finish) -> _Script:
+        """Write the outcome and release the savepoint; a final error first undoes the block."""
+        store = self.store
+        statement = self.sql._finish_statement(
+            store._queries,
+            store._stored_key(op.key),
             op.key,
+            op.token,
+            op.status,
+            op.result,
+            op.ttl,
         )
+        script: _Script = [(self._complete, statement.params), *self.release]
+        if op.undo_block:
+            script.insert(0, (f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}", None))
+        return script
 
-    def restore(self, previous: str) -> Any:
-        return self.sql.Statement(
-            "SELECT set_config('lock_timeout', %(previous)s, true)", {"previous": previous}
-        )
-
-    def claim(self, op: _Begin) -> Flow[ClaimResult]:
-        store = self.store
-        stored = store._stored_key(op.key)
-        return self.sql.claim(store._queries, stored, op.key, op.fingerprint, op.lease, op.ttl)
-
-    def finish(self, op: _Finish) -> Flow[LeaseLost | None]:
-        from oncely._core.records import Status
-
-        store = self.store
-        stored = store._stored_key(op.key)
-        return self.sql.finish(
-            store._queries, stored, op.key, op.token, Status.COMPLETED, op.result, op.ttl
-        )
+    def flow(self, op: _Begin | _Finish | _Rollback) -> Flow[Any]:
+        """Perform *op* as scripts (yielded, answered with their replies): sync and async."""
+        if type(op) is _Begin:
+            try:
+                answer = self.claimed(op, (yield self.begin(op)))
+            except Exception as exc:
+                if not _is_lock_timeout(exc):
+                    raise  # the caller's driver error, in the caller's transaction
+                yield self.rollback  # another transaction still holds the key
+                return InProgress(retry_after=_BUSY_HINT)
+            if not isinstance(answer, Acquired):
+                yield self.release  # nothing was written
+            return answer
+        if type(op) is _Finish:
+            try:
+                yield self.finish(op)
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # give the caller its transaction back
+                    yield self.rollback
+                if not _is_lease_lost(exc):
+                    raise
+                return LeaseLost()
+            return None
+        yield self.rollback
+        return None
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) == "55P03"  # lock_not_available
 
 
+def _is_lease_lost(exc: BaseException) -> bool:
+    return getattr(exc, "sqlstate", None) == "22P02" and _LEASE_LOST in str(exc)
+
+
+def _pipelines() -> bool:
+    """Whether the libpq psycopg uses has pipeline mode (libpq 14 and later)."""
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
+
+
 class _PostgresPerformer:
-    def __init__(self, store: Any, connection: Any) -> None:
+    def __init__(self, inbox: Inbox, connection: Any) -> None:
+        _check_psycopg_transaction(connection)
+        self._scripts = inbox._postgres_scripts()
+        self._connection = connection
+        self._pipeline = _pipelines()
+
+    def _run(self, script: _Script) -> list[Any]:
+        """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
+        from psycopg import Cursor
         from psycopg.rows import tuple_row
 
-        _check_psycopg_transaction(connection)
-        self._statements = _PostgresStatements(store)
-        self._cursor = connection.cursor(row_factory=tuple_row)
-
-    def _run(self, statement: Any) -> Any:
-        cursor = self._cursor
-        cursor.execute(statement.sql, statement.params)
-        rows = cursor.fetchall() if cursor.description is not None else []
-        return self._statements.sql.Reply(rows, cursor.rowcount)
+        connection, reply = self._connection, self._scripts.sql.Reply
+        # Server-side binding whatever the connection's cursor factory (Django's binds on the
+        # client): the statements are prepared after a few uses.
+        cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
+        with connection.pipeline() if self._pipeline else contextlib.nullcontext():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                cursor.execute(sql, params)
+        return [
+            reply(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
+            for cursor in cursors
+        ]
 
     def perform(self, op: Any) -> Any:
-        statements, run = self._statements, self._run
-        kind = type(op)
-        if kind is _Begin:
-            run(statements.savepoint)
-            previous = run(statements.wait(op)).rows[0][0]
-            try:
-                answer = drive(statements.claim(op), run)
-            except Exception as exc:
-                if not _is_lock_timeout(exc):
-                    raise  # the caller's driver error, in the caller's transaction
-                run(statements.rollback)  # another transaction still holds the key
-                return InProgress(retry_after=_BUSY_HINT)
-            run(statements.restore(previous))
-            if not isinstance(answer, Acquired):
-                run(statements.release)  # nothing was written
-            return answer
-        if kind is _Finish:
-            finished = drive(statements.finish(op), run)
-            run(statements.rollback if isinstance(finished, LeaseLost) else statements.release)
-            return finished
-        if kind is _Rollback:
-            return run(statements.rollback)
-        if kind is _execution.Sleep:
+        if type(op) is _execution.Sleep:
             return time.sleep(op.seconds)
-        raise TypeError(f"cannot perform {op!r}")
+        return drive(self._scripts.flow(op), self._run)
 
 
 class _AsyncPerformer:
     """Async psycopg, directly or behind SQLAlchemy's ``AsyncSession`` / ``AsyncConnection``."""
 
-    def __init__(self, store: Any, connection: Any) -> None:
-        if store.backend != "postgres":
+    def __init__(self, inbox: Inbox, connection: Any) -> None:
+        if inbox.store.backend != "postgres":
             raise ConfigurationError("aclaim needs PostgreSQL (async psycopg): SQLite is sync")
-        self._statements = _PostgresStatements(store)
+        self._scripts = inbox._postgres_scripts()
         self._connection = connection
-        self._cursor: Any = None
+        self._raw: Any = None
+        self._pipeline = _pipelines()
 
     async def bind(self) -> Callable[[Any], Awaitable[Any]]:
         """Find the driver connection (an await for SQLAlchemy); return the performer."""
-        if self._cursor is None:
-            from psycopg.rows import tuple_row
-
-            connection = self._connection
-            if type(connection).__module__.startswith("sqlalchemy"):
-                get_connection = getattr(connection, "connection", None)
-                if callable(get_connection):  # an AsyncSession
-                    connection = await get_connection()
-                connection = (await connection.get_raw_connection()).driver_connection
-            _check_psycopg_transaction(connection)
-            self._cursor = connection.cursor(row_factory=tuple_row)
+        if self._raw is None:
+            self._raw = await _araw_connection(self._connection)
+            _check_psycopg_transaction(self._raw)
         return self.perform
 
-    async def _run(self, statement: Any) -> Any:
-        cursor = self._cursor
-        await cursor.execute(statement.sql, statement.params)
-        rows = await cursor.fetchall() if cursor.description is not None else []
-        return self._statements.sql.Reply(rows, cursor.rowcount)
+    async def _run(self, script: _Script) -> list[Any]:
+        from psycopg import AsyncCursor
+        from psycopg.rows import tuple_row
+
+        connection, reply = self._raw, self._scripts.sql.Reply
+        cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
+        async with connection.pipeline() if self._pipeline else contextlib.nullcontext():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                await cursor.execute(sql, params)
+        return [
+            reply(
+                await cursor.fetchall() if cursor.description is not None else [], cursor.rowcount
+            )
+            for cursor in cursors
+        ]
 
     async def perform(self, op: Any) -> Any:
-        statements, run = self._statements, self._run
-        kind = type(op)
-        if kind is _Begin:
-            await run(statements.savepoint)
-            previous = (await run(statements.wait(op))).rows[0][0]
-            try:
-                answer = await adrive(statements.claim(op), run)
-            except Exception as exc:
-                if not _is_lock_timeout(exc):
-                    raise
-                await run(statements.rollback)
-                return InProgress(retry_after=_BUSY_HINT)
-            await run(statements.restore(previous))
-            if not isinstance(answer, Acquired):
-                await run(statements.release)
-            return answer
-        if kind is _Finish:
-            finished = await adrive(statements.finish(op), run)
-            await run(
-                statements.rollback if isinstance(finished, LeaseLost) else statements.release
-            )
-            return finished
-        if kind is _Rollback:
-            return await run(statements.rollback)
-        if kind is _execution.Sleep:
+        if type(op) is _execution.Sleep:
             return await asyncio.sleep(op.seconds)
-        raise TypeError(f"cannot perform {op!r}")
+        return await adrive(self._scripts.flow(op), self._run)
 
 
 class _SQLitePerformer:
@@ -523,7 +829,8 @@ class _SQLitePerformer:
         self._connection = connection
 
     def perform(self, op: Any) -> Any:
-        from oncely.stores._machine import _claim_step, _complete_step, _ms
+        from oncely._core import machine
+        from oncely.stores._machine import _claim_step, _ms
 
         connection, store = self._connection, self._store
         kind = type(op)
@@ -537,10 +844,19 @@ class _SQLitePerformer:
                 answer = store._apply(connection, stored, step, store.clock.now_ms())
             if not isinstance(answer, Acquired):
                 connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+            elif op.nested:
+                connection.execute(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
             return store._unscoped(answer)
         if kind is _Finish:
             stored = store._stored_key(op.key)
-            finish = _complete_step(op.token, op.result, _ms(op.ttl))
+            if op.undo_block:
+                connection.execute(f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
+            settle = machine.complete if op.status is Status.COMPLETED else machine.fail
+            result, ttl_ms = bytes(op.result), _ms(op.ttl)
+
+            def finish(record: Any, now_ms: int) -> Any:
+                return settle(record, op.token, result, now_ms=now_ms, ttl_ms=ttl_ms)
+
             with store._translate_errors(op.key):
                 finished = store._apply(connection, stored, finish, store.clock.now_ms())
             if isinstance(finished, LeaseLost):

@@ -6,6 +6,8 @@ Under --strict, warn_unused_ignores turns each expected-error ignore into a regr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Coroutine
+from typing import Any
 
 from typing_extensions import assert_type
 
@@ -64,3 +66,25 @@ def batch_stores() -> None:
         answers = batching.claim_many([("k", "fp")], lease=policy.lease, ttl=policy.ttl)
         assert_type(answers, list[oncely.ClaimResult | oncely.StoreError])
     MemoryStore().claim_many(["k"], lease=policy.lease, ttl=policy.ttl)  # type: ignore[list-item]
+
+
+def inbox_decorator() -> None:
+    """`Inbox.idempotent` keeps the decorated function's signature, sync and async."""
+    import sqlite3
+
+    inbox = oncely.Inbox(oncely.open_store("sqlite:///typing.db"))
+
+    @inbox.idempotent(key="order_id")
+    def place(conn: sqlite3.Connection, order_id: str) -> Receipt:
+        return Receipt(order_id)
+
+    @inbox.idempotent(key=lambda conn, order_id: order_id, connection="conn")
+    async def aplace(conn: object, order_id: str) -> Receipt:
+        return Receipt(order_id)
+
+    connection = sqlite3.connect(":memory:")
+    assert_type(place(connection, "o-1"), Receipt)
+    pending = aplace(connection, "o-1")
+    _ = assert_type(pending, Coroutine[Any, Any, Receipt])
+    pending.close()
+    place(connection, 1)  # type: ignore[arg-type]
