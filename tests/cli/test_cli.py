@@ -183,6 +183,7 @@ def test_demo_help_lists_the_demo_options() -> None:
     code, out = run("demo", "--help")
     assert code == 0
     assert "--payments" in out
+    assert out.startswith("usage: oncely demo")
 
 
 def test_check_is_a_readiness_probe(url: str, tmp_path: Path) -> None:
