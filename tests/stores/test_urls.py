@@ -47,3 +47,25 @@ def test_the_memory_url_and_an_existing_folder_open(tmp_path: Path) -> None:
     for url in ("memory://", "tiered+memory://", f"sqlite:///{tmp_path}/oncely.db"):
         with oncely.open_store(url) as store:
             assert store.check().backend in ("memory", "sqlite", "tiered")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"timeout": -1},
+        {"timeout": float("nan")},
+        {"timeout": float("inf")},
+        {"timeout": "30"},
+        {"async_workers": 0},
+        {"async_workers": True},
+    ],
+)
+def test_nonsense_sqlite_options_are_configuration_errors(
+    options: dict[str, object], tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigurationError):
+        SQLiteStore(tmp_path / "oncely.db", **options)  # type: ignore[arg-type]
+    url_options = "&".join(f"{name}={value}" for name, value in options.items())
+    if "timeout" in options and isinstance(options["timeout"], float):
+        with pytest.raises(ConfigurationError):
+            oncely.open_store(f"sqlite:///{tmp_path}/oncely.db?{url_options}")

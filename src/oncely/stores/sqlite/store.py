@@ -94,6 +94,15 @@ class SQLiteStore(MachineStore):
         super().__init__(namespace=namespace, clock=clock)
         if synchronous.lower() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 <= timeout < float("inf")
+        ):
+            raise ConfigurationError(f"timeout must be a finite number of seconds, not {timeout!r}")
+        workers_ok = isinstance(async_workers, int) and not isinstance(async_workers, bool)
+        if not workers_ok or async_workers < 1:
+            raise ConfigurationError(f"async_workers must be 1 or more, not {async_workers!r}")
         self._memory = str(path) == ":memory:"
         self.path = ":memory:" if self._memory else str(Path(path))
         if not self._memory:
