@@ -20,6 +20,7 @@ from typing import Any
 import django
 from _payments import (
     Ledger,
+    Payment,
     SimulatedFailure,
     Simulation,
     adjustment,
@@ -65,8 +66,17 @@ def charge(request: HttpRequest) -> HttpResponse:
     simulation = Simulation.from_query(request.GET)
     payment = parse_payment(request.body, request.content_type or "")
     if payment is None:
-        return JsonResponse({"error": "the body is not a payment object"}, status=400)
+        return not_a_payment()
     time.sleep(simulation.delay)
+    return charge_and_answer(simulation, payment)
+
+
+def not_a_payment() -> HttpResponse:
+    return JsonResponse({"error": "the body is not a payment object"}, status=400)
+
+
+def charge_and_answer(simulation: Simulation, payment: Payment) -> HttpResponse:
+    """Charge *payment* and answer as *simulation* asks (the views' shared second half)."""
     charged = _ledger().charge(payment)
     if simulation.fail == "raise":
         raise SimulatedFailure("the handler failed after charging")
@@ -119,6 +129,11 @@ def receive_webhook(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 @require_http_methods(["GET", "PUT"])
 def payment(request: HttpRequest, payment_id: int) -> HttpResponse:
+    return payment_resource(request, payment_id)
+
+
+def payment_resource(request: HttpRequest, payment_id: int) -> HttpResponse:
+    """``PUT`` records an adjustment, ``GET`` shows a payment."""
     if request.method == "PUT":
         return JsonResponse(_ledger().charge(adjustment(request.body)))
     found = _ledger().get(payment_id)

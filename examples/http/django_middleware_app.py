@@ -20,6 +20,7 @@ from typing import Any
 
 import django_app
 from _payments import Ledger, main
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 
 import oncely
 from oncely.http import HttpPolicy
@@ -40,16 +41,27 @@ class HeaderUser:
 
 
 class HeaderUserMiddleware:
-    """Sets ``request.user`` from ``X-User`` (a stand-in for Django's authentication)."""
+    """Sets ``request.user`` and ``request.auser`` from ``X-User`` (a stand-in for Django's
+    authentication, which sets both); sync and async capable, as Django's is."""
+
+    sync_capable = True
+    async_capable = True
 
     def __init__(self, get_response: Callable[[Any], Any]) -> None:
         self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
 
     def __call__(self, request: Any) -> Any:
         name = request.headers.get("x-user")
         if name:
-            request.user = HeaderUser(name)
-        return self.get_response(request)
+            user = HeaderUser(name)
+
+            async def auser() -> HeaderUser:
+                return user
+
+            request.user, request.auser = user, auser
+        return self.get_response(request)  # in an async stack, the coroutine to await
 
 
 def create_app(store: oncely.SyncStore, ledger: Ledger, policy: HttpPolicy | None = None) -> Any:

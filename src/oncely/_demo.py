@@ -775,10 +775,10 @@ def _rate(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The demo's options."""
+def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser:
+    """The demo's options (*prog* names the command in its usage line)."""
     parser = argparse.ArgumentParser(
-        prog="python -m oncely.demo",
+        prog=prog,
         description=(
             "A retry storm against a payments function guarded by oncely on SQLite, with "
             "crashing workers; checks that the bank's ledger charged every payment exactly once."
@@ -824,9 +824,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m oncely.demo") -> int:
     """Run the demo; return 0 when the ledger check passes, 1 when it fails, 3 if aborted."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     if args.http:
         from oncely.http._demo import run_http_demo
 

@@ -106,11 +106,19 @@ def test_setup_errors_exit_2(args: list[str], code: int) -> None:
     assert out.strip()
 
 
-def test_unreachable_store_exits_3(tmp_path: Path) -> None:
-    """A store that cannot be opened is 'unavailable', exit status 3."""
-    code, out = run("--store", f"sqlite:///{tmp_path}/missing-dir/x/y.db", "migrate")
+def test_unreachable_store_exits_3() -> None:
+    """A store whose server refuses the connection is 'unavailable', exit status 3."""
+    code, out = run("--store", "redis://127.0.0.1:1/0", "check")
     assert code == 3
     assert "unavailable" in out
+
+
+def test_sqlite_file_in_a_missing_folder_exits_2(tmp_path: Path) -> None:
+    """A missing folder is a setting to fix (status 2, the folder named), not an outage."""
+    code, out = run("--store", f"sqlite:///{tmp_path}/missing-dir/x/y.db", "migrate")
+    assert code == 2
+    assert "missing-dir" in out
+    assert "does not exist" in out
 
 
 def test_entry_point_without_click() -> None:
@@ -175,6 +183,7 @@ def test_demo_help_lists_the_demo_options() -> None:
     code, out = run("demo", "--help")
     assert code == 0
     assert "--payments" in out
+    assert out.startswith("usage: oncely demo")
 
 
 def test_check_is_a_readiness_probe(url: str, tmp_path: Path) -> None:

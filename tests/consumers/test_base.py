@@ -8,7 +8,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,28 @@ class Calls:
 
 
 # -- section 6, row by row ------------------------------------------------------------------------
+
+
+def test_a_duplicate_returns_the_first_runs_value_equal_and_of_its_type(
+    store: Store, process: Process
+) -> None:
+    """What Celery (and FastStream) hand back for a completed duplicate: the handler's value
+    as it returned it (a Decimal, a datetime, a tuple...), never None or a lossy copy."""
+    consumer = consumer_for(store)
+    value = {
+        "amount": Decimal("12.30"),
+        "at": datetime(2026, 11, 23, 22, 0, tzinfo=timezone.utc),
+        "ids": (uuid.UUID(int=7), 8),
+        "tags": frozenset({"a"}),
+    }
+    first = process(consumer, message(), Calls(result=value))
+    handler = Calls(result="never")
+    again = process(consumer, message(), handler)
+    assert (first.reason, again.reason) == (Reason.PROCESSED, Reason.DUPLICATE)
+    assert handler.count == 0
+    assert again.result == value
+    assert type(again.result["ids"]) is tuple
+    assert type(again.result["amount"]) is Decimal
 
 
 def test_new_key_runs_once_and_acks_after_completion(store: Store, process: Process) -> None:

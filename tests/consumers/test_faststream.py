@@ -23,7 +23,8 @@ Harness = Callable[
     [str, IdempotencyMiddleware, Handler],
     AbstractAsyncContextManager[Callable[[str], Awaitable[None]]],
 ]
-"""Starts a broker with the middleware and *handler* subscribed; yields ``publish(key)``."""
+"""Starts a broker with the middleware and *handler* subscribed; yields ``publish(key)``
+(``publish(key, stamped=False)`` sends no key header)."""
 
 
 @asynccontextmanager
@@ -45,8 +46,8 @@ async def rabbit(
             await broker.declare_queue(RabbitQueue(f"{name}.dead"))
             await broker.start()
 
-            async def publish(key: str) -> None:
-                await broker.publish({"order": key}, name, headers=stamp(key))
+            async def publish(key: str, stamped: bool = True) -> None:
+                await broker.publish({"order": key}, name, headers=stamp(key) if stamped else None)
 
             yield publish
     finally:
@@ -84,8 +85,8 @@ async def kafka(
         async with broker:
             await broker.start()
 
-            async def publish(key: str) -> None:
-                await broker.publish({"order": key}, name, headers=stamp(key))
+            async def publish(key: str, stamped: bool = True) -> None:
+                await broker.publish({"order": key}, name, headers=stamp(key) if stamped else None)
 
             publish.broker = broker  # type: ignore[attr-defined]
             yield publish
@@ -112,9 +113,12 @@ async def nats(
         async with broker:
             await broker.start()
 
-            async def publish(key: str) -> None:
+            async def publish(key: str, stamped: bool = True) -> None:
                 await broker.publish(
-                    {"order": key}, f"{name}.orders", headers=stamp(key), stream=name
+                    {"order": key},
+                    f"{name}.orders",
+                    headers=stamp(key) if stamped else None,
+                    stream=name,
                 )
 
             yield publish
@@ -145,8 +149,9 @@ async def redis(
         async with broker:
             await broker.start()
 
-            async def publish(key: str) -> None:
-                await broker.publish({"order": key}, stream=name, headers=stamp(key))
+            async def publish(key: str, stamped: bool = True) -> None:
+                headers = stamp(key) if stamped else None
+                await broker.publish({"order": key}, stream=name, headers=headers)
 
             yield publish
     finally:
@@ -228,6 +233,40 @@ def test_failing_handler_is_retried_then_dead_lettered(
     assert ledger.counts() == {}
 
 
+@pytest.mark.parametrize("harness", BROKERS)
+def test_without_a_key_header_the_brokers_id_keys_each_delivery(
+    harness: Harness, store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """A message published without a key is keyed by the broker's id of it, the same on every
+    redelivery: a handler that always raises runs max_attempts times, then is dead-lettered.
+    (FastStream makes up a new id on every delivery of a Redis or NATS message without its
+    ``message_id`` header: that copy was a new key each time, retried for ever.)"""
+    calls: list[str] = []
+    dead: list[str] = []
+
+    async def record_dead(message: Any, verdict: Any) -> None:
+        dead.append(str(verdict.reason))
+
+    rabbit_native = harness is rabbit
+    middleware = IdempotencyMiddleware(
+        store, group=name, policy=FAST, dead_letter=None if rabbit_native else record_dead
+    )
+
+    async def handle(body: dict[str, Any]) -> None:
+        calls.append(body["order"])
+        raise RuntimeError("the payment provider is down")
+
+    async def main() -> None:
+        async with harness(name, middleware, handle) as publish:
+            await publish("a", stamped=False)
+            await until(lambda: middleware.stats[Reason.EXHAUSTED] == 1, timeout=20)
+
+    asyncio.run(main())
+    assert calls == ["a"] * FAST.max_attempts
+    if not rabbit_native:
+        assert dead == ["exhausted"]
+
+
 @pytest.mark.kafka
 def test_publish_to_dead_letter_topic(store: RedisStore, ledger: Ledger, name: str) -> None:
     """publish_to() sends the dead message through the broker, with the reason as a header."""
@@ -306,3 +345,56 @@ def test_dead_letter_that_fails_never_runs_the_handler_again(
     asyncio.run(main())
     assert calls == ["a"]
     assert tries == ["handler_failed"] * 3
+
+
+@pytest.mark.kafka
+def test_kafka_records_without_a_key_are_told_apart_by_partition(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """FastStream names a Kafka record ``<offset>-<timestamp>``: two records without a key
+    header at the same offset of two partitions, stamped the same millisecond, shared it, so
+    the second was dead-lettered as a mismatch (or acked unrun as a duplicate). Their key is
+    ``topic/partition/offset``, as in `oncely.consumers.kafka`."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    bootstrap = service_url("ONCELY_TEST_KAFKA_BOOTSTRAP")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(name, 2)]).values():
+        future.result(10)
+    seen: list[str] = []
+    middleware = IdempotencyMiddleware(store, group=name, policy=FAST, dead_letter=None)
+
+    async def handle(body: dict[str, Any]) -> None:
+        seen.append(body["order"])
+        await ledger.awrite(body["order"])
+
+    async def main() -> None:
+        broker = KafkaBroker(bootstrap, logger=None)
+        broker.add_middleware(middleware)
+        broker.subscriber(
+            name,
+            group_id=name,
+            auto_offset_reset="earliest",
+            session_timeout_ms=2000,
+            heartbeat_interval_ms=400,
+            rebalance_timeout_ms=2000,
+            ack_policy=AckPolicy.MANUAL,
+        )(handle)
+        async with broker:
+            await broker.start()
+            stamp_ms = int(time.time() * 1000)
+            for partition, order in enumerate(["left", "right"]):
+                await broker.publish(
+                    {"order": order}, name, partition=partition, timestamp_ms=stamp_ms
+                )
+            await until(lambda: sum(middleware.stats.snapshot().values()) >= 2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for future in admin.delete_topics([name]).values():
+            future.result(10)
+    assert sorted(seen) == ["left", "right"]
+    assert middleware.stats[Reason.PROCESSED] == 2

@@ -1,8 +1,9 @@
 """Fixtures of the HTTP suite: every adapter x every store.
 
 Adapters are the example apps under ``examples/http`` (bare ASGI, bare WSGI, FastAPI,
-Starlette, Flask, Django under WSGI and ASGI); stores are memory, SQLite, PostgreSQL and Redis,
-each opened once per session with a unique namespace (server URLs from the environment: a
+Starlette, Flask, Django under WSGI and ASGI, and oncely's Django middleware in a sync stack
+and in an async one with async views); stores are memory, SQLite, PostgreSQL and Redis, each
+opened once per session with a unique namespace (server URLs from the environment: a
 missing one fails, it is never skipped; deselect with ``-m "not postgres and not redis"``).
 Async apps all run on one event loop in a background thread, which the stores' per-loop
 clients stay bound to.
@@ -46,9 +47,10 @@ ADAPTERS = [
     pytest.param("django_app", id="django"),
     pytest.param("django_asgi_app", id="django-asgi"),
     pytest.param("django_middleware_app", id="django-middleware"),
+    pytest.param("django_async_app", id="django-async"),
 ]
 
-ASGI = {"asgi_app", "fastapi_app", "starlette_app", "django_asgi_app"}
+ASGI = {"asgi_app", "fastapi_app", "starlette_app", "django_asgi_app", "django_async_app"}
 
 STORE_SAMPLERS = {"asgi_app", "wsgi_app"}
 """The adapters that run a `store_independent` test against every store (async and sync paths);

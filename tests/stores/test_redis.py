@@ -221,14 +221,34 @@ class TestOpening:
     @pytest.mark.parametrize(
         "url",
         [
+            "redis://127.0.0.1:6379/",
+            "redis://127.0.0.1:6379/0?max_connections=5&health_check_interval=3&client_name=x",
+            "redis://127.0.0.1:6379?socket_keepalive=true",
+            "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none",
+            "redis+cluster://127.0.0.1:7101?ssl=true&ssl_cert_reqs=none",
+            "redis+cluster://127.0.0.1:7101?read_from_replicas=1",
+        ],
+    )
+    def test_redis_py_url_parameters_are_accepted(self, url: str) -> None:
+        """The parameters a connection (or the cluster client) takes still open the store."""
+        open_store(url)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
             "redis://127.0.0.1:notaport/0",
             "redis://127.0.0.1:6379/0?decode_responses=true",
             "redis+cluster://127.0.0.1:7101?decode_responses=1",
+            "redis://127.0.0.1:6379/cache",  # redis-py silently meant database 0
+            "redis://127.0.0.1:6379/0?bogus=1",  # a TypeError at the first command
+            "rediss://127.0.0.1:6379/0?ssl_bogus=1",
+            "redis+cluster://127.0.0.1:7101?bogus=1",
         ],
     )
     def test_malformed_url_is_a_configuration_error(self, url: str) -> None:
-        """A URL redis-py cannot parse, or one asking for decoded replies, fails when the store
-        is built, not on first use.
+        """A URL redis-py cannot parse, one asking for decoded replies, naming a database that
+        is not a number or a parameter no connection takes fails when the store is built, not
+        on first use (nor silently on database 0).
         """
         with pytest.raises(ConfigurationError):
             open_store(url)

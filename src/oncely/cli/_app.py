@@ -395,4 +395,4 @@ def demo(ctx: click.Context) -> None:
     """Run the retry-storm demo (`oncely demo --help` lists its options)."""
     from oncely._demo import main as demo_main
 
-    ctx.exit(demo_main(list(ctx.args)))
+    ctx.exit(demo_main(list(ctx.args), prog="oncely demo"))

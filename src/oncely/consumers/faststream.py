@@ -31,9 +31,12 @@ FastStream's Kafka subscribers default to it: give them another, as above.
 For any verdict but ack the handler's publishers are skipped (the call ends in FastStream's
 `SkipMessage`, logged at INFO by FastStream).
 
-Keys come from the ``Idempotency-Key``/``x-idempotency-key`` header, else FastStream's message
-id. FastStream makes up a random id for RabbitMQ messages without one, so stamp keys on what you
-publish (`oncely.consumers.producer.stamp`) or pass ``key=``.
+Keys come from the ``Idempotency-Key``/``x-idempotency-key`` header, else the broker's id of
+the message, stable across redeliveries: ``topic/partition/offset`` in Kafka, the AMQP
+``message_id``, ``Nats-Msg-Id`` or the stream sequence, the Redis stream entry id (a Redis list
+or channel message has none but a ``message_id`` header). A re-publish is a new message to all
+of them, so stamp keys on what you publish (`oncely.consumers.producer.stamp`) or pass
+``key=``.
 
 .. versionadded:: 0.1.0
 """
@@ -166,7 +169,7 @@ class IdempotencyMiddleware:
                 "ack_policy=AckPolicy.MANUAL (or NACK_ON_ERROR) to use IdempotencyMiddleware"
             )
         headers: Mapping[str, Any] = msg.headers or {}
-        delivery = Delivery(msg.body, dict(headers), msg.message_id or None, raw=msg)
+        delivery = Delivery(msg.body, dict(headers), _message_id(msg), raw=msg)
         verdict = await self.consumer.aprocess(delivery, functools.partial(call_next, msg))
         await self._settle(msg, verdict)
         if verdict.action is not Action.ACK:
@@ -209,6 +212,43 @@ class IdempotencyMiddleware:
         if delay:
             await asyncio.sleep(delay)
         await msg.nack()
+
+
+def _message_id(msg: Any) -> str | None:
+    """The broker's identity of *msg*, stable across redeliveries, or ``None``.
+
+    Read from the broker's own message, as the other adapters do, never FastStream's message
+    id alone: FastStream names a Kafka record ``<offset>-<timestamp>`` (which two partitions
+    share whenever their records at one offset carry the same millisecond) and makes up a
+    random id, on every delivery, for a RabbitMQ message without ``message_id`` and a Redis
+    or NATS message without its ``message_id`` header.
+    """
+    module = type(msg).__module__
+    raw = msg.raw_message
+    if module.startswith(("faststream.kafka", "faststream.confluent")):
+        # aiokafka's ConsumerRecord has attributes; confluent-kafka's Message has methods.
+        topic, partition, offset = (getattr(raw, name, None) for name in _POSITION)
+        if callable(topic) and callable(partition) and callable(offset):
+            topic, partition, offset = topic(), partition(), offset()
+        if isinstance(topic, str) and isinstance(partition, int) and isinstance(offset, int):
+            return f"{topic}/{partition}/{offset}"
+        return None  # a batch
+    if module.startswith("faststream.rabbit"):
+        return getattr(raw, "message_id", None) or None  # the publisher's (aio-pika sets one)
+    if module.startswith("faststream.nats"):
+        from oncely.consumers.nats import _message_id as nats_message_id  # nats-py is there
+
+        return nats_message_id(raw) if hasattr(raw, "reply") else None
+    if module.startswith("faststream.redis"):
+        ids = raw.get("message_ids") if isinstance(raw, Mapping) else None
+        if ids and len(ids) == 1 and raw.get("type") == "stream":
+            entry = ids[0]
+            return entry.decode() if isinstance(entry, bytes) else str(entry)
+        return (msg.headers or {}).get("message_id") or None
+    return msg.message_id or None
+
+
+_POSITION = ("topic", "partition", "offset")
 
 
 def _is_rabbit(msg: Any) -> bool:

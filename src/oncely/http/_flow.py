@@ -2,8 +2,9 @@
 
 The flows reuse `oncely._execution` (claim with `acquire`, heartbeat, `settle`) and add only
 the HTTP mapping: errors become problem responses, a replay becomes the stored response, and
-the captured response decides between complete and release. `asgi.py` runs them with
-`_execution.arun`, `wsgi.py` with `_execution.run`.
+the captured response decides between complete and release. `asgi.py` and the Django
+middleware's async path run them with `_execution.arun` (settling through `asettle`),
+`wsgi.py` and its sync path with `_execution.run`.
 
 One request, in order::
 
@@ -22,12 +23,15 @@ One request, in order::
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
+from oncely._core.protocols import AsyncStore
 from oncely._core.records import Replay, Status
 from oncely._log import fields, get_logger
 from oncely.errors import (
@@ -44,6 +48,7 @@ from oncely.http._semantics import Plan, Response, ResponseCapture
 __all__ = [
     "PASS_THROUGH",
     "abort",
+    "asettle",
     "begin",
     "cut",
     "finish",
@@ -241,3 +246,40 @@ def _settle(
             exc,
             extra=fields(key=lease.key, token=lease.token, outcome=f"{verb}_failed"),
         )
+
+
+async def asettle(
+    flow: Callable[[], Flow[None]], lease: _execution.Lease, store: AsyncStore
+) -> None:
+    """Run the settling *flow* to its end on *store*, even if the request is cancelled meanwhile.
+
+    A cancellation mid-way (Starlette cancels a streaming response's task when the client
+    leaves, a server cancels its requests when it stops) must not leave the record in
+    progress: the handler has run, so a retry would run it again once the lease expired. The
+    flow runs directly (no task: this is every request's path); only if it is cancelled is it
+    run again (`settle_again`) in a task shielded from the cancellation, which is raised once
+    that is done.
+    """
+    try:
+        await _execution.arun(flow(), store)
+    except asyncio.CancelledError:
+        await _shielded(_execution.arun(settle_again(lease, flow()), store))
+        raise
+
+
+async def _shielded(work: Coroutine[Any, Any, None]) -> None:
+    """Await *work* in a task of its own; a cancellation meanwhile is raised once it is done."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.done() and task.cancelled():  # the loop itself is going away
+                raise
+            cancelled = exc
+            if not task.done():
+                continue
+        break
+    if cancelled is not None:
+        raise cancelled

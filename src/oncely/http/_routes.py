@@ -338,14 +338,15 @@ def _flask_template(rule: str) -> str:
     return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
 
 
-def resolve_django(path_info: str) -> RouteMatch | None:
-    """The route a Django request reaches, from its path inside the app (``PATH_INFO``)."""
+def resolve_django(path_info: str, urlconf: str | None = None) -> RouteMatch | None:
+    """The route a Django request reaches, from its path inside the app (``PATH_INFO``) and
+    the request's own URLconf (``request.urlconf``, set by a middleware) if it has one."""
     # Only called for a Django app, so Django is installed; imported here, never at import time.
     resolve = importlib.import_module("django.urls").resolve
 
     path = path_info or "/"
     try:
-        match = resolve(path)
+        match = resolve(path, urlconf)
     except Exception:  # Resolver404: Django answers it
         return None
     route = getattr(match, "route", None)

@@ -32,15 +32,13 @@ How a protected request travels:
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import Any, Final
 
 from oncely import _execution
-from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -194,12 +192,12 @@ class IdempotencyMiddleware:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _settle(
+                        await _flow.asettle(
                             partial(_flow.finish, lease, capture, policy), lease, self._calls
                         )
                 elif kind == "http.response.trailers" and not message.get("more_trailers"):
                     settled = True
-                    await _settle(
+                    await _flow.asettle(
                         partial(_flow.finish_with_trailers, lease, capture, policy),
                         lease,
                         self._calls,
@@ -218,55 +216,23 @@ class IdempotencyMiddleware:
                 settled = True
                 if capture.started:  # the handler ran and started answering: never again
                     cause = f"{type(exc).__name__} while it was sent"
-                    await _settle(
+                    await _flow.asettle(
                         partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
                     )
                 else:
-                    await _settle(partial(_flow.abort, lease, exc, policy), lease, self._calls)
+                    await _flow.asettle(
+                        partial(_flow.abort, lease, exc, policy), lease, self._calls
+                    )
             raise
         if not settled:
             settled = True
             if capture.started:
                 cause = "the app returned before completing it"
-                await _settle(partial(_flow.cut, lease, capture, cause, policy), lease, self._calls)
+                await _flow.asettle(
+                    partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
+                )
             else:
-                await _settle(partial(_flow.abort, lease, None, policy), lease, self._calls)
-
-
-async def _settle(
-    flow: Callable[[], Flow[None]], lease: _execution.Lease, store: AsyncStore
-) -> None:
-    """Run the settling *flow* to its end, even if the request is cancelled meanwhile.
-
-    A cancellation mid-way (Starlette cancels a streaming response's task when the client
-    leaves, a server cancels its requests when it stops) must not leave the record in
-    progress: the handler has run, so a retry would run it again once the lease expired. The
-    flow runs directly (no task: this is every request's path); only if it is cancelled is it
-    run again in a task shielded from the cancellation, which is raised once that is done.
-    """
-    try:
-        await _execution.arun(flow(), store)
-    except asyncio.CancelledError:
-        await _shielded(_execution.arun(_flow.settle_again(lease, flow()), store))
-        raise
-
-
-async def _shielded(work: Coroutine[Any, Any, None]) -> None:
-    """Await *work* in a task of its own; a cancellation meanwhile is raised once it is done."""
-    task = asyncio.ensure_future(work)
-    cancelled: asyncio.CancelledError | None = None
-    while True:
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError as exc:
-            if task.done() and task.cancelled():  # the loop itself is going away
-                raise
-            cancelled = exc
-            if not task.done():
-                continue
-        break
-    if cancelled is not None:
-        raise cancelled
+                await _flow.asettle(partial(_flow.abort, lease, None, policy), lease, self._calls)
 
 
 class _BufferedReceive:

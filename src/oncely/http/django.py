@@ -1,7 +1,7 @@
 """Django middleware for ``settings.MIDDLEWARE``: the HTTP rules at Django's request level.
 
-It runs inside Django, after its authentication, so ``request.user`` is the principal of the
-default scope. It translates Django's request and response to the shared semantics and flows
+It runs inside Django, after its authentication, so the user is the principal of the default
+scope. It translates Django's request and response to the shared semantics and flows
 (`oncely.http._semantics`, `oncely.http._flow`), as the ASGI and WSGI middleware do: same
 answers, same records.
 
@@ -20,7 +20,12 @@ answers, same records.
 
 Views decorated with `idempotent_route` get their options, as under the other middleware.
 Streaming responses are read whole before they leave (the response is stored whole anyway).
-Sync only: under Django's ASGI handler, Django runs it in a thread.
+
+Sync and async: Django picks the mode when it builds its middleware stack. Under WSGI (or
+when the layer below is sync) the middleware calls the store's sync verbs; under Django's ASGI
+handler with an async stack (async views, or sync views that Django adapts) it awaits the
+store's async verbs on the event loop, with no thread per request, and reads the user with
+``request.auser()`` (Django 5.0+), so the session is never loaded synchronously.
 
 .. versionadded:: 0.1.0
 """
@@ -28,17 +33,21 @@ Sync only: under Django's ASGI handler, Django runs it in a thread.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import oncely
 from oncely import _execution
-from oncely._core.protocols import SyncStore
+from oncely._core.flow import Flow
+from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteTable, resolve_django
 from oncely.http._semantics import Header, HttpRequest, Response, ResponseCapture
+from oncely.stores._coalesce import CoalescingStore
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -46,32 +55,36 @@ __all__ = ["IdempotencyMiddleware"]
 class IdempotencyMiddleware:
     """Makes covered Django requests that carry an ``Idempotency-Key`` take effect once.
 
+    Sync and async capable: Django calls it in the mode of its stack (see the module).
+
     Args:
         get_response: The next layer (Django passes it).
-        store: Any `oncely.SyncStore`; default ``settings.ONCELY_STORE``, else a store opened
-            from ``settings.ONCELY_STORE_URL``.
+        store: Any `oncely.SyncStore` (under an async stack: `oncely.AsyncStore`); default
+            ``settings.ONCELY_STORE``, else a store opened from ``settings.ONCELY_STORE_URL``.
         policy: The app-wide `HttpPolicy`; default ``settings.ONCELY_HTTP`` (an `HttpPolicy`
             or a dict of its options), else the defaults.
         routes: `RouteOptions` by path pattern; default ``settings.ONCELY_HTTP_ROUTES``.
 
     Raises:
-        ConfigurationError: No store is configured, or an option is invalid.
+        ConfigurationError: No store is configured, the store lacks the verbs of the stack's
+            mode, or an option is invalid.
 
     .. versionadded:: 0.1.0
     """
 
     sync_capable = True
-    async_capable = False
+    async_capable = True
 
     def __init__(
         self,
         get_response: Callable[[Any], Any],
         *,
-        store: SyncStore | None = None,
+        store: SyncStore | AsyncStore | None = None,
         policy: HttpPolicy | None = None,
         routes: Mapping[str, RouteOptions] | None = None,
     ) -> None:
         settings = importlib.import_module("django.conf").settings
+        asgiref = importlib.import_module("asgiref.sync")
         if store is None:
             store = getattr(settings, "ONCELY_STORE", None)
         if store is None:
@@ -82,10 +95,23 @@ class IdempotencyMiddleware:
                     "(or ONCELY_STORE)"
                 )
             store = oncely.open_store(url)
-        if not isinstance(store, SyncStore):
+        self.async_mode: bool = asgiref.iscoroutinefunction(get_response)
+        """Whether Django built an async stack around it (then `__call__` returns a coroutine)."""
+        if self.async_mode:
+            if not isinstance(store, AsyncStore):
+                raise ConfigurationError(
+                    f"{type(store).__name__} has no async verbs: the Django middleware in an "
+                    "async stack needs an oncely.AsyncStore (any built-in store)"
+                )
+            # As the ASGI middleware does: concurrent claims and completions go in batches.
+            self._acalls: AsyncStore = store
+            if isinstance(store, BatchStore):
+                self._acalls = CoalescingStore(store, max_in_flight=2)
+            asgiref.markcoroutinefunction(self)
+        elif not isinstance(store, SyncStore):
             raise ConfigurationError(
-                f"{type(store).__name__} has no sync verbs: the Django middleware needs an "
-                "oncely.SyncStore (any built-in store)"
+                f"{type(store).__name__} has no sync verbs: the Django middleware in a sync "
+                "stack needs an oncely.SyncStore (any built-in store)"
             )
         if policy is None:
             configured = getattr(settings, "ONCELY_HTTP", None)
@@ -104,80 +130,169 @@ class IdempotencyMiddleware:
         return self.routes.policy
 
     def __call__(self, request: Any) -> Any:
-        """Handle one Django request (safe methods pass straight through)."""
-        method = str(request.method or "GET").upper()
-        if method in _semantics.SAFE_METHODS:
+        """Handle one Django request (safe methods pass straight through); in an async stack,
+        return the coroutine that does."""
+        if self.async_mode:
+            return self._acall(request)
+        admitted = self._admit(request)
+        if admitted is None:
             return self.get_response(request)
-        path = str(request.path)
-        policy, route = self.routes.select(method, path, resolve_django(request.path_info))
-        if not policy.covers(method):
-            return self.get_response(request)
-        meta = request.META
-        raw = meta.get(policy.environ_key)
-        decision = _semantics.decide(method, [] if raw is None else [_latin1(raw)], policy)
-        if decision is None:
-            return self.get_response(request)
-        if isinstance(decision, Response):
-            return _to_django(decision)
-        limit = policy.max_request_bytes
-        length = str(meta.get("CONTENT_LENGTH") or "").strip()
-        if length.isascii() and length.isdigit() and int(length) > limit:
-            return _to_django(_semantics.request_too_large(policy))
-        body = bytes(request.body)  # cached by Django: the view reads it again
-        if len(body) > limit:
-            return _to_django(_semantics.request_too_large(policy))
-        http_request = HttpRequest(
-            method,
-            path,
-            route,
-            _latin1(meta.get("QUERY_STRING", "")),
-            _request_headers(meta),
-            body,
-            _semantics.user_principal(getattr(request, "user", None)),
-        )
-        plan = _semantics.plan(http_request, decision, policy)
-        outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
+        if isinstance(admitted, Response):
+            return _to_django(admitted)
+        store: SyncStore = self.store  # type: ignore[assignment]  # checked in __init__
+        plan = admitted.plan(request, getattr(request, "user", None))
+        outcome = _execution.run(admitted.begin(plan), store)
         if outcome is _flow.PASS_THROUGH:
             return self.get_response(request)
         if isinstance(outcome, Response):
             return _to_django(outcome)
-        return self._run(outcome, policy, request)
-
-    def _run(self, lease: _execution.Lease, policy: HttpPolicy, request: Any) -> Any:
-        capture = ResponseCapture(policy.max_response_bytes)
-        started = False
+        capture = ResponseCapture(admitted.policy.max_response_bytes)
 
         def call() -> Any:
-            nonlocal started
             response = self.get_response(request)
-            capture.start(
-                int(response.status_code),
-                _response_headers(response),
-                policy,
-                str(response.reason_phrase or "").encode("latin-1", "replace"),
-            )
-            started = True
-            if response.streaming:
-                chunks = [bytes(chunk) for chunk in response.streaming_content]
+            chunks = _start(response, capture, admitted.policy)
+            if chunks is None:
+                chunks = [bytes(chunk) for chunk in response]  # a sync or async stream
                 response.streaming_content = chunks
-            else:
-                chunks = [bytes(response.content)]
-            for chunk in chunks:
-                capture.add(chunk)
+            _add(capture, chunks)
             return response
 
         try:
-            response = _execution.run(_flow.invoke(lease), self.store, call)
+            response = _execution.run(_flow.invoke(outcome), store, call)
         except BaseException as exc:
-            if started:  # the view answered; reading its streamed body failed
-                cause = f"{type(exc).__name__} from the view's streamed response"
-                _execution.run(_flow.cut(lease, capture, cause, policy), self.store)
-            else:
-                _execution.run(_flow.abort(lease, exc, policy), self.store)
+            _execution.run(_settling(outcome, capture, admitted.policy, exc), store)
             raise
-        capture.complete = True
-        _execution.run(_flow.finish(lease, capture, policy), self.store)
+        _execution.run(_settling(outcome, capture, admitted.policy, None), store)
         return response
+
+    async def _acall(self, request: Any) -> Any:
+        """`__call__` in an async stack: the same steps, awaiting the store's async verbs."""
+        admitted = self._admit(request)
+        if admitted is None:
+            return await self.get_response(request)
+        if isinstance(admitted, Response):
+            return _to_django(admitted)
+        auser = getattr(request, "auser", None)  # Django 5.0+: the user, loaded without a thread
+        user = await auser() if auser is not None else getattr(request, "user", None)
+        plan = admitted.plan(request, user)
+        outcome = await _execution.arun(admitted.begin(plan), self._acalls)
+        if outcome is _flow.PASS_THROUGH:
+            return await self.get_response(request)
+        if isinstance(outcome, Response):
+            return _to_django(outcome)
+        capture = ResponseCapture(admitted.policy.max_response_bytes)
+
+        async def call() -> Any:
+            response = await self.get_response(request)
+            chunks = _start(response, capture, admitted.policy)
+            if chunks is None:
+                chunks = [bytes(chunk) async for chunk in response]  # a sync or async stream
+                response.streaming_content = _aiterate(chunks)
+            _add(capture, chunks)
+            return response
+
+        try:
+            response = await _execution.arun(_flow.invoke(outcome), self._acalls, call)
+        except BaseException as exc:
+            settling = partial(_settling, outcome, capture, admitted.policy, exc)
+            await _flow.asettle(settling, outcome, self._acalls)
+            raise
+        settling = partial(_settling, outcome, capture, admitted.policy, None)
+        await _flow.asettle(settling, outcome, self._acalls)
+        return response
+
+    def _admit(self, request: Any) -> _Admitted | Response | None:
+        """What the request's method, route, key and size decide: ``None`` to pass it through,
+        a `Response` to answer at once, else the request admitted for a claim."""
+        method = str(request.method or "GET").upper()
+        if method in _semantics.SAFE_METHODS:
+            return None
+        path = str(request.path)
+        route_match = resolve_django(request.path_info, getattr(request, "urlconf", None))
+        policy, route = self.routes.select(method, path, route_match)
+        if not policy.covers(method):
+            return None
+        meta = request.META
+        raw = meta.get(policy.environ_key)
+        decision = _semantics.decide(method, [] if raw is None else [_latin1(raw)], policy)
+        if decision is None or isinstance(decision, Response):
+            return decision
+        limit = policy.max_request_bytes
+        length = str(meta.get("CONTENT_LENGTH") or "").strip()
+        if length.isascii() and length.isdigit() and int(length) > limit:
+            return _semantics.request_too_large(policy)
+        body = bytes(request.body)  # cached by Django: the view reads it again
+        if len(body) > limit:
+            return _semantics.request_too_large(policy)
+        return _Admitted(method, path, route, decision, body, policy)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A covered request with a valid key and a body within the limit."""
+
+    method: str
+    path: str
+    route: str
+    key: str
+    body: bytes
+    policy: HttpPolicy
+
+    def plan(self, request: Any, user: object) -> _semantics.Plan:
+        """The scoped key and fingerprint, *user* being Django's user for the request."""
+        meta = request.META
+        http_request = HttpRequest(
+            self.method,
+            self.path,
+            self.route,
+            _latin1(meta.get("QUERY_STRING", "")),
+            _request_headers(meta),
+            self.body,
+            _semantics.user_principal(user),
+        )
+        return _semantics.plan(http_request, self.key, self.policy)
+
+    def begin(self, plan: _semantics.Plan) -> Flow[_execution.Lease | Response | Any]:
+        return _flow.begin(plan, self.policy, method=self.method, path=self.path)
+
+
+def _start(response: Any, capture: ResponseCapture, policy: HttpPolicy) -> list[bytes] | None:
+    """Capture the view's status line and headers; return its body, or ``None`` if it
+    streams (the caller reads the stream, sync or async)."""
+    capture.start(
+        int(response.status_code),
+        _response_headers(response),
+        policy,
+        str(response.reason_phrase or "").encode("latin-1", "replace"),
+    )
+    return None if response.streaming else [bytes(response.content)]
+
+
+def _add(capture: ResponseCapture, chunks: list[bytes]) -> None:
+    for chunk in chunks:
+        capture.add(chunk)
+
+
+async def _aiterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _settling(
+    lease: _execution.Lease,
+    capture: ResponseCapture,
+    policy: HttpPolicy,
+    exc: BaseException | None,
+) -> Flow[None]:
+    """How the lease settles once the view is over: *exc* is what it (or reading its streamed
+    response) raised, or ``None``."""
+    if exc is None:
+        capture.complete = True
+        return _flow.finish(lease, capture, policy)
+    if capture.started:  # the view answered; reading its streamed body failed
+        cause = f"{type(exc).__name__} from the view's streamed response"
+        return _flow.cut(lease, capture, cause, policy)
+    return _flow.abort(lease, exc, policy)
 
 
 def _latin1(value: Any) -> bytes:

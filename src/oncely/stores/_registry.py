@@ -58,6 +58,12 @@ def open_store(url: str, **options: Any) -> Store:
     if scheme.startswith("tiered+"):
         from oncely.stores.tiered import TieredStore
 
+        if scheme.startswith("tiered+tiered+"):
+            raise ConfigurationError(
+                f"a tiered store in front of a tiered store caches nothing more: {url!r}; "
+                "use one tiered+ prefix"
+            )
+
         tiered_options = {
             name: options.pop(name) for name in ("max_entries", "max_bytes") if name in options
         }

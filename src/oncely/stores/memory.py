@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from oncely._core.clock import Clock
 from oncely._core.records import Record
-from oncely.errors import StoreError
+from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _namespace
 from oncely.stores._machine import MachineStore, Step
 
@@ -41,7 +41,17 @@ class MemoryStore(MachineStore):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryStore:
-        """Open ``memory://``."""
+        """Open ``memory://``.
+
+        Raises:
+            ConfigurationError: The URL has a host, a path or parameters (``memory://foo``):
+                a memory store has none, and each `open_store` call makes a new one.
+        """
+        if url.partition("://")[2]:
+            raise ConfigurationError(
+                f"memory:// takes no host, path or parameters, not {url!r}: every "
+                "open_store('memory://') is a new, empty store of this process"
+            )
         return cls(**options)
 
     def _atomic(self, key: str, step: Step[T]) -> T:

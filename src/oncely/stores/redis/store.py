@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -576,6 +577,38 @@ def _check_options(options: Mapping[str, Any]) -> None:
         )
 
 
+_URL_PARTS: Final = frozenset({"host", "port", "path", "db", "username", "password"})
+
+
+def _check_url(
+    redis: ModuleType,
+    url: str,
+    options: Mapping[str, Any],
+    *more: type,
+    also: Sequence[str] = (),
+) -> None:
+    """Refuse what redis-py's URL parser lets through to go wrong later: a database that is
+    not a number (``redis://host/cache`` silently meant database 0) and query parameters that
+    no connection takes (a ``TypeError`` at the first command, or dropped unsaid). *more* are
+    classes whose parameters count too, *also* more names."""
+    if url.partition("://")[0].lower() in ("redis", "rediss"):
+        path = url.partition("://")[2].partition("?")[0].partition("/")[2]
+        if path and not path.isdigit():
+            raise ConfigurationError(f"the database is a number (/0, /1…), not {path!r}")
+    classes: list[type] = [redis.ConnectionPool, *more]
+    connection_class = options.get("connection_class", redis.connection.Connection)
+    classes.extend(getattr(connection_class, "__mro__", (connection_class,)))
+    accepted = {*_URL_PARTS, *also}
+    for cls in classes:
+        init = vars(cls).get("__init__")
+        if init is not None:
+            with contextlib.suppress(TypeError, ValueError):  # a builtin: no signature
+                accepted.update(inspect.signature(init).parameters)
+    unknown = sorted(set(options) - accepted - {"connection_class"})
+    if unknown:
+        raise ConfigurationError(f"unknown parameters {unknown}: no Redis connection takes them")
+
+
 def _masked(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")
@@ -634,6 +667,7 @@ class RedisStore(_RedisStoreBase):
         try:
             url_options = self._redis.connection.parse_url(url)
             _check_options(url_options)
+            _check_url(self._redis, url, url_options)
         except ValueError as exc:  # incl. ConfigurationError
             raise ConfigurationError(f"malformed Redis URL {_masked(url)!r}: {exc}") from exc
         self.url = url
@@ -825,6 +859,12 @@ def _parse_cluster_url(redis: ModuleType, url: str) -> tuple[list[tuple[str, int
     except ValueError as exc:
         raise ConfigurationError(f"malformed Redis Cluster URL {_masked(url)!r}: {exc}") from exc
     _check_options(options)
+    try:
+        cluster = redis.cluster
+        allowed = getattr(cluster, "REDIS_ALLOWED_KEYS", ())  # what it passes to each node
+        _check_url(redis, single, options, cluster.RedisCluster, also=allowed)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"malformed Redis Cluster URL {_masked(url)!r}: {exc}") from exc
     if options.pop("db", 0) not in (0, "0"):
         raise ConfigurationError("a Redis Cluster has only database 0")
     options.pop("host", None)

@@ -72,6 +72,9 @@ class SQLiteStore(MachineStore):
             missing schema raises `SchemaMissingError`.
         async_workers: Threads serving async callers.
 
+    Raises:
+        ConfigurationError: The file's folder does not exist, or an option is invalid.
+
     .. versionadded:: 0.1.0
     """
 
@@ -91,8 +94,19 @@ class SQLiteStore(MachineStore):
         super().__init__(namespace=namespace, clock=clock)
         if synchronous.lower() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 <= timeout < float("inf")
+        ):
+            raise ConfigurationError(f"timeout must be a finite number of seconds, not {timeout!r}")
+        workers_ok = isinstance(async_workers, int) and not isinstance(async_workers, bool)
+        if not workers_ok or async_workers < 1:
+            raise ConfigurationError(f"async_workers must be 1 or more, not {async_workers!r}")
         self._memory = str(path) == ":memory:"
         self.path = ":memory:" if self._memory else str(Path(path))
+        if not self._memory:
+            _require_folder(Path(path))
         self._timeout = timeout
         self._synchronous = synchronous.upper()
         # Commits that never wait for the disk may run on the event loop's thread (see above).
@@ -466,3 +480,18 @@ def _encode(record: Record) -> tuple[Any, ...]:
         record.updated_at_ms,
         record.result,
     )
+
+
+def _require_folder(path: Path) -> None:
+    """Refuse a database file whose folder is missing: SQLite would only say, at the first
+    call, that it is "unable to open database file", which reads as an outage."""
+    folder = path.parent
+    if not folder.exists():
+        raise ConfigurationError(
+            f"the folder {str(folder)!r} of the SQLite database {str(path)!r} does not exist: "
+            "create it first (the store creates the file, not its folders)"
+        )
+    if not folder.is_dir():
+        raise ConfigurationError(
+            f"{str(folder)!r}, the folder of the SQLite database {str(path)!r}, is not a folder"
+        )
