@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import heapq
+import logging
 import os
 import sys
 import threading
@@ -25,7 +26,15 @@ from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Replay,
+    Status,
+)
 from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
@@ -157,36 +166,28 @@ def current_lease() -> CurrentLease | None:
 # -- flows ------------------------------------------------------------------------------------
 
 
-def acquire(key: str, fingerprint: str, policy: Policy) -> Flow[Lease | Replay]:
-    """Claim *key*; wait or raise on a live lease as the policy says; raise on a mismatch."""
+def acquire(
+    key: str, fingerprint: str, policy: Policy, first: ClaimResult | None = None
+) -> Flow[Lease | Replay]:
+    """Claim *key*; wait or raise on a live lease as the policy says; raise on a mismatch.
+
+    *first* is the answer to a first claim already sent (see `call`): the flow goes on from it.
+    """
     deadline = time.monotonic() + policy.wait_timeout.total_seconds()
     backoff = 0.01
+    answer = first
     while True:
-        answer = yield StoreCall(
-            "claim", (key, fingerprint), {"lease": policy.lease, "ttl": policy.ttl}
-        )
+        if answer is None:
+            answer = yield StoreCall(
+                "claim", (key, fingerprint), {"lease": policy.lease, "ttl": policy.ttl}
+            )
         if isinstance(answer, Acquired):
-            lease = Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
-            if answer.recovered:
-                logger.warning(
-                    "lease recovered key=%s token=%d attempt=%d",
-                    key,
-                    answer.token,
-                    answer.attempt,
-                    extra=fields(
-                        key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"
-                    ),
-                )
+            lease = acquired(key, answer, policy)
             if policy.heartbeat:
                 yield StartHeartbeat(lease)
             return lease
         if isinstance(answer, Replay):
-            logger.info(
-                "duplicate suppressed key=%s status=%s",
-                key,
-                answer.record.status.value,
-                extra=fields(key=key, token=answer.record.token, outcome=answer.record.status),
-            )
+            suppressed(key, answer)
             return answer
         if isinstance(answer, Mismatch):
             logger.info(
@@ -203,10 +204,44 @@ def acquire(key: str, fingerprint: str, policy: Policy) -> Flow[Lease | Replay]:
             raise InProgressError(key, retry_after=answer.retry_after)
         yield Sleep(min(answer.retry_after.total_seconds(), backoff, remaining))
         backoff = min(backoff * 2, 1.0)
+        answer = None
 
 
-def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Flow[None]:
+def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
+    """The lease of a claim that answered *answer* (logged if it was recovered)."""
+    if answer.recovered:
+        logger.warning(
+            "lease recovered key=%s token=%d attempt=%d",
+            key,
+            answer.token,
+            answer.attempt,
+            extra=fields(key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"),
+        )
+    return Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
+
+
+def suppressed(key: str, answer: Replay) -> None:
+    """Log a duplicate answered from its finished record."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "duplicate suppressed key=%s status=%s",
+            key,
+            answer.record.status.value,
+            extra=fields(key=key, token=answer.record.token, outcome=answer.record.status),
+        )
+
+
+def settle(
+    lease: Lease,
+    verb: str,
+    payload: bytes | None,
+    policy: Policy,
+    first: tuple[LeaseLost | None, BaseException | None] | None = None,
+) -> Flow[None]:
     """Complete, fail or release *lease*, retrying while the store is briefly unavailable.
+
+    *first* is the outcome (answer, or the exception it raised) of a first call already sent
+    (see `call`): the flow goes on from it.
 
     Raises:
         LeaseLostError: The lease was lost before the operation could be completed or failed.
@@ -221,7 +256,12 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
     try:
         for delay in (*SETTLE_RETRY_DELAYS, None):
             try:
-                answer = yield call
+                if first is None:
+                    answer = yield call
+                else:
+                    (answer, error), first = first, None
+                    if error is not None:
+                        raise error
             except StoreUnavailableError:
                 retried = True
                 if delay is None:
@@ -266,8 +306,13 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
 
 def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy) -> Flow[None]:
     """Store *value* as the outcome; a value that cannot be encoded is stored as unavailable."""
+    yield from settle(lease, "complete", outcome_of(lease, value, codec), policy)
+
+
+def outcome_of(lease: Lease, value: Any, codec: _codec.Codec) -> bytes:
+    """*value* framed as the stored outcome, or the unavailable marker if it cannot be encoded."""
     try:
-        payload = _codec.encode_value(codec.encode(value))
+        return _codec.encode_value(codec.encode(value))
     except Exception as exc:
         logger.warning(
             "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
@@ -275,8 +320,7 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
             exc,
             extra=fields(key=lease.key, token=lease.token, outcome="unserialisable"),
         )
-        payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-    yield from settle(lease, "complete", payload, policy)
+        return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
 
 
 def settle_error(lease: Lease, exc: BaseException, policy: Policy) -> Flow[None]:
@@ -314,10 +358,19 @@ def _chain(exc: BaseException, settle_exc: BaseException) -> None:
 
 
 def protected_call(
-    key: str, fingerprint: str, policy: Policy, codec: _codec.Codec, annotation: Any
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    first: ClaimResult | None = None,
 ) -> Flow[Any]:
-    """The whole decorated call: acquire, invoke, settle; or replay."""
-    outcome = yield from acquire(key, fingerprint, policy)
+    """The whole decorated call: acquire, invoke, settle; or replay.
+
+    `call` and `acall` run the common cases (a new key, a replay) in a straight line, and this
+    flow for the others, from the first claim's answer *first*.
+    """
+    outcome = yield from acquire(key, fingerprint, policy, first)
     if isinstance(outcome, Replay):
         return replay(outcome, codec, annotation, policy)
     try:
@@ -332,6 +385,9 @@ def protected_call(
 def replay(outcome: Replay, codec: _codec.Codec, annotation: Any, policy: Policy) -> Any:
     """Return the stored value, or raise the stored final error, of a finished operation."""
     record = outcome.record
+    body = _codec.value_body(record.result) if record.status is Status.COMPLETED else None
+    if body is not None:  # the common case, without decoding the outcome's frame
+        return decoded(record.key, codec, body, annotation)
     try:
         stored = _codec.decode_outcome(record.result)
     except ValueError as exc:
@@ -340,12 +396,15 @@ def replay(outcome: Replay, codec: _codec.Codec, annotation: Any, policy: Policy
         raise ResultUnavailableError(record.key, stored.reason)
     if stored.kind == "error" or record.status is Status.FAILED:
         raise rebuild_error(record.key, stored, policy)
+    return decoded(record.key, codec, stored.body, annotation)
+
+
+def decoded(key: str, codec: _codec.Codec, body: bytes, annotation: Any) -> Any:
+    """The stored value *body* of *key*, decoded."""
     try:
-        return codec.decode(stored.body, annotation)
+        return codec.decode(body, annotation)
     except Exception as exc:
-        raise ResultUnavailableError(
-            record.key, f"the stored value cannot be decoded: {exc}"
-        ) from exc
+        raise ResultUnavailableError(key, f"the stored value cannot be decoded: {exc}") from exc
 
 
 def rebuild_error(key: str, stored: _codec.Outcome, policy: Policy) -> BaseException:
@@ -432,19 +491,23 @@ async def aperform(
         _start_async_heartbeat(store, op.state)
         return None
     if kind is StopHeartbeat:
-        beat, op.state.heartbeat = op.state.heartbeat, None
-        if isinstance(beat, asyncio.Future):  # the heartbeat task
-            beat.cancel()
-            # Not `await beat` under suppress(CancelledError): that would also swallow a
-            # cancellation of this task landing meanwhile. wait() raises only that one.
-            await asyncio.wait((beat,))
-        elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
-            beat.cancel()
+        await _stop_async_heartbeat(op.state)
         return None
     if kind is Sleep:
         await asyncio.sleep(op.seconds)
         return None
     raise TypeError(f"cannot perform {op!r}")
+
+
+async def _stop_async_heartbeat(state: Lease) -> None:
+    beat, state.heartbeat = state.heartbeat, None
+    if isinstance(beat, asyncio.Future):  # the heartbeat task
+        beat.cancel()
+        # Not `await beat` under suppress(CancelledError): that would also swallow a
+        # cancellation of this task landing meanwhile. wait() raises only that one.
+        await asyncio.wait((beat,))
+    elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
+        beat.cancel()
 
 
 async def shielded(call: Awaitable[T]) -> T:
@@ -481,6 +544,92 @@ def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
         state.heartbeat = loop.create_task(_async_heartbeat(store, state))
 
     state.heartbeat = loop.call_later(_interval(state), launch)
+
+
+# -- the straight line ------------------------------------------------------------------------
+#
+# `call` and `acall` are `protected_call` run by `run` and `arun`, written out for the two
+# common cases: a claim that acquires, a run, a complete that lands; and a claim that replays.
+# Every decision is a helper the flows share (`acquired`, `suppressed`, `replay`, `outcome_of`);
+# any other answer or error goes on in the flows, from the point reached.
+
+
+def call(
+    store: SyncStore,
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    invoke: Callable[[], T],
+) -> T:
+    """``run(protected_call(...), store, invoke)``, with no flow on the common paths."""
+    answer = store.claim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    if type(answer) is Replay:
+        suppressed(key, answer)
+        return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]
+    if type(answer) is not Acquired:
+        flow = protected_call(key, fingerprint, policy, codec, annotation, answer)
+        return run(flow, store, invoke)  # type: ignore[no-any-return]
+    lease = acquired(key, answer, policy)
+    if policy.heartbeat:
+        lease.heartbeat = _SCHEDULER.start(store, lease)
+    try:
+        value = invoke_under(lease, invoke)
+    except BaseException as exc:
+        run(settle_error(lease, exc, policy), store)
+        raise
+    payload = outcome_of(lease, value, codec)
+    lease.settling = True
+    try:
+        lost = store.complete(key, lease.token, payload, ttl=policy.ttl)
+    except BaseException as exc:
+        run(settle(lease, "complete", payload, policy, (None, exc)), store)
+    else:
+        if lost is not None:
+            run(settle(lease, "complete", payload, policy, (lost, None)), store)
+        elif lease.heartbeat is not None:
+            _SCHEDULER.stop(lease)
+    return value
+
+
+async def acall(
+    store: AsyncStore,
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    invoke: Callable[[], Awaitable[T]],
+) -> T:
+    """``await arun(protected_call(...), store, invoke)``, with no flow on the common paths."""
+    answer = await store.aclaim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    if type(answer) is Replay:
+        suppressed(key, answer)
+        return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]
+    if type(answer) is not Acquired:
+        flow = protected_call(key, fingerprint, policy, codec, annotation, answer)
+        return await arun(flow, store, invoke)
+    lease = acquired(key, answer, policy)
+    if policy.heartbeat:
+        _start_async_heartbeat(store, lease)
+    try:
+        value = await ainvoke_under(lease, invoke)
+    except BaseException as exc:
+        await arun(settle_error(lease, exc, policy), store)
+        raise
+    payload = outcome_of(lease, value, codec)
+    lease.settling = True
+    try:  # the operation ran: a cancelled caller still records its outcome
+        lost = await shielded(store.acomplete(key, lease.token, payload, ttl=policy.ttl))
+    except BaseException as exc:
+        await arun(settle(lease, "complete", payload, policy, (None, exc)), store)
+    else:
+        if lost is not None:
+            await arun(settle(lease, "complete", payload, policy, (lost, None)), store)
+        elif lease.heartbeat is not None:
+            await _stop_async_heartbeat(lease)
+    return value
 
 
 # -- heartbeats -------------------------------------------------------------------------------
