@@ -621,7 +621,10 @@ async def acall(
     payload = outcome_of(lease, value, codec)
     lease.settling = True
     try:  # the operation ran: a cancelled caller still records its outcome
-        lost = await shielded(store.acomplete(key, lease.token, payload, ttl=policy.ttl))
+        completing = store.acomplete(key, lease.token, payload, ttl=policy.ttl)
+        if getattr(type(store), "_inline_async", None) is not type(store):
+            completing = shielded(completing)
+        lost = await completing
     except BaseException as exc:
         await arun(settle(lease, "complete", payload, policy, (None, exc)), store)
     else:
@@ -634,6 +637,9 @@ async def acall(
 
 # -- heartbeats -------------------------------------------------------------------------------
 
+
+_EARLY = 1 / 16
+"""A beat may be sent up to this fraction of its interval early, with a beat due before it."""
 
 _MAX_IN_FLIGHT = 2
 """Extends of one sync lease sent at a time at most: one stuck on a slow connection, its retry."""
@@ -768,7 +774,7 @@ class _HeartbeatScheduler:
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
         self._active: dict[int, _Beating] = {}
-        self._timer: threading.Thread | None = None
+        self._timer_running = False
         self._workers = 0
         self._idle = 0
         self._sequence = 0
@@ -778,11 +784,11 @@ class _HeartbeatScheduler:
         interval = _interval(lease)
         beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
         with self._lock:
-            if self._timer is None or not self._timer.is_alive():
-                self._timer = threading.Thread(
+            if not self._timer_running:
+                threading.Thread(
                     target=self._run_timers, name="oncely-heartbeat", daemon=True
-                )
-                self._timer.start()
+                ).start()
+                self._timer_running = True
             earlier = self._active.get(id(lease))
             if earlier is not None:  # started again without a stop: one heartbeat per lease
                 earlier.active = False
@@ -813,13 +819,26 @@ class _HeartbeatScheduler:
         return self._timers[0] is entry
 
     def _run_timers(self) -> None:
+        try:
+            self._run_timers_until_error()
+        finally:
+            with self._lock:  # the next start starts another
+                self._timer_running = False
+
+    def _run_timers_until_error(self) -> None:
         while True:
             with self._lock:
                 while True:
                     now = time.monotonic()
-                    if self._timers and self._timers[0][0] <= now:
-                        due, _, item = heapq.heappop(self._timers)
-                        break
+                    if self._timers:
+                        due, _, item = self._timers[0]
+                        # Beats due soon go with this one: the beats of calls that ended long
+                        # ago (most calls) cost one wake-up per slice of time, not one each.
+                        if due <= now or (
+                            type(item) is _Beating and due - item.interval * _EARLY <= now
+                        ):
+                            heapq.heappop(self._timers)
+                            break
                     self._timer_wakeup.wait(self._timers[0][0] - now if self._timers else None)
                 if isinstance(item, _Beating):
                     self._beat(item, due, now)

@@ -6,7 +6,7 @@ import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from oncely._core.clock import Clock
 from oncely._core.records import Record
@@ -32,6 +32,7 @@ class MemoryStore(MachineStore):
     """
 
     backend = "memory"
+    _inline_async: ClassVar[type[MemoryStore]]
 
     def __init__(self, *, namespace: str = "", clock: Clock | None = None) -> None:
         super().__init__(namespace=namespace, clock=clock)
@@ -100,3 +101,9 @@ class MemoryStore(MachineStore):
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+MemoryStore._inline_async = MemoryStore
+"""The class whose async verbs finish without ever suspending (so nothing can cancel one
+midway, and `oncely._execution.acall` awaits its complete unshielded): this one, and not its
+subclasses, which may override them."""
