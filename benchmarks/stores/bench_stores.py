@@ -16,6 +16,13 @@ and, in the same round, the raw driver doing the same round trips on the same ki
 - PostgreSQL: ``INSERT … ON CONFLICT DO NOTHING RETURNING`` then ``UPDATE``; the replay is a
   ``SELECT`` of the row; both on a ``psycopg_pool`` pool of oncely's default sizes (1..10).
 
+On ``memory://`` (no server), it measures the decorator's own cost: ``@idempotent`` beside the
+hot-path issue's 25-line dict-based reference decorator (`hotpath.reference`), sync and async,
+new key and replay, as ratios to it; the Python function calls of one decorated call; and the
+microseconds each stage of a call takes. With ``--baseline DIR`` (a directory holding another
+oncely's ``src``, such as ``git archive main src | tar -x -C DIR``), that oncely is measured
+in the same run, its rounds interleaved with this one's, for before/after figures.
+
 It also measures the tiered store's replay (``tiered+redis://``, answered from memory) against
 the raw ``GET``, and, as a reference at the level of a decorated function (sequential, sync,
 Redis), oncely's ``@idempotent`` beside AWS Powertools' ``idempotent_function`` with its
@@ -38,10 +45,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import itertools
+import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -601,6 +610,156 @@ def bench_plan(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) 
     _log(f"  {plan.store}: {time.perf_counter() - started:.0f} s")
 
 
+# -- memory://: the decorator's own cost ---------------------------------------------------------
+
+TARGET_MEMORY = {"new": 0.5, "replay": 0.7}
+"""The hot-path issue's targets: the decorator on memory:// over the dict reference."""
+CALL_BUDGET = {"new": 60, "replay": 40}
+"""... and the Python function calls of one decorated call, at most."""
+CALLS = ("sync new", "sync replay", "async new", "async replay")
+
+
+@dataclass
+class MemoryFigures:
+    """Per tree ("oncely", and "baseline" with ``--baseline``): its rounds' figures."""
+
+    rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    calls: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    stages: list[dict[str, float]] = field(default_factory=list)
+    ops: int = 0
+
+
+def _memory_round(src: Path, ops: int, turn: int, *options: str) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "hotpath.py"), "--ops", str(ops), "--turn", str(turn)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)])}
+    done = subprocess.run(
+        [*command, *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        raise BenchError(f"hotpath.py with {src} failed:\n{done.stderr}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def bench_memory(rounds: int, ops: int, baseline: Path | None) -> MemoryFigures:
+    """The decorator and the dict reference on memory://, one child process per tree and round
+    (trees alternate), so a baseline oncely is measured in the same run."""
+    trees = {"oncely": ROOT / "src"}
+    if baseline is not None:
+        trees["baseline"] = baseline / "src" if (baseline / "src").is_dir() else baseline
+    figures = MemoryFigures(ops=ops)
+    _log(f"memory://: {rounds} rounds of {ops} calls per subject, trees: {', '.join(trees)}")
+    for number in range(rounds):
+        for name in _rotated(list(trees), number):
+            found = _memory_round(
+                trees[name], ops, number, "--calls", *(["--stages"] if name == "oncely" else [])
+            )
+            figures.rounds.setdefault(name, []).append(found["round"])
+            figures.calls[name] = found["calls"]
+            if name == "oncely":
+                figures.stages.append(found["stages"])
+    _log("  memory://: done")
+    return figures
+
+
+def _tree_label(tree: str) -> str:
+    return "oncely (this tree)" if tree == "oncely" else "oncely (baseline)"
+
+
+def memory_sections(memory: MemoryFigures, verdicts: list[Verdict]) -> list[str]:
+    lines = [
+        "## Decorator on memory://",
+        "",
+        "The payment function decorated by `@idempotent` on `memory://` (default policy) and by "
+        "the dict-based reference decorator of the hot-path issue (it binds the signature, "
+        "fingerprints the arguments with JSON and SHA-256, keeps records in a dict under a "
+        "lock: `benchmarks/stores/hotpath.py`), one worker; a new key is a first call, a "
+        f"replay a second call of the same key. {len(memory.rounds['oncely'])} rounds of "
+        f"{memory.ops:,} calls per subject, each round in a process of its own"
+        + (
+            ", the rounds of the two oncely trees alternating"
+            if "baseline" in memory.rounds
+            else ""
+        )
+        + ". µs per call are medians over the rounds; the ratio is reference µs / oncely µs "
+        "per round (median, interquartile range in brackets).",
+        "",
+        "| subject | call | reference µs | oncely µs | oncely/reference (IQR) | target |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for tree, rounds in memory.rounds.items():
+        for what in CALLS:
+            mine = [each[f"oncely {what}"] for each in rounds]
+            ref = [each[f"reference {what}"] for each in rounds]
+            per_round = [r / m for r, m in zip(ref, mine, strict=True)]
+            target = TARGET_MEMORY[what.split()[1]]
+            value = statistics.median(per_round)
+            if tree == "oncely":
+                verdicts.append(Verdict(f"memory://, {what}: oncely/reference", value, target))
+            lines.append(
+                f"| {_tree_label(tree)} | {what} | {statistics.median(ref):.1f} "
+                f"| {statistics.median(mine):.1f} | {_ratio_cell(per_round)} "
+                f"| ≥ {target:g}: {_verdict(value, target)} |"
+            )
+    lines += [
+        "",
+        "## Python calls per decorated call",
+        "",
+        "Counted with `sys.setprofile` over one call of the decorated function on `memory://` "
+        "(its own call included; a generator resumed counts as a call), after warm-up. "
+        "`tests/decorator/test_call_budget.py` pins the counts of this tree.",
+        "",
+        "| subject | call | Python calls | C calls | budget |",
+        "|---|---|---:|---:|---|",
+    ]
+    for tree, calls in memory.calls.items():
+        for what in CALLS:
+            python, c = calls[what]
+            budget = CALL_BUDGET[what.split()[1]]
+            lines.append(
+                f"| {_tree_label(tree)} | {what} | {python} | {c} "
+                f"| ≤ {budget}: {'met' if python <= budget else '**MISSED**'} |"
+            )
+    lines += ["", *stage_table(memory.stages), ""]
+    return lines
+
+
+def stage_table(samples: list[dict[str, float]]) -> list[str]:
+    from hotpath import STAGES
+
+    lines = [
+        "## µs per stage per call",
+        "",
+        "The steps of the straight line a decorated call runs on `memory://`, taken one by one "
+        "with a clock read between them (`hotpath.stages`: the medians over the calls of a "
+        "round, then over the rounds). The total is that of the steps so timed; the whole "
+        "decorated call, timed apart, is in the table above (the difference is the wrapper "
+        "itself: the switches, the closure that calls the function).",
+        "",
+        "| stage | what | sync new | async new | sync replay | async replay |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    named = dict(STAGES["new"] + STAGES["replay"])
+
+    def cell(key: str) -> str:
+        values = [each[key] for each in samples if key in each]
+        return f"{statistics.median(values):.2f}" if values else ""
+
+    for stage, what in named.items():
+        lines.append(
+            f"| {stage} | {what} | {cell(f'sync new {stage}')} | {cell(f'async new {stage}')} "
+            f"| {cell(f'sync replay {stage}')} | {cell(f'async replay {stage}')} |"
+        )
+    lines.append(
+        f"| total | | {cell('sync new total')} | {cell('async new total')} "
+        f"| {cell('sync replay total')} | {cell('async replay total')} |"
+    )
+    return lines
+
+
 # -- the servers -------------------------------------------------------------------------------
 
 
@@ -949,7 +1108,7 @@ def decorator_section(results: Results, note: str) -> list[str]:
     ]
 
 
-def render(results: Results, context: dict[str, Any]) -> str:
+def render(results: Results, context: dict[str, Any], memory: MemoryFigures | None = None) -> str:
     verdicts: list[Verdict] = []
     lines = [
         "# Store benchmark",
@@ -986,6 +1145,8 @@ def render(results: Results, context: dict[str, Any]) -> str:
         "memory takes microseconds).",
         "",
     ]
+    if memory is not None:
+        lines += memory_sections(memory, verdicts)
     for store in context["stores"]:
         lines += [f"## {store}", ""]
         if store in results.failures:
@@ -1039,8 +1200,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--stores",
         nargs="+",
-        choices=["redis", "postgres", "cluster"],
-        default=["redis", "postgres", "cluster"],
+        choices=["memory", "redis", "postgres", "cluster"],
+        default=["memory", "redis", "postgres", "cluster"],
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a directory holding another oncely's src/, measured beside this one on memory://",
     )
     parser.add_argument(
         "--redis-url",
@@ -1078,12 +1244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.perf_counter()
     servers = Servers(args.redis_url, args.postgres_url, args.cluster_url)
-    status = probe(servers, args.stores)
+    status = probe(servers, [name for name in args.stores if name != "memory"])
     results = Results()
     keys = Keys(run_id)
     context: dict[str, Any] = {}
     labels = {"redis": "Redis", "postgres": "PostgreSQL", "cluster": "Redis Cluster"}
-    for name in args.stores:
+    memory: MemoryFigures | None = None
+    if "memory" in args.stores:
+        memory = bench_memory(args.rounds, max(args.per_round, 2000), args.baseline)
+    for name in [name for name in args.stores if name != "memory"]:
         label = labels[name]
         if status.get(name):
             results.failures[label] = f"the server did not answer: {status[name]}"
@@ -1118,9 +1287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops=args.ops,
         rounds=args.rounds,
         per_round=args.per_round,
-        stores=[labels[name] for name in args.stores],
+        stores=[labels[name] for name in args.stores if name != "memory"],
     )
-    report = render(results, context)
+    report = render(results, context, memory)
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)

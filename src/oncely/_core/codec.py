@@ -75,9 +75,7 @@ class JSONCodec:
         """Parse *data*, rebuilding tagged values; *annotation* rebuilds untagged older records."""
         # Every tag spells "$t": without it the document is plain JSON, parsed at C speed.
         value = _LOADS(data.decode()) if b'"$t"' in data else _PLAIN_LOADS(data.decode())
-        if annotation is Any or annotation is None:
-            return value
-        if type(annotation) is type and annotation in _AS_PARSED:
+        if annotation is Any or annotation is None or _as_parsed(annotation):
             return value  # what `_rebuild` would return: nothing in it to rebuild
         return _rebuild(value, annotation)  # records written before the values carried types
 
@@ -107,7 +105,35 @@ def _dumps(value: Any) -> str:
 
 
 _AS_PARSED = frozenset({dict, list, str, int, float, bool, object, type(None)})
-"""Return annotations that `_rebuild` leaves a parsed document as it is."""
+
+
+def _as_parsed(annotation: Any) -> bool:
+    """Whether `_rebuild` returns any parsed document as it is for *annotation* (remembered)."""
+    try:
+        return _PARSED_AS_IS[annotation]
+    except KeyError:
+        plain = _PARSED_AS_IS[annotation] = _leaves_parsed(annotation)
+        return plain
+    except TypeError:  # an annotation that cannot be a key
+        return False
+
+
+_PARSED_AS_IS: dict[Any, bool] = {}
+
+
+def _leaves_parsed(annotation: Any) -> bool:
+    if annotation is Any or annotation is None:
+        return True
+    if type(annotation) is type:
+        return annotation in _AS_PARSED
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, Sequence):
+        return all(_leaves_parsed(arg) for arg in args)
+    if origin is dict:
+        return len(args) != 2 or _leaves_parsed(args[1])
+    if origin is typing.Union or origin is types.UnionType:
+        return not any(_is_model(arg) for arg in args)
+    return False
 
 
 def _tag(kind: str, value: Any, cls: type | None = None) -> dict[str, Any]:
