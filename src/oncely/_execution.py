@@ -12,10 +12,12 @@ import asyncio
 import contextvars
 import heapq
 import logging
+import math
 import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -506,8 +508,7 @@ async def _stop_async_heartbeat(state: Lease) -> None:
         # Not `await beat` under suppress(CancelledError): that would also swallow a
         # cancellation of this task landing meanwhile. wait() raises only that one.
         await asyncio.wait((beat,))
-    elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
-        beat.cancel()
+    # else None, or the `_AsyncStarts` that would start it: its entry is dropped when due
 
 
 async def shielded(call: Awaitable[T]) -> T:
@@ -536,14 +537,56 @@ async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: 
 
 
 def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
-    # A timer first, a task only once the operation has outlived a third of its lease: short
-    # operations (most requests and messages) never create and cancel a task.
+    # A task only once the operation has outlived a third of its lease: short operations (most
+    # requests and messages) never create and cancel a task, nor even a timer of their own.
     loop = asyncio.get_running_loop()
+    starts = _ASYNC_STARTS.get(loop)
+    if starts is None:
+        starts = _ASYNC_STARTS[loop] = _AsyncStarts()
+    starts.add(loop, store, state)
 
-    def launch() -> None:
-        state.heartbeat = loop.create_task(_async_heartbeat(store, state))
 
-    state.heartbeat = loop.call_later(_interval(state), launch)
+class _AsyncStarts:
+    """The async leases of one event loop whose heartbeat task is yet to start, on one timer.
+
+    A lease waiting here has this object as its ``heartbeat``; stopping it is setting that to
+    ``None``, and its entry is dropped when it comes due (with the entries due soon after it:
+    the entries of calls that ended long ago cost one timer per slice of time, not one each).
+    """
+
+    def __init__(self) -> None:  # no reference to its loop, the key of `_ASYNC_STARTS`
+        self.due: list[tuple[float, int, float, Lease, AsyncStore]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+        self.sequence = 0
+
+    def add(self, loop: asyncio.AbstractEventLoop, store: AsyncStore, lease: Lease) -> None:
+        interval = _interval(lease)
+        when = loop.time() + interval
+        self.sequence += 1
+        heapq.heappush(self.due, (when, self.sequence, when - interval * _EARLY, lease, store))
+        lease.heartbeat = self
+        if when < self.timer_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer, self.timer_at = loop.call_at(when, self.fire), when
+
+    def fire(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.timer, self.timer_at = None, math.inf
+        now = loop.time()
+        while self.due and self.due[0][2] <= now:
+            _, _, _, lease, store = heapq.heappop(self.due)
+            if lease.heartbeat is self:
+                lease.heartbeat = loop.create_task(_async_heartbeat(store, lease))
+        if self.due:
+            when = self.due[0][0]
+            self.timer, self.timer_at = loop.call_at(when, self.fire), when
+
+
+_ASYNC_STARTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncStarts] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 # -- the straight line ------------------------------------------------------------------------
@@ -773,38 +816,38 @@ class _HeartbeatScheduler:
         self._work_ready = threading.Condition(self._lock)
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
-        self._active: dict[int, _Beating] = {}
         self._timer_running = False
         self._workers = 0
         self._idle = 0
         self._sequence = 0
 
-    def start(self, store: SyncStore, lease: Lease) -> int:
+    def start(self, store: SyncStore, lease: Lease) -> _Beating:
+        """Start the heartbeat of *lease* (its ``heartbeat`` is set before the first beat can
+        be due, and returned)."""
         now = time.monotonic()
         interval = _interval(lease)
         beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
+        earlier, lease.heartbeat = lease.heartbeat, beating
+        if type(earlier) is _Beating:  # started again without a stop: one heartbeat per lease
+            earlier.active = False
         with self._lock:
             if not self._timer_running:
                 threading.Thread(
                     target=self._run_timers, name="oncely-heartbeat", daemon=True
                 ).start()
                 self._timer_running = True
-            earlier = self._active.get(id(lease))
-            if earlier is not None:  # started again without a stop: one heartbeat per lease
-                earlier.active = False
-            self._active[id(lease)] = beating
             if self._at(now + interval, beating):
                 self._timer_wakeup.notify()
-        return id(lease)
+        return beating
 
     def stop(self, lease: Lease) -> None:
-        """Send no more extends for *lease*; one in flight is not waited for (see `settling`)."""
-        with self._lock:
-            beating = self._active.get(id(lease))
-            if beating is not None and beating.lease is lease:
-                del self._active[id(lease)]
-                beating.active = False
-        lease.heartbeat = None
+        """Send no more extends for *lease*; one in flight is not waited for (see `settling`).
+
+        No lock: a beat already handed to a worker checks ``active`` before it sends.
+        """
+        beating, lease.heartbeat = lease.heartbeat, None
+        if type(beating) is _Beating:
+            beating.active = False
 
     def idle(self) -> bool:
         """Whether no extend is queued or in flight (for tests)."""
@@ -907,10 +950,7 @@ class _HeartbeatScheduler:
                     extra=fields(key=lease.key, token=lease.token, outcome="heartbeat_failed"),
                 )
         elif not _beat_answered(lease, answer):
-            with self._lock:
-                beating.active = False
-                if self._active.get(id(lease)) is beating:
-                    del self._active[id(lease)]
+            beating.active = False
 
 
 _SCHEDULER = _HeartbeatScheduler()

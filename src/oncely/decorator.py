@@ -147,6 +147,21 @@ class _CallPlan:
         bound = inspect.BoundArguments(self.signature, arguments)
         return bound.args, bound.kwargs
 
+    def invocation(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: str | None
+    ) -> tuple[Any, str, str, Policy, Codec, Any, Callable[[], Any]]:
+        """The arguments of `_execution.call` (or ``acall``) for a call."""
+        key, fingerprint = self.prepare(args, kwargs, explicit)
+        return (
+            self.store if _switches.store is None else _switches.store,
+            key,
+            fingerprint,
+            self.policy,
+            self.codec,
+            self.annotation,
+            lambda: self.fn(*args, **kwargs),
+        )
+
     def prepare(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: str | None
     ) -> tuple[str, str]:
@@ -330,62 +345,37 @@ def _unprotected(plan: _CallPlan) -> None:
 
 
 def _sync_wrapper(plan: _CallPlan) -> Any:
-    def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _switches.disabled:
-            _unprotected(plan)
-            return plan.fn(*args, **kwargs)
-        key, fingerprint = plan.prepare(args, kwargs, explicit_key)
-        return _execution.call(
-            plan.store if _switches.store is None else _switches.store,
-            key,
-            fingerprint,
-            plan.policy,
-            plan.codec,
-            plan.annotation,
-            lambda: plan.fn(*args, **kwargs),
-        )
+    def keyed(explicit_key: str | None) -> Callable[..., Any]:
+        @functools.wraps(plan.fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _switches.disabled:
+                _unprotected(plan)
+                return plan.fn(*args, **kwargs)
+            return _execution.call(*plan.invocation(args, kwargs, explicit_key))
 
-    @functools.wraps(plan.fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return call(None, args, kwargs)
+        return wrapper
 
-    def with_key(key: str) -> Callable[..., Any]:
-        return functools.wraps(plan.fn)(lambda *args, **kwargs: call(key, args, kwargs))
-
-    wrapper.policy = plan.policy  # type: ignore[attr-defined]
-    wrapper.with_key = with_key  # type: ignore[attr-defined]
-    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
-    return wrapper
+    return _wrapped(plan, keyed)
 
 
 def _async_wrapper(plan: _CallPlan) -> Any:
-    async def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _switches.disabled:
-            _unprotected(plan)
-            return await plan.fn(*args, **kwargs)
-        key, fingerprint = plan.prepare(args, kwargs, explicit_key)
-        return await _execution.acall(
-            plan.store if _switches.store is None else _switches.store,
-            key,
-            fingerprint,
-            plan.policy,
-            plan.codec,
-            plan.annotation,
-            lambda: plan.fn(*args, **kwargs),
-        )
-
-    @functools.wraps(plan.fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return await call(None, args, kwargs)
-
-    def with_key(key: str) -> Callable[..., Any]:
+    def keyed(explicit_key: str | None) -> Callable[..., Any]:
         @functools.wraps(plan.fn)
-        async def keyed(*args: Any, **kwargs: Any) -> Any:
-            return await call(key, args, kwargs)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _switches.disabled:
+                _unprotected(plan)
+                return await plan.fn(*args, **kwargs)
+            return await _execution.acall(*plan.invocation(args, kwargs, explicit_key))
 
-        return keyed
+        return wrapper
 
-    wrapper.policy = plan.policy  # type: ignore[attr-defined]
-    wrapper.with_key = with_key  # type: ignore[attr-defined]
-    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
+    return _wrapped(plan, keyed)
+
+
+def _wrapped(plan: _CallPlan, keyed: Callable[[str | None], Callable[..., Any]]) -> Any:
+    """The decorated function: *keyed* (None) is it, *keyed* (key) its ``with_key(key)``."""
+    wrapper: Any = keyed(None)
+    wrapper.policy = plan.policy
+    wrapper.with_key = keyed
+    wrapper._oncely_plan = plan  # for oncely.testing
     return wrapper

@@ -15,12 +15,8 @@ from collections.abc import Iterator
 import pytest
 from benchmarks.stores import hotpath
 
-BUDGET = {
-    "sync new": 60,  # the target
-    "sync replay": 40,  # the target
-    "async new": 70,  # the target is 60: the async heartbeat's timer costs ~10 (a ceiling)
-    "async replay": 40,  # the target
-}
+BUDGET = {"sync new": 60, "sync replay": 40, "async new": 60, "async replay": 40}
+"""The issue's targets (measured at 56, 35, 59 and 36 when this was written)."""
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,11 @@ import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Record
+from oncely._core.records import ClaimResult, LeaseLost, Record
 from oncely.errors import StoreError
 from oncely.stores import _namespace
 from oncely.stores._machine import MachineStore, Step
@@ -65,6 +66,18 @@ class MemoryStore(MachineStore):
             self._records[key] = record
             heapq.heappush(self._expiries, (record.expires_at_ms, key))
         return answer
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`: the sync verb, inline (this store never blocks)."""
+        return self.claim(key, fingerprint, lease=lease, ttl=ttl)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`: the sync verb, inline."""
+        return self.complete(key, token, result, ttl=ttl)
 
     def _read(self, key: str) -> Record | None:
         with self._lock:
