@@ -121,9 +121,13 @@ class Lease:
     """Set once a settle call may have been sent: from then on only the settle's answer counts
     (an extend that lands after a complete answers `LeaseLost`, and means nothing)."""
 
+    viewed: CurrentLease | None = None
+
     def view(self) -> CurrentLease:
-        """The public, read-only view of this lease."""
-        return CurrentLease(self.key, self.token, self.attempt, self.recovered)
+        """The public, read-only view of this lease (made once, when first asked for)."""
+        if self.viewed is None:
+            self.viewed = CurrentLease(self.key, self.token, self.attempt, self.recovered)
+        return self.viewed
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,7 @@ class CurrentLease:
     recovered: bool
 
 
-_CURRENT: contextvars.ContextVar[CurrentLease | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "oncely_current_lease", default=None
 )
 
@@ -162,7 +166,8 @@ def current_lease() -> CurrentLease | None:
 
     .. versionadded:: 0.1.0
     """
-    return _CURRENT.get()
+    lease = _CURRENT.get()
+    return None if lease is None else lease.view()
 
 
 # -- flows ------------------------------------------------------------------------------------
@@ -448,7 +453,7 @@ def perform(op: Any, store: SyncStore, invoke: Callable[[], Any] | None = None) 
 
 def invoke_under(lease: Lease, call: Callable[..., T], *args: Any) -> T:
     """Call ``call(*args)`` with *lease* as `current_lease`."""
-    reset = _CURRENT.set(lease.view())
+    reset = _CURRENT.set(lease)
     try:
         return call(*args)
     finally:
@@ -529,7 +534,7 @@ async def shielded(call: Awaitable[T]) -> T:
 
 async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
     """Await ``call(*args)`` with *lease* as `current_lease`."""
-    reset = _CURRENT.set(lease.view())
+    reset = _CURRENT.set(lease)
     try:
         return await call(*args)
     finally:

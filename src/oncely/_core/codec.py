@@ -156,6 +156,11 @@ def _tagged(value: Any) -> Any:
     if kind is list:
         return [item if type(item) in _AS_IS else _tagged(item) for item in value]
     if kind is dict:
+        for name, item in value.items():
+            if type(name) is not str or name == _TAG or type(item) not in _AS_IS:
+                break
+        else:
+            return value  # nothing in it to tag (the common record of strings and numbers)
         plain: dict[str, Any] = {}
         for name, item in value.items():
             if type(name) is not str or name == _TAG:
