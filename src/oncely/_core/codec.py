@@ -99,9 +99,7 @@ for cycles: it only encodes what `_tagged` built, which is a tree (a cycle fails
 
 
 def _dumps(value: Any) -> str:
-    if _C_DUMPS is None or type(value) is str:
-        return _ENCODER.encode(value)
-    return "".join(_C_DUMPS(value, 0))
+    return _ENCODER.encode(value) if _C_DUMPS is None else "".join(_C_DUMPS(value, 0))
 
 
 _AS_PARSED = frozenset({dict, list, str, int, float, bool, object, type(None)})

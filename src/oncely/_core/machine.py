@@ -84,6 +84,8 @@ def claim(
             created_at_ms=created,
             updated_at_ms=now_ms,
         )
+        if taken.token == 1 and attempt == 1:  # a key never seen: the answer is always this
+            return taken, _FIRST_LEASE
         return taken, Acquired(taken.token, recovered=False, attempt=attempt)
     if record.fingerprint != fingerprint:
         return None, Mismatch(stored_fingerprint=record.fingerprint)
@@ -104,6 +106,10 @@ def claim(
         updated_at_ms=now_ms,
     )
     return taken, Acquired(taken.token, recovered=True, attempt=taken.attempt)
+
+
+_FIRST_LEASE = Acquired(1, recovered=False, attempt=1)
+"""The answer to the claim of a key never seen (immutable: made once)."""
 
 
 def _kept_until(lease_end_ms: int, margin_ms: int) -> int:

@@ -50,7 +50,8 @@ class MemoryStore(MachineStore):
         with self._lock:
             now_ms = self.clock.now_ms()
             answer = self._apply(key, step, now_ms)
-            self._purge_locked(now_ms, limit=8)
+            if self._expiries[0][0] <= now_ms if self._expiries else False:
+                self._purge_locked(now_ms, limit=8)
             return answer
 
     def _atomic_many(self, steps: Sequence[tuple[str, Step[T]]]) -> list[T | StoreError]:
