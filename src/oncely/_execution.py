@@ -544,10 +544,12 @@ async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: 
 def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
     # A task only once the operation has outlived a third of its lease: short operations (most
     # requests and messages) never create and cancel a task, nor even a timer of their own.
+    global _LAST_STARTS
     loop = asyncio.get_running_loop()
-    starts = _ASYNC_STARTS.get(loop)
-    if starts is None:
-        starts = _ASYNC_STARTS[loop] = _AsyncStarts()
+    last_loop, starts = _LAST_STARTS
+    if last_loop() is not loop:  # another loop than the last one's (a weak reference)
+        starts = _ASYNC_STARTS.get(loop) or _ASYNC_STARTS.setdefault(loop, _AsyncStarts())
+        _LAST_STARTS = (weakref.ref(loop), starts)
     starts.add(loop, store, state)
 
 
@@ -592,6 +594,11 @@ class _AsyncStarts:
 _ASYNC_STARTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncStarts] = (
     weakref.WeakKeyDictionary()
 )
+_LAST_STARTS: tuple[Callable[[], asyncio.AbstractEventLoop | None], _AsyncStarts] = (
+    lambda: None,
+    _AsyncStarts(),
+)
+"""The loop that started a heartbeat last, and its `_AsyncStarts`: most programs have one."""
 
 
 # -- the straight line ------------------------------------------------------------------------
