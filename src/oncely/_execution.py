@@ -513,7 +513,8 @@ async def _stop_async_heartbeat(state: Lease) -> None:
         # Not `await beat` under suppress(CancelledError): that would also swallow a
         # cancellation of this task landing meanwhile. wait() raises only that one.
         await asyncio.wait((beat,))
-    # else None, or the `_AsyncStarts` that would start it: its entry is dropped when due
+    elif type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
+        beat.stopped += 1
 
 
 async def shielded(call: Awaitable[T]) -> T:
@@ -566,8 +567,13 @@ class _AsyncStarts:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = math.inf
         self.sequence = 0
+        self.stopped = 0  # entries whose lease was stopped (about: not counted under a lock)
 
     def add(self, loop: asyncio.AbstractEventLoop, store: AsyncStore, lease: Lease) -> None:
+        if self.stopped > _COMPACT_AT and self.stopped * 2 > len(self.due):
+            self.due = [entry for entry in self.due if entry[3].heartbeat is self]
+            heapq.heapify(self.due)
+            self.stopped = 0
         interval = _interval(lease)
         when = loop.time() + interval
         self.sequence += 1
@@ -692,6 +698,10 @@ async def acall(
 
 # -- heartbeats -------------------------------------------------------------------------------
 
+
+_COMPACT_AT = 1024
+"""A heap of heartbeats to come is rebuilt without the stopped ones once they are this many
+and half of it: so its size follows the calls in flight, not the calls of the last interval."""
 
 _EARLY = 1 / 16
 """A beat may be sent up to this fraction of its interval early, with a beat due before it."""
@@ -829,6 +839,7 @@ class _HeartbeatScheduler:
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
         self._timer_running = False
+        self._stopped = 0  # beats in the heap whose lease was stopped (about: no lock)
         self._workers = 0
         self._idle = 0
         self._sequence = 0
@@ -848,6 +859,14 @@ class _HeartbeatScheduler:
                     target=self._run_timers, name="oncely-heartbeat", daemon=True
                 ).start()
                 self._timer_running = True
+            if self._stopped > _COMPACT_AT and self._stopped * 2 > len(self._timers):
+                self._timers = [
+                    entry
+                    for entry in self._timers
+                    if type(entry[2]) is not _Beating or entry[2].active
+                ]
+                heapq.heapify(self._timers)
+                self._stopped = 0
             if self._at(now + interval, beating):
                 self._timer_wakeup.notify()
         return beating
@@ -860,6 +879,7 @@ class _HeartbeatScheduler:
         beating, lease.heartbeat = lease.heartbeat, None
         if type(beating) is _Beating:
             beating.active = False
+            self._stopped += 1
 
     def idle(self) -> bool:
         """Whether no extend is queued or in flight (for tests)."""
