@@ -367,11 +367,19 @@ class RawPostgres:
 
 
 class Decorated:
-    """A decorated function (sync only): its first call per key runs, the second replays."""
+    """A decorated function (sync, and async with *acall*): its first call per key runs, the
+    second replays."""
 
-    def __init__(self, name: str, call: Callable[[str], Any], key_prefix: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        call: Callable[[str], Any],
+        key_prefix: str = "",
+        acall: Callable[[str], Awaitable[Any]] | None = None,
+    ) -> None:
         self.name = name
         self.call = call
+        self.acall = acall
         self.key_prefix = key_prefix
         self.runs = 0
 
@@ -385,21 +393,33 @@ class Decorated:
         self.call(key)
 
     async def acycle(self, key: str) -> None:
-        raise NotImplementedError
+        if self.acall is None:
+            raise NotImplementedError
+        await self.acall(key)
 
     async def areplay(self, key: str) -> None:
-        raise NotImplementedError
+        await self.acycle(key)
 
 
 def oncely_decorated(store: Any) -> Decorated:
-    """``@oncely.idempotent`` around a payment function, with its default policy."""
+    """``@oncely.idempotent`` around a payment function, sync and async, default policy."""
+    options: dict[str, Any] = {"store": store, "key": "payment_id", "ttl": TTL, "lease": LEASE}
 
-    @oncely.idempotent(store=store, key="payment_id", ttl=TTL, lease=LEASE)
+    @oncely.idempotent(**options)
     def charge(payment_id: str, amount_cents: int) -> dict[str, Any]:
         subject.runs += 1
         return {"payment_id": payment_id, "status": "captured", "amount_cents": amount_cents}
 
-    subject = Decorated("oncely @idempotent", lambda key: charge(key, 1250))
+    @oncely.idempotent(**options)
+    async def acharge(payment_id: str, amount_cents: int) -> dict[str, Any]:
+        subject.runs += 1
+        return {"payment_id": payment_id, "status": "captured", "amount_cents": amount_cents}
+
+    subject = Decorated(
+        "oncely @idempotent",
+        lambda key: charge(key, 1250),
+        acall=lambda key: acharge(key, 1250),
+    )
     return subject
 
 
@@ -533,12 +553,16 @@ def _sync_pair(subject: Subject, batch: list[str], concurrency: int) -> tuple[Sa
     runs = subject.runs if isinstance(subject, Decorated) else 0
     cycle = run_sync(subject.cycle, batch, concurrency)
     replay = run_sync(subject.replay, batch, concurrency)
+    _check_runs(subject, runs, batch)
+    return cycle, replay
+
+
+def _check_runs(subject: Subject, runs: int, batch: list[str]) -> None:
     if isinstance(subject, Decorated) and subject.runs - runs != len(batch):
         raise BenchError(
             f"{subject.name}: {subject.runs - runs} executions for {len(batch)} new keys, "
             "each called twice"
         )
-    return cycle, replay
 
 
 def bench_sync(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) -> None:
@@ -582,12 +606,16 @@ async def bench_async(plan: Plan, results: Results, keys: Keys, ops: int, rounds
         await plan.open_async()
         for mode, concurrency in ((MODES[2], 1), (MODES[3], CONCURRENCY)):
             subjects: list[Subject] = [plan.raw, plan.oncely]
+            if concurrency == 1:
+                subjects += [each for each in plan.decorated if each.acall is not None]
             warm = max(CONCURRENCY * 4, ops)
             for round_number in range(-1, rounds):  # round -1 is the warm-up
                 for subject in _rotated(subjects, max(round_number, 0)):
                     batch = keys.fresh(subject, warm if round_number < 0 else ops)
+                    runs = subject.runs if isinstance(subject, Decorated) else 0
                     cycle = await run_async(subject.acycle, batch, concurrency)
                     replay = await run_async(subject.areplay, batch, concurrency)
+                    _check_runs(subject, runs, batch)
                     if round_number >= 0:
                         results.add(plan.store, mode, "cycle", subject.name, cycle)
                         results.add(plan.store, mode, "replay", subject.name, replay)
@@ -701,7 +729,7 @@ def memory_sections(memory: MemoryFigures, verdicts: list[Verdict]) -> list[str]
                 verdicts.append(Verdict(f"memory://, {what}: oncely/reference", value, target))
             lines.append(
                 f"| {_tree_label(tree)} | {what} | {statistics.median(ref):.1f} "
-                f"| {statistics.median(mine):.1f} | {_ratio_cell(per_round)} "
+                f"| {statistics.median(mine):.1f} | {_ratio_cell(per_round, 3)} "
                 f"| ≥ {target:g}: {_verdict(value, target)} |"
             )
     lines += [
@@ -825,7 +853,6 @@ def redis_plan(servers: Servers, run_id: str, ops: int, cluster: bool) -> Iterat
         plan.decorated.append(oncely_decorated(store))
         powertools = powertools_decorated(url, f"oncely-bench-{run_id}-pt")
         if isinstance(powertools, str):
-            plan.decorated = []  # the decorator table needs both libraries
             plan.note = powertools
             _log(f"  Powertools column skipped: {powertools}")
         else:
@@ -1054,12 +1081,12 @@ def tiered_table(results: Results, verdicts: list[Verdict]) -> list[str]:
 
 def decorator_table(results: Results) -> list[str]:
     subjects = ["raw", "oncely", "oncely @idempotent", "Powertools idempotent_function"]
-    mode = MODES[0]
-    if not results.get("Redis", mode, "cycle", subjects[3]):
+    if not results.get("Redis", MODES[0], "cycle", subjects[2]):
         return []
     lines = [
-        "| operation | subject | round trips | ops/s | p50 µs | p99 µs | ratio to raw (IQR) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| mode | operation | subject | round trips | ops/s | p50 µs | p99 µs "
+        "| ratio to raw (IQR) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     trips = {
         ("cycle", "raw"): "2",
@@ -1071,7 +1098,7 @@ def decorator_table(results: Results) -> list[str]:
         ("replay", "oncely @idempotent"): "1",
         ("replay", "Powertools idempotent_function"): "3",
     }
-    for op in OPS:
+    for mode, op in itertools.product((MODES[0], MODES[2]), OPS):
         raw = results.get("Redis", mode, op, "raw")
         for subject in subjects:
             samples = results.get("Redis", mode, op, subject)
@@ -1079,7 +1106,7 @@ def decorator_table(results: Results) -> list[str]:
                 continue
             label = "oncely store verbs" if subject == "oncely" else subject
             lines.append(
-                f"| {OP_LABELS[op]} | {label} | {trips[(op, subject)]} "
+                f"| {mode} | {OP_LABELS[op]} | {label} | {trips[(op, subject)]} "
                 f"| {_n(median_of(samples, 'ops_per_s'))} | {_us(median_of(samples, 'p50_us'))} "
                 f"| {_us(median_of(samples, 'p99_us'))} | {_ratio_cell(ratios(samples, raw))} |"
             )
@@ -1087,15 +1114,18 @@ def decorator_table(results: Results) -> list[str]:
 
 
 def decorator_section(results: Results, note: str) -> list[str]:
-    lines = ["## Decorated function, Redis, sync x1 (reference)", ""]
+    lines = ["## Decorated function, Redis, x1 (reference)", ""]
     lines += [f"Note: {each}\n" for each in results.notes.get("Redis", [])]
     table = decorator_table(results)
     if not table:
         return [*lines, f"Not measured: {note or 'Redis was not measured'}"]
+    if note:
+        lines += [f"Powertools: not measured ({note.split(':')[0]}).", ""]
     return [
         *lines,
         "The same payment function decorated by oncely's `@idempotent` (default policy: JSON "
-        "codec, fingerprint of all arguments, heartbeat) and by AWS Powertools' "
+        "codec, fingerprint of all arguments, heartbeat; sync, and async with an async "
+        "function) and (sync) by AWS Powertools' "
         "`idempotent_function` with `CachePersistenceLayer` (its Redis layer: key JMESPath, "
         "in-progress expiry from a stand-in Lambda context, no local cache), next to the store "
         "verbs and the raw driver of the same rounds. Powertools runs without "
@@ -1171,8 +1201,9 @@ def render(results: Results, context: dict[str, Any], memory: MemoryFigures | No
         lines.append("- nothing was measured")
     for verdict in verdicts:
         unit = "x" if verdict.target == TARGET_TIERED else ""
+        digits = 3 if verdict.what.startswith("memory") else 2
         lines.append(
-            f"- {verdict.what} ≥ {verdict.target:g}{unit}: {verdict.value:.2f}{unit} "
+            f"- {verdict.what} ≥ {verdict.target:g}{unit}: {verdict.value:.{digits}f}{unit} "
             f"({_verdict(verdict.value, verdict.target)})"
         )
     for store, reason in results.failures.items():
