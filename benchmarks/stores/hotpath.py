@@ -227,7 +227,7 @@ def calls_per_call() -> dict[str, list[int]]:
 
 STAGES = {
     "new": [
-        ("arguments", "the key and fingerprint of the arguments (`_CallPlan.prepare`)"),
+        ("arguments", "the key and fingerprint of the arguments (`_CallPlan.invocation`)"),
         ("claim", "the store's claim (a new key: the lease; a replay: the record)"),
         ("lease", "the lease, and the heartbeat started and stopped"),
         ("run", "the function itself, under `current_lease`"),
@@ -235,7 +235,7 @@ STAGES = {
         ("complete", "the store's complete"),
     ],
     "replay": [
-        ("arguments", "the key and fingerprint of the arguments (`_CallPlan.prepare`)"),
+        ("arguments", "the key and fingerprint of the arguments (`_CallPlan.invocation`)"),
         ("claim", "the store's claim (a new key: the lease; a replay: the record)"),
         ("decode", "the duplicate logged, the stored value decoded (`suppressed`, `replay`)"),
     ],
@@ -265,7 +265,7 @@ def stages(ops: int) -> dict[str, float]:
     def sync_call(key: str) -> None:
         policy, store = plan.policy, plan.store
         marks = [("", clock())]
-        scoped, fingerprint = plan.prepare((key, 1250), {}, None)
+        _, scoped, fingerprint, *_ = plan.invocation((key, 1250), {}, None)
         marks.append(("arguments", clock()))
         answer = store.claim(scoped, fingerprint, lease=policy.lease, ttl=policy.ttl)
         marks.append(("claim", clock()))
@@ -291,7 +291,7 @@ def stages(ops: int) -> dict[str, float]:
     async def async_call(key: str) -> None:
         policy, store = aplan.policy, aplan.store
         marks = [("", clock())]
-        scoped, fingerprint = aplan.prepare((key, 1250), {}, None)
+        _, scoped, fingerprint, *_ = aplan.invocation((key, 1250), {}, None)
         marks.append(("arguments", clock()))
         answer = await store.aclaim(scoped, fingerprint, lease=policy.lease, ttl=policy.ttl)
         marks.append(("claim", clock()))
@@ -310,7 +310,7 @@ def stages(ops: int) -> dict[str, float]:
         lease.settling = True
         await store.acomplete(scoped, lease.token, payload, ttl=policy.ttl)
         marks.append(("complete", clock()))
-        await _execution._stop_async_heartbeat(lease)
+        _execution._stop_async_heartbeat(lease)  # the task never starts: nothing to await
         marks.append(("lease", clock()))
         return add("async new", marks)
 

@@ -498,7 +498,9 @@ async def aperform(
         _start_async_heartbeat(store, op.state)
         return None
     if kind is StopHeartbeat:
-        await _stop_async_heartbeat(op.state)
+        started = _stop_async_heartbeat(op.state)
+        if started is not None:
+            await asyncio.wait((started,))
         return None
     if kind is Sleep:
         await asyncio.sleep(op.seconds)
@@ -506,15 +508,18 @@ async def aperform(
     raise TypeError(f"cannot perform {op!r}")
 
 
-async def _stop_async_heartbeat(state: Lease) -> None:
+def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
+    """Stop the heartbeat of *state*; return its task, cancelled, if it had started: the caller
+    awaits ``asyncio.wait((task,))`` (not the task under ``suppress(CancelledError)``, which
+    would also swallow a cancellation of the caller landing meanwhile), so that no extend is
+    in flight once it returns. Most calls end before their heartbeat task starts: no await."""
     beat, state.heartbeat = state.heartbeat, None
     if isinstance(beat, asyncio.Future):  # the heartbeat task
         beat.cancel()
-        # Not `await beat` under suppress(CancelledError): that would also swallow a
-        # cancellation of this task landing meanwhile. wait() raises only that one.
-        await asyncio.wait((beat,))
-    elif type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
+        return beat
+    if type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
         beat.stopped += 1
+    return None
 
 
 async def shielded(call: Awaitable[T]) -> T:
@@ -692,7 +697,9 @@ async def acall(
         if lost is not None:
             await arun(settle(lease, "complete", payload, policy, (lost, None)), store)
         elif lease.heartbeat is not None:
-            await _stop_async_heartbeat(lease)
+            started = _stop_async_heartbeat(lease)
+            if started is not None:
+                await asyncio.wait((started,))
     return value
 
 

@@ -150,22 +150,8 @@ class _CallPlan:
     def invocation(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: str | None
     ) -> tuple[Any, str, str, Policy, Codec, Any, Callable[[], Any]]:
-        """The arguments of `_execution.call` (or ``acall``) for a call."""
-        key, fingerprint = self.prepare(args, kwargs, explicit)
-        return (
-            self.store if _switches.store is None else _switches.store,
-            key,
-            fingerprint,
-            self.policy,
-            self.codec,
-            self.annotation,
-            lambda: self.fn(*args, **kwargs),
-        )
-
-    def prepare(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: str | None
-    ) -> tuple[str, str]:
-        """The scoped key and the fingerprint of a call."""
+        """The arguments of `_execution.call` (or ``acall``) for a call: the store, the scoped
+        key, the fingerprint..."""
         arguments = self.arguments(args, kwargs)
         if explicit is not None:
             key = explicit
@@ -184,15 +170,24 @@ class _CallPlan:
         ):  # else `validate_key` says why, or `name_key` makes it one
             key = validate_key(name_key(key))
         names = self._fingerprinted
-        if names is None:
-            spec = self.fingerprint
-            if spec is None:
-                return self._prefix + key, ""
+        if names is not None:
+            if not self._all_fingerprinted:
+                arguments = {name: arguments[name] for name in names}
+            fingerprint = arguments_digest(arguments)
+        elif self.fingerprint is None:
+            fingerprint = ""
+        else:
             positional, named = self.call_arguments(arguments)
-            return self._prefix + key, digest([spec(*positional, **named)])  # type: ignore[operator]
-        if not self._all_fingerprinted:
-            arguments = {name: arguments[name] for name in names}
-        return self._prefix + key, arguments_digest(arguments)
+            fingerprint = digest([self.fingerprint(*positional, **named)])  # type: ignore[operator]
+        return (
+            self.store if _switches.store is None else _switches.store,
+            self._prefix + key,
+            fingerprint,
+            self.policy,
+            self.codec,
+            self.annotation,
+            lambda: self.fn(*args, **kwargs),
+        )
 
     @functools.cached_property
     def annotation(self) -> Any:
