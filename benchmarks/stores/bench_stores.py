@@ -1148,6 +1148,7 @@ def render(results: Results, context: dict[str, Any], memory: MemoryFigures | No
         "",
         "## Machine",
         "",
+        f"- run: `{context['command']}`, {context['started']}, {context['elapsed']:.0f} s",
         *[f"- {line}" for line in context["machine"]],
         f"- servers (loopback): {context['servers']}",
         f"- packages: {context['packages']}",

@@ -16,7 +16,7 @@ import pytest
 from benchmarks.stores import hotpath
 
 BUDGET = {"sync new": 60, "sync replay": 40, "async new": 60, "async replay": 40}
-"""The issue's targets (measured at 56, 35, 59 and 36 when this was written)."""
+"""The issue's targets (measured at 50, 33, 52 and 34 when this was written)."""
 
 
 @pytest.fixture(autouse=True)
