@@ -340,13 +340,13 @@ def _unprotected(plan: _CallPlan) -> None:
 
 
 def _sync_wrapper(plan: _CallPlan) -> Any:
-    def keyed(explicit_key: str | None) -> Callable[..., Any]:
+    def keyed(key: str | None) -> Callable[..., Any]:
         @functools.wraps(plan.fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _switches.disabled:
                 _unprotected(plan)
                 return plan.fn(*args, **kwargs)
-            return _execution.call(*plan.invocation(args, kwargs, explicit_key))
+            return _execution.call(*plan.invocation(args, kwargs, key))
 
         return wrapper
 
@@ -354,13 +354,13 @@ def _sync_wrapper(plan: _CallPlan) -> Any:
 
 
 def _async_wrapper(plan: _CallPlan) -> Any:
-    def keyed(explicit_key: str | None) -> Callable[..., Any]:
+    def keyed(key: str | None) -> Callable[..., Any]:
         @functools.wraps(plan.fn)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _switches.disabled:
                 _unprotected(plan)
                 return await plan.fn(*args, **kwargs)
-            return await _execution.acall(*plan.invocation(args, kwargs, explicit_key))
+            return await _execution.acall(*plan.invocation(args, kwargs, key))
 
         return wrapper
 

@@ -912,3 +912,21 @@ def test_a_call_bind_refuses_raises_its_type_error(
     with pytest.raises(TypeError) as raised:
         plan.arguments(args, kwargs)
     assert str(raised.value) == str(expected.value)
+
+
+def test_with_key_takes_its_key_by_name() -> None:
+    runs: list[str] = []
+
+    @oncely.idempotent(store=MemoryStore(), key="payment_id", fingerprint=None)
+    def charge(payment_id: str) -> str:
+        runs.append(payment_id)
+        return payment_id
+
+    @oncely.idempotent(store=MemoryStore(), key="payment_id")
+    async def acharge(payment_id: str) -> str:
+        return payment_id
+
+    assert charge.with_key(key="explicit")("p-1") == "p-1"
+    assert charge.with_key(key="explicit")("p-2") == "p-1"  # the explicit key replays
+    assert runs == ["p-1"]
+    assert asyncio.run(acharge.with_key(key="explicit")("p-1")) == "p-1"
