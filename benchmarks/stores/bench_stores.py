@@ -16,6 +16,13 @@ and, in the same round, the raw driver doing the same round trips on the same ki
 - PostgreSQL: ``INSERT … ON CONFLICT DO NOTHING RETURNING`` then ``UPDATE``; the replay is a
   ``SELECT`` of the row; both on a ``psycopg_pool`` pool of oncely's default sizes (1..10).
 
+On ``memory://`` (no server), it measures the decorator's own cost: ``@idempotent`` beside the
+hot-path issue's 25-line dict-based reference decorator (`hotpath.reference`), sync and async,
+new key and replay, as ratios to it; the Python function calls of one decorated call; and the
+microseconds each stage of a call takes. With ``--baseline DIR`` (a directory holding another
+oncely's ``src``, such as ``git archive main src | tar -x -C DIR``), that oncely is measured
+in the same run, its rounds interleaved with this one's, for before/after figures.
+
 It also measures the tiered store's replay (``tiered+redis://``, answered from memory) against
 the raw ``GET``, and, as a reference at the level of a decorated function (sequential, sync,
 Redis), oncely's ``@idempotent`` beside AWS Powertools' ``idempotent_function`` with its
@@ -38,10 +45,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import itertools
+import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -358,11 +367,19 @@ class RawPostgres:
 
 
 class Decorated:
-    """A decorated function (sync only): its first call per key runs, the second replays."""
+    """A decorated function (sync, and async with *acall*): its first call per key runs, the
+    second replays."""
 
-    def __init__(self, name: str, call: Callable[[str], Any], key_prefix: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        call: Callable[[str], Any],
+        key_prefix: str = "",
+        acall: Callable[[str], Awaitable[Any]] | None = None,
+    ) -> None:
         self.name = name
         self.call = call
+        self.acall = acall
         self.key_prefix = key_prefix
         self.runs = 0
 
@@ -376,21 +393,33 @@ class Decorated:
         self.call(key)
 
     async def acycle(self, key: str) -> None:
-        raise NotImplementedError
+        if self.acall is None:
+            raise NotImplementedError
+        await self.acall(key)
 
     async def areplay(self, key: str) -> None:
-        raise NotImplementedError
+        await self.acycle(key)
 
 
 def oncely_decorated(store: Any) -> Decorated:
-    """``@oncely.idempotent`` around a payment function, with its default policy."""
+    """``@oncely.idempotent`` around a payment function, sync and async, default policy."""
+    options: dict[str, Any] = {"store": store, "key": "payment_id", "ttl": TTL, "lease": LEASE}
 
-    @oncely.idempotent(store=store, key="payment_id", ttl=TTL, lease=LEASE)
+    @oncely.idempotent(**options)
     def charge(payment_id: str, amount_cents: int) -> dict[str, Any]:
         subject.runs += 1
         return {"payment_id": payment_id, "status": "captured", "amount_cents": amount_cents}
 
-    subject = Decorated("oncely @idempotent", lambda key: charge(key, 1250))
+    @oncely.idempotent(**options)
+    async def acharge(payment_id: str, amount_cents: int) -> dict[str, Any]:
+        subject.runs += 1
+        return {"payment_id": payment_id, "status": "captured", "amount_cents": amount_cents}
+
+    subject = Decorated(
+        "oncely @idempotent",
+        lambda key: charge(key, 1250),
+        acall=lambda key: acharge(key, 1250),
+    )
     return subject
 
 
@@ -524,12 +553,16 @@ def _sync_pair(subject: Subject, batch: list[str], concurrency: int) -> tuple[Sa
     runs = subject.runs if isinstance(subject, Decorated) else 0
     cycle = run_sync(subject.cycle, batch, concurrency)
     replay = run_sync(subject.replay, batch, concurrency)
+    _check_runs(subject, runs, batch)
+    return cycle, replay
+
+
+def _check_runs(subject: Subject, runs: int, batch: list[str]) -> None:
     if isinstance(subject, Decorated) and subject.runs - runs != len(batch):
         raise BenchError(
             f"{subject.name}: {subject.runs - runs} executions for {len(batch)} new keys, "
             "each called twice"
         )
-    return cycle, replay
 
 
 def bench_sync(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) -> None:
@@ -573,12 +606,16 @@ async def bench_async(plan: Plan, results: Results, keys: Keys, ops: int, rounds
         await plan.open_async()
         for mode, concurrency in ((MODES[2], 1), (MODES[3], CONCURRENCY)):
             subjects: list[Subject] = [plan.raw, plan.oncely]
+            if concurrency == 1:
+                subjects += [each for each in plan.decorated if each.acall is not None]
             warm = max(CONCURRENCY * 4, ops)
             for round_number in range(-1, rounds):  # round -1 is the warm-up
                 for subject in _rotated(subjects, max(round_number, 0)):
                     batch = keys.fresh(subject, warm if round_number < 0 else ops)
+                    runs = subject.runs if isinstance(subject, Decorated) else 0
                     cycle = await run_async(subject.acycle, batch, concurrency)
                     replay = await run_async(subject.areplay, batch, concurrency)
+                    _check_runs(subject, runs, batch)
                     if round_number >= 0:
                         results.add(plan.store, mode, "cycle", subject.name, cycle)
                         results.add(plan.store, mode, "replay", subject.name, replay)
@@ -599,6 +636,156 @@ def bench_plan(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) 
     bench_sync(plan, results, keys, ops, rounds)
     asyncio.run(bench_async(plan, results, keys, ops, rounds))
     _log(f"  {plan.store}: {time.perf_counter() - started:.0f} s")
+
+
+# -- memory://: the decorator's own cost ---------------------------------------------------------
+
+TARGET_MEMORY = {"new": 0.5, "replay": 0.7}
+"""The hot-path issue's targets: the decorator on memory:// over the dict reference."""
+CALL_BUDGET = {"new": 60, "replay": 40}
+"""... and the Python function calls of one decorated call, at most."""
+CALLS = ("sync new", "sync replay", "async new", "async replay")
+
+
+@dataclass
+class MemoryFigures:
+    """Per tree ("oncely", and "baseline" with ``--baseline``): its rounds' figures."""
+
+    rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    calls: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    stages: list[dict[str, float]] = field(default_factory=list)
+    ops: int = 0
+
+
+def _memory_round(src: Path, ops: int, turn: int, *options: str) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "hotpath.py"), "--ops", str(ops), "--turn", str(turn)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)])}
+    done = subprocess.run(
+        [*command, *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        raise BenchError(f"hotpath.py with {src} failed:\n{done.stderr}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def bench_memory(rounds: int, ops: int, baseline: Path | None) -> MemoryFigures:
+    """The decorator and the dict reference on memory://, one child process per tree and round
+    (trees alternate), so a baseline oncely is measured in the same run."""
+    trees = {"oncely": ROOT / "src"}
+    if baseline is not None:
+        trees["baseline"] = baseline / "src" if (baseline / "src").is_dir() else baseline
+    figures = MemoryFigures(ops=ops)
+    _log(f"memory://: {rounds} rounds of {ops} calls per subject, trees: {', '.join(trees)}")
+    for number in range(rounds):
+        for name in _rotated(list(trees), number):
+            found = _memory_round(
+                trees[name], ops, number, "--calls", *(["--stages"] if name == "oncely" else [])
+            )
+            figures.rounds.setdefault(name, []).append(found["round"])
+            figures.calls[name] = found["calls"]
+            if name == "oncely":
+                figures.stages.append(found["stages"])
+    _log("  memory://: done")
+    return figures
+
+
+def _tree_label(tree: str) -> str:
+    return "oncely (this tree)" if tree == "oncely" else "oncely (baseline)"
+
+
+def memory_sections(memory: MemoryFigures, verdicts: list[Verdict]) -> list[str]:
+    lines = [
+        "## Decorator on memory://",
+        "",
+        "The payment function decorated by `@idempotent` on `memory://` (default policy) and by "
+        "the dict-based reference decorator of the hot-path issue (it binds the signature, "
+        "fingerprints the arguments with JSON and SHA-256, keeps records in a dict under a "
+        "lock: `benchmarks/stores/hotpath.py`), one worker; a new key is a first call, a "
+        f"replay a second call of the same key. {len(memory.rounds['oncely'])} rounds of "
+        f"{memory.ops:,} calls per subject, each round in a process of its own"
+        + (
+            ", the rounds of the two oncely trees alternating"
+            if "baseline" in memory.rounds
+            else ""
+        )
+        + ". µs per call are medians over the rounds; the ratio is reference µs / oncely µs "
+        "per round (median, interquartile range in brackets).",
+        "",
+        "| subject | call | reference µs | oncely µs | oncely/reference (IQR) | target |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for tree, rounds in memory.rounds.items():
+        for what in CALLS:
+            mine = [each[f"oncely {what}"] for each in rounds]
+            ref = [each[f"reference {what}"] for each in rounds]
+            per_round = [r / m for r, m in zip(ref, mine, strict=True)]
+            target = TARGET_MEMORY[what.split()[1]]
+            value = statistics.median(per_round)
+            if tree == "oncely":
+                verdicts.append(Verdict(f"memory://, {what}: oncely/reference", value, target))
+            lines.append(
+                f"| {_tree_label(tree)} | {what} | {statistics.median(ref):.1f} "
+                f"| {statistics.median(mine):.1f} | {_ratio_cell(per_round, 3)} "
+                f"| ≥ {target:g}: {_verdict(value, target)} |"
+            )
+    lines += [
+        "",
+        "## Python calls per decorated call",
+        "",
+        "Counted with `sys.setprofile` over one call of the decorated function on `memory://` "
+        "(its own call included; a generator resumed counts as a call), after warm-up. "
+        "`tests/decorator/test_call_budget.py` pins the counts of this tree.",
+        "",
+        "| subject | call | Python calls | C calls | budget |",
+        "|---|---|---:|---:|---|",
+    ]
+    for tree, calls in memory.calls.items():
+        for what in CALLS:
+            python, c = calls[what]
+            budget = CALL_BUDGET[what.split()[1]]
+            lines.append(
+                f"| {_tree_label(tree)} | {what} | {python} | {c} "
+                f"| ≤ {budget}: {'met' if python <= budget else '**MISSED**'} |"
+            )
+    lines += ["", *stage_table(memory.stages), ""]
+    return lines
+
+
+def stage_table(samples: list[dict[str, float]]) -> list[str]:
+    from hotpath import STAGES
+
+    lines = [
+        "## µs per stage per call",
+        "",
+        "The steps of the straight line a decorated call runs on `memory://`, taken one by one "
+        "with a clock read between them (`hotpath.stages`: the medians over the calls of a "
+        "round, then over the rounds). The total is that of the steps so timed; the whole "
+        "decorated call, timed apart, is in the table above (the difference is the wrapper "
+        "itself: the switches, the closure that calls the function).",
+        "",
+        "| stage | what | sync new | async new | sync replay | async replay |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    named = dict(STAGES["new"] + STAGES["replay"])
+
+    def cell(key: str) -> str:
+        values = [each[key] for each in samples if key in each]
+        return f"{statistics.median(values):.2f}" if values else ""
+
+    for stage, what in named.items():
+        lines.append(
+            f"| {stage} | {what} | {cell(f'sync new {stage}')} | {cell(f'async new {stage}')} "
+            f"| {cell(f'sync replay {stage}')} | {cell(f'async replay {stage}')} |"
+        )
+    lines.append(
+        f"| total | | {cell('sync new total')} | {cell('async new total')} "
+        f"| {cell('sync replay total')} | {cell('async replay total')} |"
+    )
+    return lines
 
 
 # -- the servers -------------------------------------------------------------------------------
@@ -666,7 +853,6 @@ def redis_plan(servers: Servers, run_id: str, ops: int, cluster: bool) -> Iterat
         plan.decorated.append(oncely_decorated(store))
         powertools = powertools_decorated(url, f"oncely-bench-{run_id}-pt")
         if isinstance(powertools, str):
-            plan.decorated = []  # the decorator table needs both libraries
             plan.note = powertools
             _log(f"  Powertools column skipped: {powertools}")
         else:
@@ -895,12 +1081,12 @@ def tiered_table(results: Results, verdicts: list[Verdict]) -> list[str]:
 
 def decorator_table(results: Results) -> list[str]:
     subjects = ["raw", "oncely", "oncely @idempotent", "Powertools idempotent_function"]
-    mode = MODES[0]
-    if not results.get("Redis", mode, "cycle", subjects[3]):
+    if not results.get("Redis", MODES[0], "cycle", subjects[2]):
         return []
     lines = [
-        "| operation | subject | round trips | ops/s | p50 µs | p99 µs | ratio to raw (IQR) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| mode | operation | subject | round trips | ops/s | p50 µs | p99 µs "
+        "| ratio to raw (IQR) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     trips = {
         ("cycle", "raw"): "2",
@@ -912,7 +1098,7 @@ def decorator_table(results: Results) -> list[str]:
         ("replay", "oncely @idempotent"): "1",
         ("replay", "Powertools idempotent_function"): "3",
     }
-    for op in OPS:
+    for mode, op in itertools.product((MODES[0], MODES[2]), OPS):
         raw = results.get("Redis", mode, op, "raw")
         for subject in subjects:
             samples = results.get("Redis", mode, op, subject)
@@ -920,7 +1106,7 @@ def decorator_table(results: Results) -> list[str]:
                 continue
             label = "oncely store verbs" if subject == "oncely" else subject
             lines.append(
-                f"| {OP_LABELS[op]} | {label} | {trips[(op, subject)]} "
+                f"| {mode} | {OP_LABELS[op]} | {label} | {trips[(op, subject)]} "
                 f"| {_n(median_of(samples, 'ops_per_s'))} | {_us(median_of(samples, 'p50_us'))} "
                 f"| {_us(median_of(samples, 'p99_us'))} | {_ratio_cell(ratios(samples, raw))} |"
             )
@@ -928,15 +1114,18 @@ def decorator_table(results: Results) -> list[str]:
 
 
 def decorator_section(results: Results, note: str) -> list[str]:
-    lines = ["## Decorated function, Redis, sync x1 (reference)", ""]
+    lines = ["## Decorated function, Redis, x1 (reference)", ""]
     lines += [f"Note: {each}\n" for each in results.notes.get("Redis", [])]
     table = decorator_table(results)
     if not table:
         return [*lines, f"Not measured: {note or 'Redis was not measured'}"]
+    if note:
+        lines += [f"Powertools: not measured ({note.split(':')[0]}).", ""]
     return [
         *lines,
         "The same payment function decorated by oncely's `@idempotent` (default policy: JSON "
-        "codec, fingerprint of all arguments, heartbeat) and by AWS Powertools' "
+        "codec, fingerprint of all arguments, heartbeat; sync, and async with an async "
+        "function) and (sync) by AWS Powertools' "
         "`idempotent_function` with `CachePersistenceLayer` (its Redis layer: key JMESPath, "
         "in-progress expiry from a stand-in Lambda context, no local cache), next to the store "
         "verbs and the raw driver of the same rounds. Powertools runs without "
@@ -949,7 +1138,7 @@ def decorator_section(results: Results, note: str) -> list[str]:
     ]
 
 
-def render(results: Results, context: dict[str, Any]) -> str:
+def render(results: Results, context: dict[str, Any], memory: MemoryFigures | None = None) -> str:
     verdicts: list[Verdict] = []
     lines = [
         "# Store benchmark",
@@ -959,6 +1148,7 @@ def render(results: Results, context: dict[str, Any]) -> str:
         "",
         "## Machine",
         "",
+        f"- run: `{context['command']}`, {context['started']}, {context['elapsed']:.0f} s",
         *[f"- {line}" for line in context["machine"]],
         f"- servers (loopback): {context['servers']}",
         f"- packages: {context['packages']}",
@@ -986,6 +1176,8 @@ def render(results: Results, context: dict[str, Any]) -> str:
         "memory takes microseconds).",
         "",
     ]
+    if memory is not None:
+        lines += memory_sections(memory, verdicts)
     for store in context["stores"]:
         lines += [f"## {store}", ""]
         if store in results.failures:
@@ -1010,8 +1202,9 @@ def render(results: Results, context: dict[str, Any]) -> str:
         lines.append("- nothing was measured")
     for verdict in verdicts:
         unit = "x" if verdict.target == TARGET_TIERED else ""
+        digits = 3 if verdict.what.startswith("memory") else 2
         lines.append(
-            f"- {verdict.what} ≥ {verdict.target:g}{unit}: {verdict.value:.2f}{unit} "
+            f"- {verdict.what} ≥ {verdict.target:g}{unit}: {verdict.value:.{digits}f}{unit} "
             f"({_verdict(verdict.value, verdict.target)})"
         )
     for store, reason in results.failures.items():
@@ -1039,8 +1232,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--stores",
         nargs="+",
-        choices=["redis", "postgres", "cluster"],
-        default=["redis", "postgres", "cluster"],
+        choices=["memory", "redis", "postgres", "cluster"],
+        default=["memory", "redis", "postgres", "cluster"],
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a directory holding another oncely's src/, measured beside this one on memory://",
     )
     parser.add_argument(
         "--redis-url",
@@ -1078,12 +1276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.perf_counter()
     servers = Servers(args.redis_url, args.postgres_url, args.cluster_url)
-    status = probe(servers, args.stores)
+    status = probe(servers, [name for name in args.stores if name != "memory"])
     results = Results()
     keys = Keys(run_id)
     context: dict[str, Any] = {}
     labels = {"redis": "Redis", "postgres": "PostgreSQL", "cluster": "Redis Cluster"}
-    for name in args.stores:
+    memory: MemoryFigures | None = None
+    if "memory" in args.stores:
+        memory = bench_memory(args.rounds, max(args.per_round, 2000), args.baseline)
+    for name in [name for name in args.stores if name != "memory"]:
         label = labels[name]
         if status.get(name):
             results.failures[label] = f"the server did not answer: {status[name]}"
@@ -1118,9 +1319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops=args.ops,
         rounds=args.rounds,
         per_round=args.per_round,
-        stores=[labels[name] for name in args.stores],
+        stores=[labels[name] for name in args.stores if name != "memory"],
     )
-    report = render(results, context)
+    report = render(results, context, memory)
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import heapq
+import logging
+import math
 import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +28,15 @@ from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Replay,
+    Status,
+)
 from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
@@ -110,9 +121,13 @@ class Lease:
     """Set once a settle call may have been sent: from then on only the settle's answer counts
     (an extend that lands after a complete answers `LeaseLost`, and means nothing)."""
 
+    viewed: CurrentLease | None = None
+
     def view(self) -> CurrentLease:
-        """The public, read-only view of this lease."""
-        return CurrentLease(self.key, self.token, self.attempt, self.recovered)
+        """The public, read-only view of this lease (made once, when first asked for)."""
+        if self.viewed is None:
+            self.viewed = CurrentLease(self.key, self.token, self.attempt, self.recovered)
+        return self.viewed
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +149,7 @@ class CurrentLease:
     recovered: bool
 
 
-_CURRENT: contextvars.ContextVar[CurrentLease | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "oncely_current_lease", default=None
 )
 
@@ -151,42 +166,35 @@ def current_lease() -> CurrentLease | None:
 
     .. versionadded:: 0.1.0
     """
-    return _CURRENT.get()
+    lease = _CURRENT.get()
+    return None if lease is None else lease.view()
 
 
 # -- flows ------------------------------------------------------------------------------------
 
 
-def acquire(key: str, fingerprint: str, policy: Policy) -> Flow[Lease | Replay]:
-    """Claim *key*; wait or raise on a live lease as the policy says; raise on a mismatch."""
+def acquire(
+    key: str, fingerprint: str, policy: Policy, first: ClaimResult | None = None
+) -> Flow[Lease | Replay]:
+    """Claim *key*; wait or raise on a live lease as the policy says; raise on a mismatch.
+
+    *first* is the answer to a first claim already sent (see `call`): the flow goes on from it.
+    """
     deadline = time.monotonic() + policy.wait_timeout.total_seconds()
     backoff = 0.01
+    answer = first
     while True:
-        answer = yield StoreCall(
-            "claim", (key, fingerprint), {"lease": policy.lease, "ttl": policy.ttl}
-        )
+        if answer is None:
+            answer = yield StoreCall(
+                "claim", (key, fingerprint), {"lease": policy.lease, "ttl": policy.ttl}
+            )
         if isinstance(answer, Acquired):
-            lease = Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
-            if answer.recovered:
-                logger.warning(
-                    "lease recovered key=%s token=%d attempt=%d",
-                    key,
-                    answer.token,
-                    answer.attempt,
-                    extra=fields(
-                        key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"
-                    ),
-                )
+            lease = acquired(key, answer, policy)
             if policy.heartbeat:
                 yield StartHeartbeat(lease)
             return lease
         if isinstance(answer, Replay):
-            logger.info(
-                "duplicate suppressed key=%s status=%s",
-                key,
-                answer.record.status.value,
-                extra=fields(key=key, token=answer.record.token, outcome=answer.record.status),
-            )
+            suppressed(key, answer)
             return answer
         if isinstance(answer, Mismatch):
             logger.info(
@@ -203,10 +211,44 @@ def acquire(key: str, fingerprint: str, policy: Policy) -> Flow[Lease | Replay]:
             raise InProgressError(key, retry_after=answer.retry_after)
         yield Sleep(min(answer.retry_after.total_seconds(), backoff, remaining))
         backoff = min(backoff * 2, 1.0)
+        answer = None
 
 
-def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Flow[None]:
+def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
+    """The lease of a claim that answered *answer* (logged if it was recovered)."""
+    if answer.recovered:
+        logger.warning(
+            "lease recovered key=%s token=%d attempt=%d",
+            key,
+            answer.token,
+            answer.attempt,
+            extra=fields(key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"),
+        )
+    return Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
+
+
+def suppressed(key: str, answer: Replay) -> None:
+    """Log a duplicate answered from its finished record."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "duplicate suppressed key=%s status=%s",
+            key,
+            answer.record.status.value,
+            extra=fields(key=key, token=answer.record.token, outcome=answer.record.status),
+        )
+
+
+def settle(
+    lease: Lease,
+    verb: str,
+    payload: bytes | None,
+    policy: Policy,
+    first: tuple[LeaseLost | None, BaseException | None] | None = None,
+) -> Flow[None]:
     """Complete, fail or release *lease*, retrying while the store is briefly unavailable.
+
+    *first* is the outcome (answer, or the exception it raised) of a first call already sent
+    (see `call`): the flow goes on from it.
 
     Raises:
         LeaseLostError: The lease was lost before the operation could be completed or failed.
@@ -221,7 +263,12 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
     try:
         for delay in (*SETTLE_RETRY_DELAYS, None):
             try:
-                answer = yield call
+                if first is None:
+                    answer = yield call
+                else:
+                    (answer, error), first = first, None
+                    if error is not None:
+                        raise error
             except StoreUnavailableError:
                 retried = True
                 if delay is None:
@@ -266,8 +313,13 @@ def settle(lease: Lease, verb: str, payload: bytes | None, policy: Policy) -> Fl
 
 def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy) -> Flow[None]:
     """Store *value* as the outcome; a value that cannot be encoded is stored as unavailable."""
+    yield from settle(lease, "complete", outcome_of(lease, value, codec), policy)
+
+
+def outcome_of(lease: Lease, value: Any, codec: _codec.Codec) -> bytes:
+    """*value* framed as the stored outcome, or the unavailable marker if it cannot be encoded."""
     try:
-        payload = _codec.encode_value(codec.encode(value))
+        return _codec.encode_value(codec.encode(value))
     except Exception as exc:
         logger.warning(
             "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
@@ -275,8 +327,7 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
             exc,
             extra=fields(key=lease.key, token=lease.token, outcome="unserialisable"),
         )
-        payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-    yield from settle(lease, "complete", payload, policy)
+        return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
 
 
 def settle_error(lease: Lease, exc: BaseException, policy: Policy) -> Flow[None]:
@@ -314,10 +365,19 @@ def _chain(exc: BaseException, settle_exc: BaseException) -> None:
 
 
 def protected_call(
-    key: str, fingerprint: str, policy: Policy, codec: _codec.Codec, annotation: Any
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    first: ClaimResult | None = None,
 ) -> Flow[Any]:
-    """The whole decorated call: acquire, invoke, settle; or replay."""
-    outcome = yield from acquire(key, fingerprint, policy)
+    """The whole decorated call: acquire, invoke, settle; or replay.
+
+    `call` and `acall` run the common cases (a new key, a replay) in a straight line, and this
+    flow for the others, from the first claim's answer *first*.
+    """
+    outcome = yield from acquire(key, fingerprint, policy, first)
     if isinstance(outcome, Replay):
         return replay(outcome, codec, annotation, policy)
     try:
@@ -332,6 +392,9 @@ def protected_call(
 def replay(outcome: Replay, codec: _codec.Codec, annotation: Any, policy: Policy) -> Any:
     """Return the stored value, or raise the stored final error, of a finished operation."""
     record = outcome.record
+    body = _codec.value_body(record.result) if record.status is Status.COMPLETED else None
+    if body is not None:  # the common case, without decoding the outcome's frame
+        return decoded(record.key, codec, body, annotation)
     try:
         stored = _codec.decode_outcome(record.result)
     except ValueError as exc:
@@ -340,12 +403,15 @@ def replay(outcome: Replay, codec: _codec.Codec, annotation: Any, policy: Policy
         raise ResultUnavailableError(record.key, stored.reason)
     if stored.kind == "error" or record.status is Status.FAILED:
         raise rebuild_error(record.key, stored, policy)
+    return decoded(record.key, codec, stored.body, annotation)
+
+
+def decoded(key: str, codec: _codec.Codec, body: bytes, annotation: Any) -> Any:
+    """The stored value *body* of *key*, decoded."""
     try:
-        return codec.decode(stored.body, annotation)
+        return codec.decode(body, annotation)
     except Exception as exc:
-        raise ResultUnavailableError(
-            record.key, f"the stored value cannot be decoded: {exc}"
-        ) from exc
+        raise ResultUnavailableError(key, f"the stored value cannot be decoded: {exc}") from exc
 
 
 def rebuild_error(key: str, stored: _codec.Outcome, policy: Policy) -> BaseException:
@@ -387,7 +453,7 @@ def perform(op: Any, store: SyncStore, invoke: Callable[[], Any] | None = None) 
 
 def invoke_under(lease: Lease, call: Callable[..., T], *args: Any) -> T:
     """Call ``call(*args)`` with *lease* as `current_lease`."""
-    reset = _CURRENT.set(lease.view())
+    reset = _CURRENT.set(lease)
     try:
         return call(*args)
     finally:
@@ -432,19 +498,28 @@ async def aperform(
         _start_async_heartbeat(store, op.state)
         return None
     if kind is StopHeartbeat:
-        beat, op.state.heartbeat = op.state.heartbeat, None
-        if isinstance(beat, asyncio.Future):  # the heartbeat task
-            beat.cancel()
-            # Not `await beat` under suppress(CancelledError): that would also swallow a
-            # cancellation of this task landing meanwhile. wait() raises only that one.
-            await asyncio.wait((beat,))
-        elif beat is not None:  # the timer (any loop's TimerHandle) that would start it
-            beat.cancel()
+        started = _stop_async_heartbeat(op.state)
+        if started is not None:
+            await asyncio.wait((started,))
         return None
     if kind is Sleep:
         await asyncio.sleep(op.seconds)
         return None
     raise TypeError(f"cannot perform {op!r}")
+
+
+def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
+    """Stop the heartbeat of *state*; return its task, cancelled, if it had started: the caller
+    awaits ``asyncio.wait((task,))`` (not the task under ``suppress(CancelledError)``, which
+    would also swallow a cancellation of the caller landing meanwhile), so that no extend is
+    in flight once it returns. Most calls end before their heartbeat task starts: no await."""
+    beat, state.heartbeat = state.heartbeat, None
+    if isinstance(beat, asyncio.Future):  # the heartbeat task
+        beat.cancel()
+        return beat
+    if type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
+        beat.stopped += 1
+    return None
 
 
 async def shielded(call: Awaitable[T]) -> T:
@@ -465,7 +540,7 @@ async def shielded(call: Awaitable[T]) -> T:
 
 async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
     """Await ``call(*args)`` with *lease* as `current_lease`."""
-    reset = _CURRENT.set(lease.view())
+    reset = _CURRENT.set(lease)
     try:
         return await call(*args)
     finally:
@@ -473,18 +548,170 @@ async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: 
 
 
 def _start_async_heartbeat(store: AsyncStore, state: Lease) -> None:
-    # A timer first, a task only once the operation has outlived a third of its lease: short
-    # operations (most requests and messages) never create and cancel a task.
+    # A task only once the operation has outlived a third of its lease: short operations (most
+    # requests and messages) never create and cancel a task, nor even a timer of their own.
+    global _LAST_STARTS
     loop = asyncio.get_running_loop()
+    last_loop, starts = _LAST_STARTS
+    if last_loop() is not loop:  # another loop than the last one's (a weak reference)
+        starts = _ASYNC_STARTS.get(loop) or _ASYNC_STARTS.setdefault(loop, _AsyncStarts())
+        _LAST_STARTS = (weakref.ref(loop), starts)
+    starts.add(loop, store, state)
 
-    def launch() -> None:
-        state.heartbeat = loop.create_task(_async_heartbeat(store, state))
 
-    state.heartbeat = loop.call_later(_interval(state), launch)
+class _AsyncStarts:
+    """The async leases of one event loop whose heartbeat task is yet to start, on one timer.
+
+    A lease waiting here has this object as its ``heartbeat``; stopping it is setting that to
+    ``None``, and its entry is dropped when it comes due (with the entries due soon after it:
+    the entries of calls that ended long ago cost one timer per slice of time, not one each).
+    """
+
+    def __init__(self) -> None:  # no reference to its loop, the key of `_ASYNC_STARTS`
+        self.due: list[tuple[float, int, float, Lease, AsyncStore]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+        self.sequence = 0
+        self.stopped = 0  # entries whose lease was stopped (about: not counted under a lock)
+
+    def add(self, loop: asyncio.AbstractEventLoop, store: AsyncStore, lease: Lease) -> None:
+        if self.stopped > _COMPACT_AT and self.stopped * 2 > len(self.due):
+            self.due = [entry for entry in self.due if entry[3].heartbeat is self]
+            heapq.heapify(self.due)
+            self.stopped = 0
+        interval = _interval(lease)
+        when = loop.time() + interval
+        self.sequence += 1
+        heapq.heappush(self.due, (when, self.sequence, when - interval * _EARLY, lease, store))
+        lease.heartbeat = self
+        if when < self.timer_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer, self.timer_at = loop.call_at(when, self.fire), when
+
+    def fire(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.timer, self.timer_at = None, math.inf
+        now = loop.time()
+        while self.due and self.due[0][2] <= now:
+            _, _, _, lease, store = heapq.heappop(self.due)
+            if lease.heartbeat is self:
+                lease.heartbeat = loop.create_task(_async_heartbeat(store, lease))
+        if self.due:
+            when = self.due[0][0]
+            self.timer, self.timer_at = loop.call_at(when, self.fire), when
+
+
+_ASYNC_STARTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncStarts] = (
+    weakref.WeakKeyDictionary()
+)
+_LAST_STARTS: tuple[Callable[[], asyncio.AbstractEventLoop | None], _AsyncStarts] = (
+    lambda: None,
+    _AsyncStarts(),
+)
+"""The loop that started a heartbeat last, and its `_AsyncStarts`: most programs have one."""
+
+
+# -- the straight line ------------------------------------------------------------------------
+#
+# `call` and `acall` are `protected_call` run by `run` and `arun`, written out for the two
+# common cases: a claim that acquires, a run, a complete that lands; and a claim that replays.
+# Every decision is a helper the flows share (`acquired`, `suppressed`, `replay`, `outcome_of`);
+# any other answer or error goes on in the flows, from the point reached.
+
+
+def call(
+    store: SyncStore,
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    invoke: Callable[[], T],
+) -> T:
+    """``run(protected_call(...), store, invoke)``, with no flow on the common paths."""
+    answer = store.claim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    if type(answer) is Replay:
+        suppressed(key, answer)
+        return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]
+    if type(answer) is not Acquired:
+        flow = protected_call(key, fingerprint, policy, codec, annotation, answer)
+        return run(flow, store, invoke)  # type: ignore[no-any-return]
+    lease = acquired(key, answer, policy)
+    if policy.heartbeat:
+        lease.heartbeat = _SCHEDULER.start(store, lease)
+    try:
+        value = invoke_under(lease, invoke)
+    except BaseException as exc:
+        run(settle_error(lease, exc, policy), store)
+        raise
+    payload = outcome_of(lease, value, codec)
+    lease.settling = True
+    try:
+        lost = store.complete(key, lease.token, payload, ttl=policy.ttl)
+    except BaseException as exc:
+        run(settle(lease, "complete", payload, policy, (None, exc)), store)
+    else:
+        if lost is not None:
+            run(settle(lease, "complete", payload, policy, (lost, None)), store)
+        elif lease.heartbeat is not None:
+            _SCHEDULER.stop(lease)
+    return value
+
+
+async def acall(
+    store: AsyncStore,
+    key: str,
+    fingerprint: str,
+    policy: Policy,
+    codec: _codec.Codec,
+    annotation: Any,
+    invoke: Callable[[], Awaitable[T]],
+) -> T:
+    """``await arun(protected_call(...), store, invoke)``, with no flow on the common paths."""
+    answer = await store.aclaim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    if type(answer) is Replay:
+        suppressed(key, answer)
+        return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]
+    if type(answer) is not Acquired:
+        flow = protected_call(key, fingerprint, policy, codec, annotation, answer)
+        return await arun(flow, store, invoke)
+    lease = acquired(key, answer, policy)
+    if policy.heartbeat:
+        _start_async_heartbeat(store, lease)
+    try:
+        value = await ainvoke_under(lease, invoke)
+    except BaseException as exc:
+        await arun(settle_error(lease, exc, policy), store)
+        raise
+    payload = outcome_of(lease, value, codec)
+    lease.settling = True
+    try:  # the operation ran: a cancelled caller still records its outcome
+        completing = store.acomplete(key, lease.token, payload, ttl=policy.ttl)
+        if getattr(type(store), "_inline_async", None) is not type(store):
+            completing = shielded(completing)
+        lost = await completing
+    except BaseException as exc:
+        await arun(settle(lease, "complete", payload, policy, (None, exc)), store)
+    else:
+        if lost is not None:
+            await arun(settle(lease, "complete", payload, policy, (lost, None)), store)
+        elif lease.heartbeat is not None:
+            started = _stop_async_heartbeat(lease)
+            if started is not None:
+                await asyncio.wait((started,))
+    return value
 
 
 # -- heartbeats -------------------------------------------------------------------------------
 
+
+_COMPACT_AT = 1024
+"""A heap of heartbeats to come is rebuilt without the stopped ones once they are this many
+and half of it: so its size follows the calls in flight, not the calls of the last interval."""
+
+_EARLY = 1 / 16
+"""A beat may be sent up to this fraction of its interval early, with a beat due before it."""
 
 _MAX_IN_FLIGHT = 2
 """Extends of one sync lease sent at a time at most: one stuck on a slow connection, its retry."""
@@ -618,38 +845,48 @@ class _HeartbeatScheduler:
         self._work_ready = threading.Condition(self._lock)
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
-        self._active: dict[int, _Beating] = {}
-        self._timer: threading.Thread | None = None
+        self._timer_running = False
+        self._stopped = 0  # beats in the heap whose lease was stopped (about: no lock)
         self._workers = 0
         self._idle = 0
         self._sequence = 0
 
-    def start(self, store: SyncStore, lease: Lease) -> int:
+    def start(self, store: SyncStore, lease: Lease) -> _Beating:
+        """Start the heartbeat of *lease* (its ``heartbeat`` is set before the first beat can
+        be due, and returned)."""
         now = time.monotonic()
         interval = _interval(lease)
         beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
+        earlier, lease.heartbeat = lease.heartbeat, beating
+        if type(earlier) is _Beating:  # started again without a stop: one heartbeat per lease
+            earlier.active = False
         with self._lock:
-            if self._timer is None or not self._timer.is_alive():
-                self._timer = threading.Thread(
+            if not self._timer_running:
+                threading.Thread(
                     target=self._run_timers, name="oncely-heartbeat", daemon=True
-                )
-                self._timer.start()
-            earlier = self._active.get(id(lease))
-            if earlier is not None:  # started again without a stop: one heartbeat per lease
-                earlier.active = False
-            self._active[id(lease)] = beating
+                ).start()
+                self._timer_running = True
+            if self._stopped > _COMPACT_AT and self._stopped * 2 > len(self._timers):
+                self._timers = [
+                    entry
+                    for entry in self._timers
+                    if type(entry[2]) is not _Beating or entry[2].active
+                ]
+                heapq.heapify(self._timers)
+                self._stopped = 0
             if self._at(now + interval, beating):
                 self._timer_wakeup.notify()
-        return id(lease)
+        return beating
 
     def stop(self, lease: Lease) -> None:
-        """Send no more extends for *lease*; one in flight is not waited for (see `settling`)."""
-        with self._lock:
-            beating = self._active.get(id(lease))
-            if beating is not None and beating.lease is lease:
-                del self._active[id(lease)]
-                beating.active = False
-        lease.heartbeat = None
+        """Send no more extends for *lease*; one in flight is not waited for (see `settling`).
+
+        No lock: a beat already handed to a worker checks ``active`` before it sends.
+        """
+        beating, lease.heartbeat = lease.heartbeat, None
+        if type(beating) is _Beating:
+            beating.active = False
+            self._stopped += 1
 
     def idle(self) -> bool:
         """Whether no extend is queued or in flight (for tests)."""
@@ -664,13 +901,26 @@ class _HeartbeatScheduler:
         return self._timers[0] is entry
 
     def _run_timers(self) -> None:
+        try:
+            self._run_timers_until_error()
+        finally:
+            with self._lock:  # the next start starts another
+                self._timer_running = False
+
+    def _run_timers_until_error(self) -> None:
         while True:
             with self._lock:
                 while True:
                     now = time.monotonic()
-                    if self._timers and self._timers[0][0] <= now:
-                        due, _, item = heapq.heappop(self._timers)
-                        break
+                    if self._timers:
+                        due, _, item = self._timers[0]
+                        # Beats due soon go with this one: the beats of calls that ended long
+                        # ago (most calls) cost one wake-up per slice of time, not one each.
+                        if due <= now or (
+                            type(item) is _Beating and due - item.interval * _EARLY <= now
+                        ):
+                            heapq.heappop(self._timers)
+                            break
                     self._timer_wakeup.wait(self._timers[0][0] - now if self._timers else None)
                 if isinstance(item, _Beating):
                     self._beat(item, due, now)
@@ -739,10 +989,7 @@ class _HeartbeatScheduler:
                     extra=fields(key=lease.key, token=lease.token, outcome="heartbeat_failed"),
                 )
         elif not _beat_answered(lease, answer):
-            with self._lock:
-                beating.active = False
-                if self._active.get(id(lease)) is beating:
-                    del self._active[id(lease)]
+            beating.active = False
 
 
 _SCHEDULER = _HeartbeatScheduler()

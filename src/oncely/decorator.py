@@ -25,8 +25,8 @@ from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 from oncely import _execution, _switches
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.fingerprint import digest
-from oncely._core.keys import code_scope, name_key, scope_key, validate_key
+from oncely._core.fingerprint import arguments_digest, digest
+from oncely._core.keys import MAX_KEY_LENGTH, code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._log import fields, get_logger
@@ -80,9 +80,19 @@ def _is_async(fn: Any) -> bool:
     )
 
 
+_PLAIN_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 @dataclass(eq=False)
 class _CallPlan:
-    """Everything decided when the decorator is applied, so each call only reads arguments."""
+    """Everything decided when the decorator is applied, so each call only reads arguments.
+
+    For a signature of plain parameters (no ``*args``, ``**kwargs`` or positional-only ones),
+    a call's arguments are matched to names by position and keyword directly, which is what
+    `inspect.Signature.bind` and ``apply_defaults`` find for every call they accept; any call
+    this does not settle (a missing or unexpected argument...) goes through them, and they
+    raise the `TypeError` Python would.
+    """
 
     fn: Callable[..., Any]
     store: Any
@@ -93,31 +103,91 @@ class _CallPlan:
     policy: Policy
     codec: Codec
 
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    def __post_init__(self) -> None:
+        parameters = self.signature.parameters.values()
+        plain = all(parameter.kind in _PLAIN_KINDS for parameter in parameters)
+        self._names = tuple(self.signature.parameters)
+        self._positional = sum(p.kind is _PLAIN_KINDS[0] for p in parameters) if plain else -1
+        self._defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+        self._prefix = scope_key(self.scope, "")  # + the key: `scope_key`'s stored form
+        spec = self.fingerprint
+        if spec is _ALL:
+            spec = [name for name in self._names if name not in _IMPLICIT]
+        self._fingerprinted: tuple[str, ...] | None = (
+            tuple(typing.cast(Sequence[str], spec))
+            if spec is not None and not callable(spec)
+            else None
+        )
+        self._all_fingerprinted = self._fingerprinted == self._names
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of a call by name, defaults included (``BoundArguments.arguments``)."""
+        if 0 <= len(args) <= self._positional:
+            arguments = dict(zip(self._names, args, strict=False))
+            for name, value in kwargs.items():
+                if name in arguments or name not in self._names:
+                    break  # the binding's error to raise
+                arguments[name] = value
+            else:
+                if len(arguments) == len(self._names):
+                    return arguments
+                for name in self._names:
+                    if name not in arguments:
+                        if name not in self._defaults:
+                            break
+                        arguments[name] = self._defaults[name]
+                else:
+                    return arguments
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return bound
+        return bound.arguments
 
-    def key_for(self, bound: inspect.BoundArguments, explicit: str | None) -> str:
+    def call_arguments(self, arguments: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(BoundArguments.args, BoundArguments.kwargs)`` of *arguments*, for the callables."""
+        bound = inspect.BoundArguments(self.signature, arguments)
+        return bound.args, bound.kwargs
+
+    def invocation(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: str | None
+    ) -> tuple[Any, str, str, Policy, Codec, Any, Callable[[], Any]]:
+        """The arguments of `_execution.call` (or ``acall``) for a call: the store, the scoped
+        key, the fingerprint..."""
+        arguments = self.arguments(args, kwargs)
         if explicit is not None:
             key = explicit
         elif isinstance(self.key, str):
-            key = bound.arguments[self.key]
+            key = arguments[self.key]
         else:
-            key = self.key(*bound.args, **bound.kwargs)
-        return scope_key(self.scope, validate_key(name_key(key)))
-
-    def fingerprint_for(self, bound: inspect.BoundArguments) -> str:
-        spec = self.fingerprint
-        if spec is None:
-            return ""
-        if callable(spec):
-            return digest([spec(*bound.args, **bound.kwargs)])
-        if spec is _ALL:
-            names: Sequence[str] = [name for name in bound.arguments if name not in _IMPLICIT]
+            positional, named = self.call_arguments(arguments)
+            key = self.key(*positional, **named)
+        if not (
+            type(key) is str
+            and 0 < len(key) <= MAX_KEY_LENGTH
+            and key.isascii()
+            and key.isprintable()
+            and key[0] != " "
+            and key[-1] != " "
+        ):  # else `validate_key` says why, or `name_key` makes it one
+            key = validate_key(name_key(key))
+        names = self._fingerprinted
+        if names is not None:
+            if not self._all_fingerprinted:
+                arguments = {name: arguments[name] for name in names}
+            fingerprint = arguments_digest(arguments)
+        elif self.fingerprint is None:
+            fingerprint = ""
         else:
-            names = typing.cast(Sequence[str], spec)
-        return digest([{name: bound.arguments[name] for name in names}])
+            positional, named = self.call_arguments(arguments)
+            fingerprint = digest([self.fingerprint(*positional, **named)])  # type: ignore[operator]
+        return (
+            self.store if _switches.store is None else _switches.store,
+            self._prefix + key,
+            fingerprint,
+            self.policy,
+            self.codec,
+            self.annotation,
+            lambda: self.fn(*args, **kwargs),
+        )
 
     @functools.cached_property
     def annotation(self) -> Any:
@@ -270,62 +340,37 @@ def _unprotected(plan: _CallPlan) -> None:
 
 
 def _sync_wrapper(plan: _CallPlan) -> Any:
-    def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _switches.disabled:
-            _unprotected(plan)
-            return plan.fn(*args, **kwargs)
-        bound = plan.bind(args, kwargs)
-        flow = _execution.protected_call(
-            plan.key_for(bound, explicit_key),
-            plan.fingerprint_for(bound),
-            plan.policy,
-            plan.codec,
-            plan.annotation,
-        )
-        store = plan.store if _switches.store is None else _switches.store
-        return _execution.run(flow, store, lambda: plan.fn(*args, **kwargs))
+    def keyed(key: str | None) -> Callable[..., Any]:
+        @functools.wraps(plan.fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _switches.disabled:
+                _unprotected(plan)
+                return plan.fn(*args, **kwargs)
+            return _execution.call(*plan.invocation(args, kwargs, key))
 
-    @functools.wraps(plan.fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return call(None, args, kwargs)
+        return wrapper
 
-    def with_key(key: str) -> Callable[..., Any]:
-        return functools.wraps(plan.fn)(lambda *args, **kwargs: call(key, args, kwargs))
-
-    wrapper.policy = plan.policy  # type: ignore[attr-defined]
-    wrapper.with_key = with_key  # type: ignore[attr-defined]
-    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
-    return wrapper
+    return _wrapped(plan, keyed)
 
 
 def _async_wrapper(plan: _CallPlan) -> Any:
-    async def call(explicit_key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _switches.disabled:
-            _unprotected(plan)
-            return await plan.fn(*args, **kwargs)
-        bound = plan.bind(args, kwargs)
-        flow = _execution.protected_call(
-            plan.key_for(bound, explicit_key),
-            plan.fingerprint_for(bound),
-            plan.policy,
-            plan.codec,
-            plan.annotation,
-        )
-        store = plan.store if _switches.store is None else _switches.store
-        return await _execution.arun(flow, store, lambda: plan.fn(*args, **kwargs))
-
-    @functools.wraps(plan.fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return await call(None, args, kwargs)
-
-    def with_key(key: str) -> Callable[..., Any]:
+    def keyed(key: str | None) -> Callable[..., Any]:
         @functools.wraps(plan.fn)
-        async def keyed(*args: Any, **kwargs: Any) -> Any:
-            return await call(key, args, kwargs)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _switches.disabled:
+                _unprotected(plan)
+                return await plan.fn(*args, **kwargs)
+            return await _execution.acall(*plan.invocation(args, kwargs, key))
 
-        return keyed
+        return wrapper
 
-    wrapper.policy = plan.policy  # type: ignore[attr-defined]
-    wrapper.with_key = with_key  # type: ignore[attr-defined]
-    wrapper._oncely_plan = plan  # type: ignore[attr-defined]  # for oncely.testing
+    return _wrapped(plan, keyed)
+
+
+def _wrapped(plan: _CallPlan, keyed: Callable[[str | None], Callable[..., Any]]) -> Any:
+    """The decorated function: *keyed* (None) is it, *keyed* (key) its ``with_key(key)``."""
+    wrapper: Any = keyed(None)
+    wrapper.policy = plan.policy
+    wrapper.with_key = keyed
+    wrapper._oncely_plan = plan  # for oncely.testing
     return wrapper

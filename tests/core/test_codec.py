@@ -9,6 +9,7 @@ import decimal
 import enum
 import json
 import math
+import typing
 import uuid
 import zoneinfo
 from collections.abc import Iterator
@@ -22,6 +23,13 @@ from hypothesis import strategies as st
 
 import oncely
 from oncely import JSONCodec
+from oncely._core.codec import (
+    _rebuild,
+    decode_outcome,
+    encode_unavailable,
+    encode_value,
+    value_body,
+)
 
 CODEC = JSONCodec()
 
@@ -299,3 +307,49 @@ def test_final_errors_replay_as_their_own_subclass_with_attributes(tmp_path: Pat
         assert same(raised.value.amount, decimal.Decimal("12.50"))
     assert calls == 1
     store.close()
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+
+
+@pytest.mark.parametrize(
+    "annotation",
+    [
+        dict,
+        dict[str, typing.Any],
+        list[int],
+        typing.Optional[dict[str, int]],  # noqa: UP045 - the typing.Union origin
+        int | None,
+        typing.Sequence[str],
+        _Point,
+        list[_Point],
+        dict[str, _Point],
+        typing.Optional[_Point],  # noqa: UP045
+        tuple[int, int],
+        set[int],
+    ],
+)
+def test_decoding_skips_only_annotations_that_rebuild_nothing(annotation: typing.Any) -> None:
+    def outcome(read: typing.Callable[..., object], *args: object) -> object:
+        try:
+            return read(*args)
+        except TypeError as exc:  # data that does not fit the annotation
+            return type(exc)
+
+    for data in (b'{"x": 1}', b"[1, 2]", b'[{"x": 1}]', b'{"a": {"x": 1}}', b"null"):
+        assert outcome(CODEC.decode, data, annotation) == outcome(
+            _rebuild, json.loads(data), annotation
+        )
+
+
+def test_value_body_is_the_body_decode_outcome_finds() -> None:
+    for data in (encode_value(b'{"a":1}'), encode_value(b""), b"oncely1", b"x", None):
+        try:
+            outcome = decode_outcome(data)
+        except ValueError:
+            assert value_body(data) is None
+            continue
+        assert value_body(data) == (outcome.body if outcome.kind == "value" else None)
+    assert value_body(encode_unavailable("no")) is None

@@ -195,3 +195,39 @@ def test_depth_is_bounded_whatever_the_stack() -> None:
         assert nested(levels) == (deepest.decode(), None)
     with pytest.raises(FingerprintError, match="deeper"):
         canonical_json(json.loads(too_deep))
+
+
+_FLAT_VALUES = st.one_of(
+    st.text(),
+    st.booleans(),
+    st.none(),
+    st.integers(),
+    st.integers(min_value=-(10**120), max_value=10**120),
+    st.just(10**100),
+    st.just(-(10**100) + 1),
+    st.just(7 * 10**101),
+    st.floats(allow_nan=False),
+    st.decimals(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(), max_size=3),
+    st.sampled_from([(), b"x", {"n": 1}]),
+)
+
+
+@given(st.dictionaries(st.text(), _FLAT_VALUES, max_size=6))
+def test_arguments_digest_is_the_digest_of_the_arguments(arguments: dict[str, object]) -> None:
+    try:
+        expected = fingerprint.digest([arguments])
+    except FingerprintError:
+        with pytest.raises(FingerprintError):
+            fingerprint.arguments_digest(arguments)
+        return
+    assert fingerprint.arguments_digest(arguments) == expected
+
+
+def test_arguments_digest_of_values_the_c_encoder_would_spell_otherwise() -> None:
+    class Text(str):
+        pass
+
+    for value in (1.0, True, 10**100, enum.IntEnum("E", "A").A, Text("x"), decimal.Decimal("1.0")):
+        arguments = {"a": value, "b": "x"}
+        assert fingerprint.arguments_digest(arguments) == fingerprint.digest([arguments])

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import oncely
 from oncely import (
     Guard,
     InProgress,
@@ -392,3 +393,29 @@ def test_slow_async_extends_still_keep_the_lease() -> None:
 
     answers = asyncio.run(main())
     assert all(isinstance(answer, InProgress) for answer in answers), answers
+
+
+def test_heartbeats_of_ended_calls_do_not_pile_up() -> None:
+    """Each call leaves a beat in a heap, due a third of a lease later; the stopped ones are
+    compacted away, so the heap follows the calls in flight, not those of the last interval."""
+    store = MemoryStore()
+    calls = 3 * _execution._COMPACT_AT
+
+    @oncely.idempotent(store=store, key="key", lease=30, ttl=60)
+    def sync(key: str) -> int:
+        return 1
+
+    @oncely.idempotent(store=store, key="key", lease=30, ttl=60)
+    async def async_(key: str) -> int:
+        return 1
+
+    for index in range(calls):
+        sync(f"s{index}")
+    assert len(_execution._SCHEDULER._timers) < calls * 3 / 4
+
+    async def many() -> int:
+        for index in range(calls):
+            await async_(f"a{index}")
+        return len(_execution._ASYNC_STARTS[asyncio.get_running_loop()].due)
+
+    assert asyncio.run(many()) < calls * 3 / 4

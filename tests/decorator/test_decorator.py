@@ -864,3 +864,69 @@ def test_cancelling_the_caller_during_complete_still_records_the_result() -> Non
 
     asyncio.run(main())
     assert calls == ["a"]
+
+
+def _shapes(a: str, b: int = 2, *, c: str = "c", d: int) -> None: ...
+
+
+def _variadic(a: str, /, b: int = 2, *rest: int, **extra: int) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "kwargs"),
+    [
+        (_shapes, ("k",), {"d": 4}),
+        (_shapes, ("k", 3), {"d": 4, "c": "x"}),
+        (_shapes, (), {"a": "k", "d": 4}),
+        (_shapes, (), {"d": 4, "b": 5, "a": "k"}),
+        (_variadic, ("k",), {}),
+        (_variadic, ("k", 3, 4, 5), {"z": 1}),
+    ],
+)
+def test_arguments_are_read_as_bind_reads_them(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    plan = oncely.idempotent(store=MemoryStore(), key="a")(fn)._oncely_plan  # type: ignore[attr-defined]
+    bound = plan.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    assert plan.arguments(args, kwargs) == bound.arguments
+    assert plan.call_arguments(plan.arguments(args, kwargs)) == (bound.args, bound.kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((), {"d": 4}),  # a missing argument
+        (("k",), {}),  # a missing keyword-only argument
+        (("k",), {"d": 4, "a": "k"}),  # twice
+        (("k",), {"d": 4, "e": 5}),  # unexpected
+        (("k", 2, "c"), {"d": 4}),  # too many positional
+    ],
+)
+def test_a_call_bind_refuses_raises_its_type_error(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    plan = oncely.idempotent(store=MemoryStore(), key="a")(_shapes)._oncely_plan  # type: ignore[attr-defined]
+    with pytest.raises(TypeError) as expected:
+        plan.signature.bind(*args, **kwargs)
+    with pytest.raises(TypeError) as raised:
+        plan.arguments(args, kwargs)
+    assert str(raised.value) == str(expected.value)
+
+
+def test_with_key_takes_its_key_by_name() -> None:
+    runs: list[str] = []
+
+    @oncely.idempotent(store=MemoryStore(), key="payment_id", fingerprint=None)
+    def charge(payment_id: str) -> str:
+        runs.append(payment_id)
+        return payment_id
+
+    @oncely.idempotent(store=MemoryStore(), key="payment_id")
+    async def acharge(payment_id: str) -> str:
+        return payment_id
+
+    assert charge.with_key(key="explicit")("p-1") == "p-1"
+    assert charge.with_key(key="explicit")("p-2") == "p-1"  # the explicit key replays
+    assert runs == ["p-1"]
+    assert asyncio.run(acharge.with_key(key="explicit")("p-1")) == "p-1"

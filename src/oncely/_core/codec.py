@@ -69,14 +69,14 @@ class JSONCodec:
 
     def encode(self, value: Any) -> bytes:
         """Serialise *value* as compact UTF-8 JSON with type tags where JSON has no type."""
-        return _DUMPS(_tagged(value)).encode()
+        return _dumps(_tagged(value)).encode()
 
     def decode(self, data: bytes, annotation: Any) -> Any:
         """Parse *data*, rebuilding tagged values; *annotation* rebuilds untagged older records."""
         # Every tag spells "$t": without it the document is plain JSON, parsed at C speed.
-        value = _LOADS(data.decode()) if b'"$t"' in data else json.loads(data)
-        if annotation is Any or annotation is None:
-            return value
+        value = _LOADS(data.decode()) if b'"$t"' in data else _PLAIN_LOADS(data.decode())
+        if annotation is Any or annotation is None or _as_parsed(annotation):
+            return value  # what `_rebuild` would return: nothing in it to rebuild
         return _rebuild(value, annotation)  # records written before the values carried types
 
     def check(self, annotation: Any) -> None:
@@ -85,7 +85,53 @@ class JSONCodec:
 
 
 _TAG = "$t"
-_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_C_MAKE_ENCODER: Any = getattr(json.encoder, "c_make_encoder", None)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_C_DUMPS = (
+    _C_MAKE_ENCODER(
+        None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", False, False, False
+    )
+    if _C_MAKE_ENCODER is not None
+    else None
+)
+"""`_ENCODER`'s C encoder made once (`JSONEncoder.encode` makes one per call). It has no check
+for cycles: it only encodes what `_tagged` built, which is a tree (a cycle fails in `_tagged`)."""
+
+
+def _dumps(value: Any) -> str:
+    return _ENCODER.encode(value) if _C_DUMPS is None else "".join(_C_DUMPS(value, 0))
+
+
+_AS_PARSED = frozenset({dict, list, str, int, float, bool, object, type(None)})
+
+
+def _as_parsed(annotation: Any) -> bool:
+    """Whether `_rebuild` returns any parsed document as it is for *annotation* (remembered)."""
+    try:
+        return _PARSED_AS_IS[annotation]
+    except KeyError:
+        plain = _PARSED_AS_IS[annotation] = _leaves_parsed(annotation)
+        return plain
+    except TypeError:  # an annotation that cannot be a key
+        return False
+
+
+_PARSED_AS_IS: dict[Any, bool] = {}
+
+
+def _leaves_parsed(annotation: Any) -> bool:
+    if annotation is Any or annotation is None:
+        return True
+    if type(annotation) is type:
+        return annotation in _AS_PARSED
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, Sequence):
+        return all(_leaves_parsed(arg) for arg in args)
+    if origin is dict:
+        return len(args) != 2 or _leaves_parsed(args[1])
+    if origin is typing.Union or origin is types.UnionType:
+        return not any(_is_model(arg) for arg in args)
+    return False
 
 
 def _tag(kind: str, value: Any, cls: type | None = None) -> dict[str, Any]:
@@ -108,6 +154,11 @@ def _tagged(value: Any) -> Any:
     if kind is list:
         return [item if type(item) in _AS_IS else _tagged(item) for item in value]
     if kind is dict:
+        for name, item in value.items():
+            if type(name) is not str or name == _TAG or type(item) not in _AS_IS:
+                break
+        else:
+            return value  # nothing in it to tag (the common record of strings and numbers)
         plain: dict[str, Any] = {}
         for name, item in value.items():
             if type(name) is not str or name == _TAG:
@@ -314,6 +365,7 @@ def _untagged(data: dict[str, Any]) -> Any:
 
 
 _LOADS = json.JSONDecoder(object_hook=_untagged).decode
+_PLAIN_LOADS = json.JSONDecoder().decode
 
 
 def _check_annotation(annotation: Any, seen: set[int]) -> None:
@@ -468,7 +520,7 @@ def encode_error(exc: BaseException) -> bytes:
             if not name.startswith("__")
         },
     }
-    return _MAGIC + _ERROR + _DUMPS(payload).encode()
+    return _MAGIC + _ERROR + _dumps(payload).encode()
 
 
 def _storable(value: Any) -> Any:
@@ -508,6 +560,17 @@ def encode_unavailable(reason: str) -> bytes:
 def qualified_name(cls: type) -> str:
     """Return ``module.QualName`` of *cls*, the name stored for final errors."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_VALUE_HEADER = _MAGIC + _VALUE
+
+
+def value_body(data: bytes | None) -> bytes | None:
+    """The codec's bytes of a stored value outcome (what `decode_outcome` finds as its
+    ``body``), or ``None`` for any other outcome, to be read with `decode_outcome`."""
+    if type(data) is bytes and data.startswith(_VALUE_HEADER) and len(data) > len(_MAGIC):
+        return data[len(_VALUE_HEADER) :]
+    return None
 
 
 def decode_outcome(data: bytes | None) -> Outcome:

@@ -84,6 +84,8 @@ def claim(
             created_at_ms=created,
             updated_at_ms=now_ms,
         )
+        if taken.token == 1 and attempt == 1:  # a key never seen: the answer is always this
+            return taken, _FIRST_LEASE
         return taken, Acquired(taken.token, recovered=False, attempt=attempt)
     if record.fingerprint != fingerprint:
         return None, Mismatch(stored_fingerprint=record.fingerprint)
@@ -104,6 +106,10 @@ def claim(
         updated_at_ms=now_ms,
     )
     return taken, Acquired(taken.token, recovered=True, attempt=taken.attempt)
+
+
+_FIRST_LEASE = Acquired(1, recovered=False, attempt=1)
+"""The answer to the claim of a key never seen (immutable: made once)."""
 
 
 def _kept_until(lease_end_ms: int, margin_ms: int) -> int:
@@ -143,13 +149,17 @@ def _finish(
 ) -> Transition:
     if record is None or not _held(record, token, now_ms):
         return None, LeaseLost()
-    done = replace(
-        record,
+    done = Record(  # as `dataclasses.replace` would, at a fraction of its cost (every call)
+        key=record.key,
         status=status,
-        result=result,
-        expires_at_ms=now_ms + ttl_ms,
+        fingerprint=record.fingerprint,
+        token=record.token,
+        attempt=record.attempt,
         lease_expires_at_ms=now_ms,
+        expires_at_ms=now_ms + ttl_ms,
+        created_at_ms=record.created_at_ms,
         updated_at_ms=now_ms,
+        result=result,
     )
     return done, None
 

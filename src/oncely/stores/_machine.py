@@ -133,7 +133,8 @@ class MachineStore:
         """See `oncely.SyncStore.claim`."""
         stored = self._stored_key(key)
         step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
-        return typing.cast(ClaimResult, self._unscoped(self._atomic(stored, step)))
+        answer: ClaimResult = self._unscoped(self._atomic(stored, step))
+        return answer
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
@@ -196,7 +197,8 @@ class MachineStore:
     def _unscoped(self, value: Any) -> Any:
         # Records leave the store with the caller's key, not the namespaced one.
         if isinstance(value, Replay):
-            return replace(value, record=self._unscoped(value.record))
+            record = self._unscoped(value.record)
+            return value if record is value.record else replace(value, record=record)
         if isinstance(value, Record):
             key = _namespace.caller_key(self.namespace, value.key)
             return value if key == value.key else replace(value, key=key)

@@ -37,7 +37,7 @@ def stored_key(namespace: str, key: str) -> str:
     """Return the stored form of *key* in *namespace* (``""`` is the default namespace)."""
     if namespace:
         return f"{_escape(namespace)}:{key}"
-    if key.startswith("|") or ("|" not in key.partition(":")[0] and ":" in key):
+    if key.startswith("|") or (":" in key and "|" not in key.partition(":")[0]):
         return "|" + key
     return key
 

@@ -6,10 +6,11 @@ import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any, ClassVar, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Record
+from oncely._core.records import ClaimResult, LeaseLost, Record
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _namespace
 from oncely.stores._machine import MachineStore, Step
@@ -32,6 +33,7 @@ class MemoryStore(MachineStore):
     """
 
     backend = "memory"
+    _inline_async: ClassVar[type[MemoryStore]]
 
     def __init__(self, *, namespace: str = "", clock: Clock | None = None) -> None:
         super().__init__(namespace=namespace, clock=clock)
@@ -58,7 +60,8 @@ class MemoryStore(MachineStore):
         with self._lock:
             now_ms = self.clock.now_ms()
             answer = self._apply(key, step, now_ms)
-            self._purge_locked(now_ms, limit=8)
+            if self._expiries[0][0] <= now_ms if self._expiries else False:
+                self._purge_locked(now_ms, limit=8)
             return answer
 
     def _atomic_many(self, steps: Sequence[tuple[str, Step[T]]]) -> list[T | StoreError]:
@@ -74,6 +77,18 @@ class MemoryStore(MachineStore):
             self._records[key] = record
             heapq.heappush(self._expiries, (record.expires_at_ms, key))
         return answer
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`: the sync verb, inline (this store never blocks)."""
+        return self.claim(key, fingerprint, lease=lease, ttl=ttl)
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`: the sync verb, inline."""
+        return self.complete(key, token, result, ttl=ttl)
 
     def _read(self, key: str) -> Record | None:
         with self._lock:
@@ -110,3 +125,9 @@ class MemoryStore(MachineStore):
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+MemoryStore._inline_async = MemoryStore
+"""The class whose async verbs finish without ever suspending (so nothing can cancel one
+midway, and `oncely._execution.acall` awaits its complete unshielded): this one, and not its
+subclasses, which may override them."""

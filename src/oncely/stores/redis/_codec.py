@@ -134,7 +134,7 @@ def _record(key: str, fields: list[Any]) -> Record:
         status, fingerprint, token, attempt, lease, expires, created, updated, result = fields
         return Record(
             key=key,
-            status=Status(status.decode()),
+            status=_STATUSES[status],
             fingerprint=fingerprint.decode(),
             token=int(token),
             attempt=int(attempt),
@@ -146,6 +146,13 @@ def _record(key: str, fields: list[Any]) -> Record:
         )
     except (TypeError, ValueError, AttributeError) as exc:  # incl. UnicodeDecodeError
         raise _corrupt(key, exc) from exc
+    except KeyError as exc:
+        raise _corrupt(key, f"unknown status {exc.args[0]!r}") from exc
+
+
+_STATUSES: Final = {status.value.encode(): status for status in Status}
+"""Each status by its stored spelling (a lookup, where ``Status(text)`` costs a call of the
+enum's metaclass)."""
 
 
 def rejected(key: str, message: str) -> StoreError:

@@ -40,11 +40,11 @@ __all__ = [
     "BatchCall",
     "ScriptCall",
     "call_id",
-    "claim",
+    "claim_args",
     "claim_many",
     "complete_many",
     "extend",
-    "finish",
+    "finish_args",
     "get",
     "release",
     "sources",
@@ -96,21 +96,16 @@ def call_id() -> str:
     return secrets.token_hex(8)
 
 
-def claim(
-    space: Keyspace, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
-) -> Flow[ClaimResult]:
-    """Claim *key*: see `claim.lua`."""
-    args = (fingerprint, _ms(lease), _ms(ttl), call_id())
-    call = ScriptCall("claim", key, space.name(key), args)
-    return _codec.claim_answer(key, (yield call))
+def claim_args(fingerprint: str, lease: timedelta, ttl: timedelta) -> tuple[str, int, int, str]:
+    """The ``ARGV`` of `claim.lua`, whose reply `_codec.claim_answer` reads. The store runs
+    its claim (and its complete and fail) without a flow: they are every call's."""
+    return (fingerprint, _ms(lease), _ms(ttl), call_id())
 
 
-def finish(
-    space: Keyspace, verb: str, key: str, token: int, outcome: bytes, ttl: timedelta
-) -> Flow[LeaseLost | None]:
-    """Complete or fail (*verb*) the lease *token* holds on *key*: see `complete.lua`."""
-    call = ScriptCall(verb, key, space.name(key), (token, bytes(outcome), _ms(ttl), call_id()))
-    return _codec.settle_answer(key, (yield call))
+def finish_args(token: int, outcome: bytes, ttl: timedelta) -> tuple[int, bytes, int, str]:
+    """The ``ARGV`` of `complete.lua` and `fail.lua`, whose reply `_codec.settle_answer`
+    reads."""
+    return (token, bytes(outcome), _ms(ttl), call_id())
 
 
 def release(space: Keyspace, key: str, token: int) -> Flow[LeaseLost | None]:

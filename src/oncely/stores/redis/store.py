@@ -326,20 +326,35 @@ class _RedisStoreBase:
         """Async `_perform_batch`."""
         return await self._arun(call.script, call.key, call.keys, call.args)
 
+    def _finish(
+        self, verb: str, key: str, token: int, outcome: bytes, ttl: timedelta
+    ) -> LeaseLost | None:
+        """Complete or fail (*verb*): one round trip, no flow (see `_scripts.finish_args`)."""
+        args = _scripts.finish_args(token, outcome, ttl)
+        return _codec.settle_answer(key, self._run(verb, key, [self._space.name(key)], args))
+
+    async def _afinish(
+        self, verb: str, key: str, token: int, outcome: bytes, ttl: timedelta
+    ) -> LeaseLost | None:
+        """Async `_finish`."""
+        args = _scripts.finish_args(token, outcome, ttl)
+        reply = await self._arun(verb, key, [self._space.name(key)], args)
+        return _codec.settle_answer(key, reply)
+
     # -- sync verbs ----------------------------------------------------------------------------
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`. One round trip, judged by the server's clock."""
-        return drive(_scripts.claim(self._space, key, fingerprint, lease, ttl), self._perform)
+        args = _scripts.claim_args(fingerprint, lease, ttl)
+        return _codec.claim_answer(key, self._run("claim", key, [self._space.name(key)], args))
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`. One round trip."""
-        flow = _scripts.finish(self._space, "complete", key, token, result, ttl)
-        return drive(flow, self._perform)
+        return self._finish("complete", key, token, result, ttl)
 
     def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.fail`. One round trip."""
-        return drive(_scripts.finish(self._space, "fail", key, token, error, ttl), self._perform)
+        return self._finish("fail", key, token, error, ttl)
 
     def release(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.SyncStore.release`. One round trip."""
@@ -359,22 +374,21 @@ class _RedisStoreBase:
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        flow = _scripts.claim(self._space, key, fingerprint, lease, ttl)
-        return await adrive(flow, self._aperform)
+        args = _scripts.claim_args(fingerprint, lease, ttl)
+        reply = await self._arun("claim", key, [self._space.name(key)], args)
+        return _codec.claim_answer(key, reply)
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.acomplete`."""
-        flow = _scripts.finish(self._space, "complete", key, token, result, ttl)
-        return await adrive(flow, self._aperform)
+        return await self._afinish("complete", key, token, result, ttl)
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.afail`."""
-        flow = _scripts.finish(self._space, "fail", key, token, error, ttl)
-        return await adrive(flow, self._aperform)
+        return await self._afinish("fail", key, token, error, ttl)
 
     async def arelease(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.AsyncStore.arelease`."""
