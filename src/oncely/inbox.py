@@ -298,12 +298,14 @@ def _decorate(
     get_connection = connection
 
     def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Plan, Any]:
-        bound = plan.bind(args, kwargs)
+        _, key, fingerprint, *_ = plan.invocation(args, kwargs, None)
+        arguments = plan.arguments(args, kwargs)
         if isinstance(get_connection, str):
-            handle = bound.arguments[get_connection]
+            handle = arguments[get_connection]
         else:
-            handle = get_connection(*bound.args, **bound.kwargs)
-        return _Plan(plan.key_for(bound, None), plan.fingerprint_for(bound)), handle
+            positional, named = plan.call_arguments(arguments)
+            handle = get_connection(*positional, **named)
+        return _Plan(key, fingerprint), handle
 
     if _is_async(fn):
 
