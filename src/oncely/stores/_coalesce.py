@@ -20,7 +20,6 @@ answers `InProgress`, and that caller keeps the error (the lease expires on its 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -29,6 +28,7 @@ from typing import Any
 from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record, Status
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
+from oncely.stores._batch import takes_ops
 
 __all__ = ["CoalescingStore"]
 
@@ -38,15 +38,6 @@ _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 
 
 _UNKNOWN: Any = object()
-
-
-def takes_ops(verb: Any) -> bool:
-    """Whether a batch claim *verb* takes the claims' call ids (``ops=``): then a batch sent
-    again with the same ids gets its own applied claims back as Acquired."""
-    try:
-        return "ops" in inspect.signature(verb).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class _LoopState:

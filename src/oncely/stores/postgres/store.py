@@ -584,10 +584,19 @@ class PostgresStore:
         return drive(_sql.get(self._queries, self._stored_key(key), key), self._execute)
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`: one round trip and one transaction."""
-        return drive(self._claim_many(requests, lease, ttl), self._execute)
+        """See `oncely.BatchStore.claim_many`: one round trip and one transaction.
+
+        *ops*, one per request, are the claims' call ids (new ones when omitted): a batch sent
+        again with the same ids, after a reply that never came, gets its own applied claims
+        back as `Acquired` (not `InProgress`)."""
+        return drive(self._claim_many(requests, lease, ttl, ops), self._execute)
 
     def complete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
@@ -596,10 +605,14 @@ class PostgresStore:
         return drive(self._complete_many(items, ttl), self._execute)
 
     def _claim_many(
-        self, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None,
     ) -> Flow[list[ClaimResult | StoreError]]:
         named = [(self._stored_key(key), key, fingerprint) for key, fingerprint in requests]
-        return _sql.claim_many(self._queries, named, lease, ttl)
+        return _sql.claim_many(self._queries, named, lease, ttl, ops)
 
     def _complete_many(
         self, items: Sequence[tuple[str, int, bytes]], ttl: timedelta
@@ -649,10 +662,15 @@ class PostgresStore:
         return await adrive(_sql.get(self._queries, self._stored_key(key), key), self._aexecute)
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.aclaim_many`."""
-        return await adrive(self._claim_many(requests, lease, ttl), self._aexecute)
+        """See `claim_many`."""
+        return await adrive(self._claim_many(requests, lease, ttl, ops), self._aexecute)
 
     async def acomplete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
