@@ -697,12 +697,10 @@ def run_history(plan: Plan, services: Services) -> Result:
                 proxy.reset()
             elif plan.fault == "latency":
                 assert proxy is not None
-                # A hiccup a heartbeat must ride out: for two leases, each request takes an
-                # eighth of the lease longer. Six leases extended one after the other (a single
-                # heartbeat thread) still take longer than a lease per round. With a quarter of
-                # the lease, PostgreSQL under async callers lets about one lease in six lapse:
-                # an open finding, see docs/guides/reliability.md.
-                proxy.latency = lease / 8
+                # A hiccup a heartbeat must ride out: for two leases, each request takes a
+                # quarter of the lease longer. Six leases extended one after the other (a
+                # single heartbeat thread) take longer than a lease per round.
+                proxy.latency = lease / 4
                 time.sleep(lease * 2)
                 proxy.latency = 0.0
             worker.join()

@@ -30,7 +30,7 @@ from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
 
-__all__ = ["CoalescingStore"]
+__all__ = ["Coalescer", "CoalescingStore"]
 
 logger = get_logger(__name__)
 
@@ -48,7 +48,7 @@ class _LoopState:
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
 
 
-class _Coalescer:
+class Coalescer:
     """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches."""
 
     def __init__(
@@ -173,7 +173,7 @@ class _Coalescer:
         return _UNKNOWN if isinstance(answer, StoreError) else answer
 
 
-class _Claims(_Coalescer):
+class _Claims(Coalescer):
     """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
     (both times) when the store's ``aclaim_many`` takes ``ops``."""
 
@@ -208,7 +208,7 @@ class _Claims(_Coalescer):
         return answer
 
 
-class _Completions(_Coalescer):
+class _Completions(Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
         super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch)
         self._store = store

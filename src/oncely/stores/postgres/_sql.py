@@ -50,6 +50,7 @@ __all__ = [
     "claim",
     "claim_many",
     "extend",
+    "extend_many",
     "finish",
     "finish_many",
     "get",
@@ -466,9 +467,28 @@ def extend(
     queries: Queries, stored: str, key: str, token: int, lease: timedelta
 ) -> Flow[LeaseLost | None]:
     """Move the end of the lease *token* holds to *lease* from now."""
-    params = {"key": stored, "token": token, "lease": _interval(lease)}
-    reply: Reply = yield Statement(queries.extend, params, key, resend=True)
+    reply: Reply = yield _extend_statement(queries, stored, key, token, lease)
     return _held(reply)
+
+
+def _extend_statement(
+    queries: Queries, stored: str, key: str, token: int, lease: timedelta
+) -> Statement:
+    params = {"key": stored, "token": token, "lease": _interval(lease)}
+    return Statement(queries.extend, params, key, resend=True)
+
+
+def extend_many(
+    queries: Queries, items: Sequence[tuple[str, str, int]], lease: timedelta
+) -> Flow[list[LeaseLost | StoreError | None]]:
+    """`extend` for each ``(stored, key, token)`` in one `Batch`, answered in order."""
+    return _batch(
+        [
+            (stored, _extend_statement(queries, stored, key, token, lease))
+            for stored, key, token in items
+        ],
+        lambda key, reply: _held(reply),
+    )
 
 
 def _held(reply: Reply) -> LeaseLost | None:
