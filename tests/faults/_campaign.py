@@ -44,11 +44,13 @@ ENTRIES = (
     "rabbitmq",
     "nats",
     "faststream",
+    "celery",
     "kafka_group",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
-BROKER_ENTRIES = ("rabbitmq", "nats", "faststream")
-"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's on RabbitMQ."""
+BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
+"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's and Celery workers on
+RabbitMQ."""
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
 STOPS = ("stop@claim", "stop@mid")
 PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
@@ -489,9 +491,10 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
     assert services.effects is not None
     name = f"oncely-faults-{services.run}-h{plan.index}"
     broker: _brokers.RabbitQueue | _brokers.NatsStream
-    if plan.entry in ("rabbitmq", "faststream"):
+    if plan.entry in ("rabbitmq", "faststream", "celery"):
         assert services.rabbitmq is not None
-        broker = _brokers.RabbitQueue(services.rabbitmq, name)
+        queue = _brokers.CeleryQueue if plan.entry == "celery" else _brokers.RabbitQueue
+        broker = queue(services.rabbitmq, name)
         base = {"url": services.rabbitmq, "queue": name}
     else:
         assert services.nats is not None
