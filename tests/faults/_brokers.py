@@ -203,6 +203,7 @@ def _celery(member: _Member) -> None:
                 "-P",
                 "solo",
                 "--loglevel=WARNING",
+                "--quiet",  # no banner
                 "--without-mingle",
                 "--without-gossip",
                 "--without-heartbeat",
