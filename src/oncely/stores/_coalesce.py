@@ -11,10 +11,14 @@ would have given: the batch verbs answer every item as the single verb would, in
 
 A batch call that times out or loses its connection is resolved per caller: its items are
 sent again once, and every answer that tells what happened replaces the error (a completion
-found applied is a success). Claims are sent again with the same call ids (when the store's
-``aclaim_many`` takes ``ops``), so a claim applied with its reply lost answers `Acquired` with
-its own token. A store without them cannot tell such a claim from another worker's lease: it
-answers `InProgress`, and that caller keeps the error (the lease expires on its own).
+found applied is a success). Claims are sent again with the same call ids (every built-in
+store's ``aclaim_many`` takes them as ``ops``), so a claim applied with its reply lost answers
+`Acquired` with its own token. A store of one's own without them cannot tell such a claim from
+another worker's lease: it answers `InProgress`, and that caller keeps the error (the lease
+expires on its own).
+
+`Coalescer` is the grouping itself, for any pair of a single and a batch verb (the PostgreSQL
+store groups its extends with it).
 """
 
 from __future__ import annotations
