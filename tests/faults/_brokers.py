@@ -199,11 +199,11 @@ def _celery(member: _Member) -> None:
     try:
         app.worker_main(
             [
+                "--quiet",  # no banner
                 "worker",
                 "-P",
                 "solo",
                 "--loglevel=WARNING",
-                "--quiet",  # no banner
                 "--without-mingle",
                 "--without-gossip",
                 "--without-heartbeat",
