@@ -49,7 +49,6 @@ __all__ = [
     "Statement",
     "claim",
     "claim_many",
-    "extend",
     "extend_many",
     "finish",
     "finish_many",
@@ -463,14 +462,6 @@ def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLo
     return _held(reply)
 
 
-def extend(
-    queries: Queries, stored: str, key: str, token: int, lease: timedelta
-) -> Flow[LeaseLost | None]:
-    """Move the end of the lease *token* holds to *lease* from now."""
-    reply: Reply = yield _extend_statement(queries, stored, key, token, lease)
-    return _held(reply)
-
-
 def _extend_statement(
     queries: Queries, stored: str, key: str, token: int, lease: timedelta
 ) -> Statement:
@@ -481,7 +472,9 @@ def _extend_statement(
 def extend_many(
     queries: Queries, items: Sequence[tuple[str, str, int]], lease: timedelta
 ) -> Flow[list[LeaseLost | StoreError | None]]:
-    """`extend` for each ``(stored, key, token)`` in one `Batch`, answered in order."""
+    """Move the end of the lease each ``(stored, key, token)`` holds to *lease* from now, in
+    one `Batch` (one round trip, preparation included), answered in order. The store sends
+    every extend this way, alone or grouped."""
     return _batch(
         [
             (stored, _extend_statement(queries, stored, key, token, lease))
