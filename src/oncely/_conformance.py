@@ -46,6 +46,7 @@ from oncely._core.records import (
 )
 from oncely.errors import ConflictError
 from oncely.stores import open_store
+from oncely.stores._batch import takes_ops
 from oncely.testing import FrozenClock
 
 __all__ = ["StoreCalls", "StoreConformance", "claim_in_process"]
@@ -84,9 +85,15 @@ class StoreCalls:
         return result
 
     def claim_many(
-        self, requests: list[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: list[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: list[str] | None = None,
     ) -> list[Any]:
-        answers: list[Any] = self._call("claim_many", requests, lease=lease, ttl=ttl)
+        extra = {} if ops is None else {"ops": ops}
+        answers: list[Any] = self._call("claim_many", requests, lease=lease, ttl=ttl, **extra)
         return answers
 
     def complete_many(self, items: list[tuple[str, int, bytes]], *, ttl: timedelta) -> list[Any]:
@@ -137,6 +144,10 @@ class StoreConformance:
         batch_verbs: The store has the optional `oncely.BatchStore` verbs, and the
             ``test_batch_*`` tests hold it to them (a store without them sets False: those
             tests then check that it does not pretend to have them).
+        batch_call_ids: The store's ``claim_many`` takes the claims' call ids (``ops=``) and
+            answers a batch sent again with them as the first send (every built-in store does;
+            `CoalescingStore` relies on it after a lost reply). False: the test checks that
+            it does not pretend to.
         check_verbs: The store has the optional `oncely.CheckableStore` probe, held to it by
             the ``test_check_*`` tests (False: they check that it does not pretend to).
         forget_verb: The store has the optional ``forget``/``aforget`` (every built-in store
@@ -187,6 +198,7 @@ class StoreConformance:
     racers: ClassVar[int] = 64
     preload: ClassVar[tuple[str, ...]] = ()
     batch_verbs: ClassVar[bool] = True
+    batch_call_ids: ClassVar[bool] = True
     check_verbs: ClassVar[bool] = True
     forget_verb: ClassVar[bool] = True
 
@@ -672,6 +684,38 @@ class StoreConformance:
         wait(self.short_lease + timedelta(milliseconds=50))
         answers = api.claim_many([(key, "fp")], lease=self.short_lease, ttl=self.ttl)
         assert answers == [Acquired(2, recovered=True, attempt=2)]
+
+    def test_batch_claim_sent_again_with_its_call_ids_answers_as_the_first(
+        self, api: StoreCalls, key: str, wait: Callable[[timedelta], None]
+    ) -> None:
+        """A batch claim sent again with the same call ids (``ops``), as after a reply that
+        never came, gets its own leases back as the first send answered them (Acquired, same
+        token, recovered or not); other ids find the lease taken (InProgress)."""
+        api = self._batch_api(api)
+        if not self.batch_call_ids:
+            assert not takes_ops(getattr(api.store, "claim_many", None))
+            pytest.skip("the store's batch claims take no call ids (batch_call_ids = False)")
+        fresh, expired = f"{key}-fresh", f"{key}-expired"
+        self._acquire(api, expired)
+        wait(self.short_lease + timedelta(milliseconds=50))
+        requests = [(fresh, "fp"), (expired, "fp")]
+        ops = [uuid.uuid4().hex, uuid.uuid4().hex]
+        first = api.claim_many(requests, lease=self.lease, ttl=self.ttl, ops=ops)
+        assert first == [
+            Acquired(1, recovered=False, attempt=1),
+            Acquired(2, recovered=True, attempt=2),
+        ]
+        again = api.claim_many(requests, lease=self.lease, ttl=self.ttl, ops=ops)
+        assert again == first
+        others = api.claim_many(
+            requests, lease=self.lease, ttl=self.ttl, ops=[uuid.uuid4().hex, uuid.uuid4().hex]
+        )
+        assert all(isinstance(answer, InProgress) for answer in others), others
+        # The ids answer only for the lease they took: once it is settled, they are a claim
+        # like any other.
+        assert api.complete(fresh, 1, b"done", ttl=self.ttl) is None
+        (replay,) = api.claim_many([(fresh, "fp")], lease=self.lease, ttl=self.ttl, ops=ops[:1])
+        assert isinstance(replay, Replay)
 
     def test_batch_complete_answers_as_completes_one_by_one(
         self, api: StoreCalls, key: str

@@ -1,6 +1,7 @@
 """RabbitMQ and NATS JetStream through their adapters (`oncely.consumers.rabbitmq`,
-`oncely.consumers.nats`, and the FastStream middleware `oncely.consumers.faststream` on a
-RabbitMQ broker): two member processes of one queue (one durable JetStream consumer);
+`oncely.consumers.nats`, the FastStream middleware `oncely.consumers.faststream` on a RabbitMQ
+broker, and Celery workers with `oncely.consumers.celery` on RabbitMQ): two member processes of
+one queue (one durable JetStream consumer);
 member A is SIGKILLed in its first handler, before its fenced write (``kill@mid``) or after it,
 before the adapter completes the record and acks (``kill@effect``). RabbitMQ redelivers the
 dead member's message at once, JetStream after ``ack_wait``; member B waits out A's lease and
@@ -30,80 +31,191 @@ ACK_WAIT = 2.0
 
 
 def member(config: dict[str, Any], pipe: Any) -> None:
-    """A member process of ``config["broker"]`` (``rabbitmq`` or ``nats``).
+    """A member process of ``config["broker"]`` (``rabbitmq``, ``nats``, ``faststream`` or
+    ``celery``).
 
     ``config["kill"]``: ``mid`` or ``effect``, the point of its first handler where it dies.
     """
-    asyncio.run(_member(config, pipe))
+    if config["broker"] == "celery":  # a Celery worker wants the main thread: no event loop
+        _celery(_Member(config, pipe))
+    else:
+        asyncio.run(_member(_Member(config, pipe)))
 
 
-async def _member(config: dict[str, Any], pipe: Any) -> None:
-    import psycopg
+class _Member:
+    """What every member has: its store and policy, its events, its death and its writes."""
 
-    from oncely.consumers import Action, ConsumerPolicy
+    def __init__(self, config: dict[str, Any], pipe: Any) -> None:
+        from oncely.consumers import ConsumerPolicy
 
-    worker = config["worker"]
-    lock = threading.Lock()
-    effects = Effects(config["effects"]["url"], config["effects"]["schema"])
-    store: Any = oncely.open_store(config["store"]["url"], **config["store"].get("options", {}))
-    policy = ConsumerPolicy(
-        lease=timedelta(seconds=config["lease"]),
-        ttl=timedelta(minutes=5),
-        retry_delay=timedelta(seconds=0.2),
-    )
-    runs = iter(range(1, 10_000))
-    kill = config.get("kill")
+        self.config = config
+        self.pipe = pipe
+        self.worker: str = config["worker"]
+        self.lock = threading.Lock()
+        self.effects = Effects(config["effects"]["url"], config["effects"]["schema"])
+        self.store: Any = oncely.open_store(
+            config["store"]["url"], **config["store"].get("options", {})
+        )
+        self.policy = ConsumerPolicy(
+            lease=timedelta(seconds=config["lease"]),
+            ttl=timedelta(minutes=5),
+            retry_delay=timedelta(seconds=0.2),
+        )
+        self.runs = iter(range(1, 10_000))
+        self.kill = config.get("kill")
+        self.running: dict[str, str] = {}  # op -> key, the handlers in flight in this process
 
-    def event(ev: str, op: str, key: str, **fields: Any) -> None:
-        with lock:
-            pipe.send({"ev": ev, "op": op, "key": key, "worker": worker, "t": now(), **fields})
+    def event(self, ev: str, op: str, key: str, **fields: Any) -> None:
+        with self.lock:
+            self.pipe.send(
+                {"ev": ev, "op": op, "key": key, "worker": self.worker, "t": now(), **fields}
+            )
 
-    running: dict[str, str] = {}  # op -> key, the handlers in flight in this process
-
-    def die(op: str, key: str, point: str) -> None:
-        event("fault", op, key, kind=f"kill@{point}", excuses=True)
-        for other, its_key in running.items():  # they die too (FastStream runs several)
+    def die(self, op: str, key: str, point: str) -> None:
+        self.event("fault", op, key, kind=f"kill@{point}", excuses=True)
+        for other, its_key in self.running.items():  # they die too (FastStream runs several)
             if other != op:
-                event("fault", other, its_key, kind=f"kill@{point}", excuses=True, along=True)
+                self.event("fault", other, its_key, kind=f"kill@{point}", excuses=True, along=True)
         os.kill(os.getpid(), signal.SIGKILL)
         threading.Event().wait()
 
-    async def effect(key: str) -> None:
-        op = f"{worker}-{next(runs)}"
+    def started(self, key: str) -> tuple[str, int]:
+        """A handler starts on *key*: its op id and its lease's token."""
+        op = f"{self.worker}-{next(self.runs)}"
         current = oncely.current_lease()
         assert current is not None
-        event("run", op, key, token=current.token)
-        running[op] = key
+        self.event("run", op, key, token=current.token)
+        self.running[op] = key
+        return op, current.token
+
+    def wrote(self, op: str, key: str, token: int, accepted: bool) -> None:
+        """The handler's write was *accepted* or fenced off; it dies here if it is to."""
+        self.event("effect", op, key, token=token, accepted=accepted)
+        if not accepted:
+            raise Fenced(f"{op}'s write was rejected")
+        if self.kill == "effect":
+            self.die(op, key, "effect")
+
+    def ended(self, op: str, key: str) -> None:
+        self.running.pop(op, None)
+        self.event("end", op, key)
+
+    def settled(self, key: str, verdict: Any) -> None:
+        """What the member saw (the campaign waits on it; the broker's state is the judge)."""
+        from oncely.consumers import Action
+
+        if verdict is None or verdict.action is Action.ACK:
+            self.event("settled", f"{self.worker}-settled", key)
+
+
+async def _member(member: _Member) -> None:
+    import psycopg
+
+    config, effects = member.config, member.effects
+
+    async def effect(key: str) -> None:
+        op, token = member.started(key)
         try:
             async with await psycopg.AsyncConnection.connect(effects.url, autocommit=True) as conn:
-                if await effects.abegin(conn, key, current.token) is not None:
+                if await effects.abegin(conn, key, token) is not None:
                     return  # an earlier run's write stands: adopt it
-                if kill == "mid":
-                    die(op, key, "mid")
-                accepted = await effects.awrite(conn, key, op, current.token)
-                event("effect", op, key, token=current.token, accepted=accepted)
-                if not accepted:
-                    raise Fenced(f"{op}'s write was rejected")
-                if kill == "effect":
-                    die(op, key, "effect")
+                if member.kill == "mid":
+                    member.die(op, key, "mid")
+                member.wrote(op, key, token, await effects.awrite(conn, key, op, token))
         finally:
-            running.pop(op, None)
-            event("end", op, key)
-
-    def settled(key: str, verdict: Any) -> None:
-        """What the member saw (the campaign waits on it; the broker's state is the judge)."""
-        if verdict.action is Action.ACK:
-            event("settled", f"{worker}-settled", key)
+            member.ended(op, key)
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     consume = {"rabbitmq": _rabbitmq, "nats": _nats, "faststream": _faststream}[config["broker"]]
     try:
-        await consume(config, store, policy, effect, settled, stop)
+        await consume(config, member.store, member.policy, effect, member.settled, stop)
     finally:
         with contextlib.suppress(Exception):
-            await store.aclose()
-        pipe.close()
+            await member.store.aclose()
+        member.pipe.close()
+
+
+def celery_app(url: str, queue: str) -> Any:
+    """The Celery app of a history: its one queue (on the default exchange), late acks."""
+    from celery import Celery
+    from kombu import Queue
+
+    app = Celery(queue, broker=url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        task_queues=[Queue(queue, routing_key=queue)],
+        task_ignore_result=True,
+        broker_heartbeat=0,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_prefetch_multiplier=1,
+        worker_enable_remote_control=False,  # its reply queue is per host: workers would clash
+    )
+    return app
+
+
+CELERY_TASK = "faults.charge"
+
+
+def _celery(member: _Member) -> None:
+    """A Celery worker (solo pool: the task runs in this process, which SIGKILL ends) with an
+    `oncely.consumers.celery.IdempotentTask`; SIGTERM is its warm shutdown."""
+    import psycopg
+
+    from oncely.consumers.celery import IdempotentTask
+
+    config, effects = member.config, member.effects
+    app = celery_app(config["url"], config["queue"])
+
+    class Watched(IdempotentTask):  # type: ignore[misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            result = super().__call__(*args, **kwargs)  # a retry or a reject raises
+            if not self.request.called_directly:
+                member.settled(args[0], None)
+            return result
+
+    @app.task(
+        name=CELERY_TASK,
+        base=Watched,
+        oncely_store=member.store,
+        oncely_group=config["group"],
+        oncely_policy=member.policy,
+        shared=False,
+    )
+    def charge(key: str) -> None:
+        op, token = member.started(key)
+        try:
+            with psycopg.connect(effects.url, autocommit=True) as conn:
+                if effects.begin(conn, key, token) is not None:
+                    return  # an earlier run's write stands: adopt it
+                if member.kill == "mid":
+                    member.die(op, key, "mid")
+                member.wrote(op, key, token, effects.write(conn, key, op, token))
+        finally:
+            member.ended(op, key)
+
+    try:
+        app.worker_main(
+            [
+                "--quiet",  # no banner
+                "worker",
+                "-P",
+                "solo",
+                "--loglevel=WARNING",
+                "--without-mingle",
+                "--without-gossip",
+                "--without-heartbeat",
+                f"--hostname={member.worker}-{config['queue']}@%h",
+            ]
+        )
+    except SystemExit:
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            member.store.close()
+        member.pipe.close()
 
 
 async def _rabbitmq(
@@ -248,6 +360,37 @@ class RabbitQueue:
             while (message := await queue.get(no_ack=True, fail=False)) is not None:
                 left.add(str((message.headers or {})["Idempotency-Key"]))
             await queue.delete(if_unused=False, if_empty=False)
+        return left
+
+
+class CeleryQueue(RabbitQueue):
+    """The history's own Celery queue: tasks sent with `celery_options`, read back after the
+    members (a retried task keeps its id, the key), deleted."""
+
+    def publish(self, keys: list[str]) -> None:
+        from oncely.consumers.celery import celery_options
+
+        app = celery_app(self.url, self.name)
+        try:
+            for key in keys:
+                app.send_task(CELERY_TASK, args=(key,), **celery_options(key))
+        finally:
+            app.close()
+
+    def unacked(self) -> set[str]:
+        app = celery_app(self.url, self.name)
+        left: set[str] = set()
+        try:
+            with app.connection_for_write() as connection:
+                channel = connection.default_channel
+                channel.queue_declare(self.name, durable=True, auto_delete=False)
+                while (message := channel.basic_get(self.name, no_ack=True)) is not None:
+                    headers = message.headers or {}
+                    left.add(str(headers.get("Idempotency-Key") or headers["id"]))
+                channel.queue_delete(self.name)
+                channel.exchange_delete(self.name)  # the app's default exchange
+        finally:
+            app.close()
         return left
 
 

@@ -8,6 +8,7 @@ anomalies (`tests.faults._checker`) and the faults injected, by kind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import multiprocessing
@@ -44,12 +45,16 @@ ENTRIES = (
     "rabbitmq",
     "nats",
     "faststream",
+    "celery",
     "kafka_group",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
-BROKER_ENTRIES = ("rabbitmq", "nats", "faststream")
-"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's on RabbitMQ."""
+BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
+"""Members of a queue or a JetStream consumer (`_brokers`); FastStream's and Celery workers on
+RabbitMQ."""
 KILLS = ("kill@claim", "kill@mid", "kill@effect", "kill@complete")
+HTTP_KILLS = ("kill@mid", "kill@effect")
+"""Where a uvicorn worker dies mid-request: between the middleware's claim and its complete."""
 STOPS = ("stop@claim", "stop@mid")
 PROXIED = ("cut@claim", "cut@complete", "latency", "reset")
 FAULTS = (
@@ -75,6 +80,8 @@ _PROXYABLE = {"postgres", "redis", "tiered"}
 def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
+        if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
+            return store in ("redis", "postgres")
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
     if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
         return store == "redis" and fault in ("none", "kill@mid")
@@ -380,9 +387,17 @@ def run_http_history(plan: Plan, services: Services) -> Result:
     keys = [f"h{plan.index}-{services.run}-k{n}" for n in range(plan.keys)]
     history = History(plan.name, ttl=60.0, keys=keys, lease=plan.lease)
     lock = threading.Lock()
-    # The WSGI middleware sends a response once it is whole: the httpx transport meets a
-    # body that stops midway on the ASGI server, which streams.
-    port = services.server("wsgi" if plan.entry == "wsgi" else "asgi", plan.store, plan.lease)
+    servers: list[_Process] = []
+    fallback: int | None = None
+    if plan.fault in HTTP_KILLS:  # A dies in its first request; the clients retry on B
+        port, fallback = (
+            _own_server(plan, services, history, lock, servers, kill)
+            for kill in (plan.fault.partition("@")[2], None)
+        )
+    else:
+        # The WSGI middleware sends a response once it is whole: the httpx transport meets a
+        # body that stops midway on the ASGI server, which streams.
+        port = services.server("wsgi" if plan.entry == "wsgi" else "asgi", plan.store, plan.lease)
     deadline = now() + 4 * plan.lease + 15
     threads = [
         threading.Thread(
@@ -393,21 +408,63 @@ def run_http_history(plan: Plan, services: Services) -> Result:
                 "order": key,
                 "disconnect": plan.fault == "disconnect",
                 "deadline": deadline,
+                "fallback": fallback,
             },
         )
         for key in keys
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    time.sleep(0.3)  # the servers' last events (a stream's end) are on their way
-    history.events += services.server_events_for(keys)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(0.3)  # the servers' last events (a stream's end) are on their way
+    finally:
+        for server in servers:
+            server.kill()
+            server.join(5)
+    with lock:
+        events = [event for event in history.events if event["ev"] != "listening"]
+    history.events = events + services.server_events_for(keys)
     history.events.sort(key=lambda event: event["t"])
-    faults = [plan.fault] if plan.fault != "none" else []
+    if plan.fault in HTTP_KILLS:  # counted only when the server died mid-request
+        faults = [event["kind"] for event in history.of("fault") if not event.get("along")]
+    else:
+        faults = [plan.fault] if plan.fault != "none" else []
     assert services.effects is not None
     rows = services.effects.rows(keys)
     return Result(plan, history, check(history, rows), faults, now() - started)
+
+
+def _own_server(
+    plan: Plan,
+    services: Services,
+    history: History,
+    lock: threading.Lock,
+    servers: list[_Process],
+    kill: str | None,
+) -> int:
+    """Start an ASGI server (uvicorn) of this history, dying where *kill* says; its port."""
+    assert services.effects is not None
+    config = {
+        "store": services.store_spec(plan, None),
+        "effects": {"url": services.effects.url, "schema": services.effects.schema},
+        "lease": plan.lease,
+        "ttl": 60.0,
+        "kill": kill,
+    }
+    worker = "A" if kill else "B"
+    config["worker"] = worker
+    server = _Process(config, history, lock, functools.partial(_http.serve, "asgi"))
+    servers.append(server)
+
+    def listening(event: dict[str, Any]) -> bool:
+        return event["ev"] == "listening" and event["worker"] == worker
+
+    if not server.wait_for(listening):
+        raise RuntimeError(f"the asgi server of {plan.name} did not start")
+    with lock:
+        return int(next(event["port"] for event in history.events if listening(event)))
 
 
 def run_kafka_history(plan: Plan, services: Services) -> Result:
@@ -489,9 +546,10 @@ def run_broker_history(plan: Plan, services: Services) -> Result:
     assert services.effects is not None
     name = f"oncely-faults-{services.run}-h{plan.index}"
     broker: _brokers.RabbitQueue | _brokers.NatsStream
-    if plan.entry in ("rabbitmq", "faststream"):
+    if plan.entry in ("rabbitmq", "faststream", "celery"):
         assert services.rabbitmq is not None
-        broker = _brokers.RabbitQueue(services.rabbitmq, name)
+        queue = _brokers.CeleryQueue if plan.entry == "celery" else _brokers.RabbitQueue
+        broker = queue(services.rabbitmq, name)
         base = {"url": services.rabbitmq, "queue": name}
     else:
         assert services.nats is not None
@@ -697,12 +755,10 @@ def run_history(plan: Plan, services: Services) -> Result:
                 proxy.reset()
             elif plan.fault == "latency":
                 assert proxy is not None
-                # A hiccup a heartbeat must ride out: for two leases, each request takes an
-                # eighth of the lease longer. Six leases extended one after the other (a single
-                # heartbeat thread) still take longer than a lease per round. With a quarter of
-                # the lease, PostgreSQL under async callers lets about one lease in six lapse:
-                # an open finding, see docs/guides/reliability.md.
-                proxy.latency = lease / 8
+                # A hiccup a heartbeat must ride out: for two leases, each request takes a
+                # quarter of the lease longer. Six leases extended one after the other (a
+                # single heartbeat thread) take longer than a lease per round.
+                proxy.latency = lease / 4
                 time.sleep(lease * 2)
                 proxy.latency = 0.0
             worker.join()

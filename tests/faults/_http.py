@@ -7,12 +7,19 @@ handler like the campaign's others: it announces its fencing token to the effect
 the order's effect, and answers ``{"op", "token"}``, streamed in two chunks ``pause`` seconds
 apart (a client with a shorter read timeout disconnects in between). The servers run in worker
 processes (forkserver) and send their events through a pipe, as `tests.faults._workers` does.
+
+A server given ``kill`` (``mid``: its handler has the lease and runs; ``effect``: the handler's
+write stands, nothing is completed yet) SIGKILLs itself in its first request there, between the
+middleware's claim and its completion: a uvicorn worker lost mid-request. Its clients retry with
+their key on another server of the same app (as a load balancer would send them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -52,7 +59,8 @@ def _chunks(value: dict[str, Any]) -> tuple[bytes, bytes]:
 
 
 def serve(kind: str, config: dict[str, Any], pipe: Any) -> None:
-    """Serve the app of *kind* (``asgi`` or ``wsgi``) on a loopback port sent through *pipe*."""
+    """Serve the app of *kind* (``asgi`` or ``wsgi``) on a loopback port sent through *pipe*
+    (``{"ev": "listening", "port"}``); ``config["kill"]``: where the ASGI server dies."""
     from oncely.http import HttpPolicy
 
     store = oncely.open_store(config["store"]["url"], **config["store"].get("options", {}))
@@ -60,17 +68,23 @@ def serve(kind: str, config: dict[str, Any], pipe: Any) -> None:
     policy = HttpPolicy(
         lease=timedelta(seconds=config["lease"]), ttl=timedelta(seconds=config["ttl"])
     )
-    event = _events(pipe, kind)
+    worker = config.get("worker", kind)
+    event = _events(pipe, worker)
     sock = socket.create_server(("127.0.0.1", 0))
-    pipe.send({"ev": "listening", "port": sock.getsockname()[1]})
+    pipe.send({"ev": "listening", "port": sock.getsockname()[1], "worker": worker})
     if kind == "asgi":
-        _serve_asgi(store, effects, policy, event, sock)
+        _serve_asgi(store, effects, policy, event, sock, config.get("kill"))
     else:
         _serve_wsgi(store, effects, policy, event, sock)
 
 
 def _serve_asgi(
-    store: Any, effects: Effects, policy: Any, event: Callable[..., None], sock: socket.socket
+    store: Any,
+    effects: Effects,
+    policy: Any,
+    event: Callable[..., None],
+    sock: socket.socket,
+    kill: str | None = None,
 ) -> None:
     import psycopg
     import uvicorn
@@ -81,22 +95,38 @@ def _serve_asgi(
 
     from oncely.http.asgi import IdempotencyMiddleware
 
+    running: dict[str, str] = {}  # op -> key: the handlers in flight, who die with the server
+
+    def die(op: str, key: str, point: str) -> None:
+        event("fault", op, key, kind=f"kill@{point}", excuses=True)
+        for other, its_key in running.items():
+            if other != op:
+                event("fault", other, its_key, kind=f"kill@{point}", excuses=True, along=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        threading.Event().wait()
+
     async def pay(request: Request) -> StreamingResponse:
         body = await request.json()
         op, key, (token, lease) = request.headers["x-op"], body["order"], _lease()
         hold = float(request.headers["x-hold"])
         pause = float(request.headers["x-pause"])
         event("run", op, key, token=token, lease=lease)
+        running[op] = key
         async with await psycopg.AsyncConnection.connect(effects.url, autocommit=True) as conn:
             standing = await effects.abegin(conn, key, token)
             if standing is not None:
                 event("adopt", op, key, of=standing[0])
                 value = {"op": standing[0], "token": standing[1]}
             else:
+                if kill == "mid":
+                    die(op, key, "mid")
                 await asyncio.sleep(hold)
                 accepted = await effects.awrite(conn, key, op, token)
                 event("effect", op, key, token=token, accepted=accepted)
+                if kill == "effect":
+                    die(op, key, "effect")
                 value = {"op": op, "token": token}
+        running.pop(op, None)
         first, rest = _chunks(value)
 
         async def stream() -> Any:
@@ -165,9 +195,11 @@ def call(
     order: str,
     disconnect: bool,
     deadline: float,
+    fallback: int | None = None,
 ) -> None:
     """A client's whole story for one order: call, and retry as a client would until it has
-    the result (a new request, so a new key, when the httpx transport gave up on its own)."""
+    the result (a new request, so a new key, when the httpx transport gave up on its own).
+    Once the server at *port* is gone (the connection failed), retries go to *fallback*."""
     import httpx
 
     from oncely.http.client import IdempotentTransport
@@ -208,6 +240,7 @@ def call(
                 else:
                     message = f"{type(exc).__name__}: {exc}"[:200]
                     record("fail", op, error="killed", message=message)
+                    port = fallback or port
             else:  # the transport knows the request may have run: a new key could run it twice
                 record("fail", op, error="OutcomeUnknownError", message=str(exc)[:200])
                 return

@@ -52,6 +52,8 @@ class FaultProxy:
         self.latency = 0.0
         self.cuts = 0
         """How many replies were cut so far."""
+        self.accepted = 0
+        """How many connections were accepted so far."""
         self._patterns: list[bytes] = []
         self._lock = threading.Lock()
         self._links: list[_Link] = []
@@ -128,6 +130,7 @@ class FaultProxy:
                 continue
             link = _Link(client, server)
             with self._lock:
+                self.accepted += 1
                 if self._listener is not listener:
                     link.reset()
                     return

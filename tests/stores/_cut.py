@@ -38,6 +38,7 @@ class ReplyCutter:
         self._marker: bytes | None = None
         self._until = b""
         self._hold = False
+        self._times = 0
         self._sockets: list[socket.socket] = []
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -53,10 +54,11 @@ class ReplyCutter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False) -> None:
-        """Cut the reply to the next request that contains *marker* (once *until* came)."""
+    def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False, times: int = 1) -> None:
+        """Cut the reply to the next request that contains *marker* (once *until* came), and
+        to the next ones after it, *times* in all."""
         with self._lock:
-            self._marker, self._until, self._hold = marker, until, hold
+            self._marker, self._until, self._hold, self._times = marker, until, hold, times
 
     def close(self) -> None:
         self._closed.set()
@@ -106,7 +108,9 @@ class ReplyCutter:
             while data := client.recv(1 << 20):
                 with self._lock:
                     if self._marker is not None and self._marker in data:
-                        self._marker = None
+                        self._times -= 1
+                        if self._times <= 0:
+                            self._marker = None
                         until[:] = [self._until, self._hold]
                         cut.set()
                 server.sendall(data)

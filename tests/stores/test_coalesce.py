@@ -463,3 +463,51 @@ def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_by_its_caller
     assert answers == [Acquired(1, recovered=False, attempt=1)] * 4
     for key, answer in zip(keys, answers, strict=True):
         assert direct.complete(key, answer.token, b"r", ttl=TTL) is None
+
+
+# -- a batch call whose reply is lost, against the real PostgreSQL ----------------------------
+
+
+@pytest.mark.postgres
+def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_on_postgres() -> None:
+    """The batch's statements commit and their reply is cut, and so is the reply to the
+    store's own re-send: the batch fails with its outcome unknown. The coalescer sends it once
+    more with the same call ids, and each caller gets its own lease (Acquired), not InProgress
+    (which left the keys locked for a lease) or the batch's error."""
+    import psycopg
+
+    from oncely.stores.postgres import PostgresStore
+    from tests.stores._cut import ReplyCutter
+
+    url = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_t_{uuid.uuid4().hex[:12]}"
+    suffix = uuid.uuid4().hex[:12]
+    keys = [f"plain-{suffix}", f"cut-1-{suffix}", f"cut-2-{suffix}", f"cut-3-{suffix}"]
+    port = int(psycopg.conninfo.conninfo_to_dict(url).get("port") or 5432)
+    direct = PostgresStore(url, schema=schema)
+    direct.migrate()
+    try:
+        with ReplyCutter(port) as cutter:
+            conninfo = psycopg.conninfo.make_conninfo(url, host="127.0.0.1", port=cutter.port)
+            through = PostgresStore(conninfo, schema=schema)
+            view = CoalescingStore(through, max_in_flight=1)
+            # Cut the batch's reply and the reply to the store's own re-send, each once the
+            # transaction committed (ReadyForQuery).
+            cutter.arm(keys[1].encode(), until=b"Z\x00\x00\x00\x05", times=2)
+
+            async def main() -> list[Any]:
+                claims = [view.aclaim(key, "fp", lease=LEASE, ttl=TTL) for key in keys]
+                answers = await _one_then_batch(claims[0], claims[1:])
+                await through.aclose()
+                return answers
+
+            answers = asyncio.run(main())
+            through.close()
+            assert cutter.cuts == 2
+        assert answers == [Acquired(1, recovered=False, attempt=1)] * 4
+        for key, answer in zip(keys, answers, strict=True):
+            assert direct.complete(key, answer.token, b"r", ttl=TTL) is None
+    finally:
+        direct.close()
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -1422,3 +1422,41 @@ def test_migrate_upgrades_a_version_1_schema(
         assert isinstance(replay, Replay)
         assert replay.record.result == b"kept"
         assert isinstance(store.claim("new", "fp", lease=LEASE, ttl=TTL), Acquired)
+
+
+def test_concurrent_async_extends_share_round_trips(base_url: str, schema: str, app: str) -> None:
+    """Heartbeats of many leases beat together: their extends go to the server in batches,
+    over at most two connections of the loop's pool. Over a slow network the pool does not grow
+    a connection per lease while the extends queue for one (each new connection costs round
+    trips through that network, and each extend on it another to prepare): the extends that
+    waited let their leases lapse while the store answered within a quarter of the lease."""
+    from tests.faults._proxy import FaultProxy
+
+    host = psycopg.conninfo.conninfo_to_dict(base_url)
+    namespace = _name("ns")
+    keys = [f"k{index}" for index in range(8)]
+    with PostgresStore(base_url, schema=schema, namespace=namespace) as direct:
+        tokens = [direct.claim(key, "fp", lease=LEASE, ttl=TTL).token for key in keys]
+        with FaultProxy(int(host.get("port") or 5432)) as proxy:
+            conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
+            store = PostgresStore(
+                conninfo, schema=schema, namespace=namespace, application_name=app
+            )
+
+            async def main() -> list[Any]:
+                assert await store.aget("absent") is None  # the pool is open: one connection
+                opened = proxy.accepted
+                proxy.latency = 0.3
+                answers = await asyncio.gather(
+                    *(
+                        store.aextend(key, token, lease=LEASE)
+                        for key, token in zip(keys, tokens, strict=True)
+                    )
+                )
+                await store.aclose()
+                return [answers, proxy.accepted - opened]
+
+            answers, opened = asyncio.run(main())
+            store.close()
+        assert answers == [None] * len(keys)
+        assert opened <= 1, f"{opened} connections opened for {len(keys)} concurrent extends"

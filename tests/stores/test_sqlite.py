@@ -24,6 +24,7 @@ from oncely import (
     CorruptRecordError,
     InProgress,
     InProgressError,
+    Replay,
     SchemaMissingError,
     StoreError,
     StoreUnavailableError,
@@ -489,7 +490,8 @@ def test_records_stored_before_the_escaping_are_found(tmp_path: Path) -> None:
     with raw:
         for key, result in rows:
             raw.execute(
-                "INSERT INTO oncely_records VALUES (?, 'completed', 'fp', 1, 1, ?, ?, ?, ?, ?)",
+                "INSERT INTO oncely_records VALUES "
+                "(?, 'completed', 'fp', 1, 1, ?, ?, ?, ?, ?, NULL)",
                 (key, now, now + 3_600_000, now, now, result),
             )
     raw.close()
@@ -499,3 +501,30 @@ def test_records_stored_before_the_escaping_are_found(tmp_path: Path) -> None:
             replay = store.claim("scope|k:1", "fp", lease=LEASE, ttl=TTL)
             assert isinstance(replay, oncely.Replay)
             assert (replay.record.key, replay.record.result) == ("scope|k:1", expected)
+
+
+def test_migrate_upgrades_a_version_1_database(tmp_path: Path) -> None:
+    """A version 1 database (no op column) keeps its records through migrate(); until then a
+    store opened without migrating says the schema is out of date. Afterwards a batch claim
+    sent again with its call ids gets its own lease back."""
+    path = tmp_path / "v1.db"
+    with SQLiteStore(path) as store:
+        taken = store.claim("old", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+    raw = sqlite3.connect(path)
+    with raw:  # back to version 1's shape, with the record in it
+        raw.execute("ALTER TABLE oncely_records DROP COLUMN op")
+        raw.execute("UPDATE oncely_schema SET version = 1")
+    raw.close()
+    with pytest.raises(SchemaMissingError):
+        SQLiteStore(path, migrate=False)
+    with SQLiteStore(path) as store:
+        assert store.check().schema_version == 2
+        assert store.complete("old", taken.token, b"kept", ttl=TTL) is None
+        replay = store.claim("old", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(replay, Replay)
+        assert replay.record.result == b"kept"
+        first = store.claim_many([("new", "fp")], lease=LEASE, ttl=TTL, ops=["op-1"])
+        again = store.claim_many([("new", "fp")], lease=LEASE, ttl=TTL, ops=["op-1"])
+        assert first == again == [Acquired(1, recovered=False, attempt=1)]
+        store.migrate()  # idempotent

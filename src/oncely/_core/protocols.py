@@ -107,6 +107,11 @@ class BatchStore(Protocol):
     order: the batch is not all-or-nothing. An item that fails alone (a corrupt record) comes
     back as a `StoreError` instance in its place; a failure of the whole call (the store is
     unreachable) raises, as the single verbs do. Consumers use them per fetched batch.
+
+    Every built-in store's ``claim_many`` (and ``aclaim_many``) also takes ``ops``, the claims'
+    call ids, one per request: a batch sent again with the same ids after its reply was lost
+    gets its own applied claims back as `Acquired`, as the first send answered them. Consumers
+    and the HTTP middleware's coalescing pass them when a store takes them.
     """
 
     def claim_many(

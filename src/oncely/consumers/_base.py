@@ -73,7 +73,8 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.keys import from_header
-from oncely.stores._coalesce import CoalescingStore, takes_ops
+from oncely.stores._batch import takes_ops
+from oncely.stores._coalesce import CoalescingStore
 
 __all__ = [
     "Action",

@@ -11,16 +11,19 @@ would have given: the batch verbs answer every item as the single verb would, in
 
 A batch call that times out or loses its connection is resolved per caller: its items are
 sent again once, and every answer that tells what happened replaces the error (a completion
-found applied is a success). Claims are sent again with the same call ids (when the store's
-``aclaim_many`` takes ``ops``), so a claim applied with its reply lost answers `Acquired` with
-its own token. A store without them cannot tell such a claim from another worker's lease: it
-answers `InProgress`, and that caller keeps the error (the lease expires on its own).
+found applied is a success). Claims are sent again with the same call ids (every built-in
+store's ``aclaim_many`` takes them as ``ops``), so a claim applied with its reply lost answers
+`Acquired` with its own token. A store of one's own without them cannot tell such a claim from
+another worker's lease: it answers `InProgress`, and that caller keeps the error (the lease
+expires on its own).
+
+`Coalescer` is the grouping itself, for any pair of a single and a batch verb (the PostgreSQL
+store groups its extends with it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -29,8 +32,9 @@ from typing import Any
 from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record, Status
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
+from oncely.stores._batch import takes_ops
 
-__all__ = ["CoalescingStore"]
+__all__ = ["Coalescer", "CoalescingStore"]
 
 logger = get_logger(__name__)
 
@@ -38,15 +42,6 @@ _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 
 
 _UNKNOWN: Any = object()
-
-
-def takes_ops(verb: Any) -> bool:
-    """Whether a batch claim *verb* takes the claims' call ids (``ops=``): then a batch sent
-    again with the same ids gets its own applied claims back as Acquired."""
-    try:
-        return "ops" in inspect.signature(verb).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class _LoopState:
@@ -57,7 +52,7 @@ class _LoopState:
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
 
 
-class _Coalescer:
+class Coalescer:
     """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches."""
 
     def __init__(
@@ -182,7 +177,7 @@ class _Coalescer:
         return _UNKNOWN if isinstance(answer, StoreError) else answer
 
 
-class _Claims(_Coalescer):
+class _Claims(Coalescer):
     """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
     (both times) when the store's ``aclaim_many`` takes ``ops``."""
 
@@ -217,7 +212,7 @@ class _Claims(_Coalescer):
         return answer
 
 
-class _Completions(_Coalescer):
+class _Completions(Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
         super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch)
         self._store = store

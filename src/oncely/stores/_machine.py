@@ -17,16 +17,30 @@ from typing import Any, TypeVar
 
 from oncely._core import machine
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import ClaimResult, LeaseLost, Record, Replay, Status, StoreHealth
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    LeaseLost,
+    Record,
+    Replay,
+    Status,
+    StoreHealth,
+)
 from oncely.errors import ConflictError, CorruptRecordError, StoreError
 from oncely.stores import _namespace
+from oncely.stores._batch import check_ops
 
 __all__ = ["MachineStore", "Step", "in_progress_refusal"]
 
 T = TypeVar("T")
 
-Step = Callable[[Record | None, int], tuple[Record | None, T]]
-"""Given the record as found and the clock's time, the record to write and the answer."""
+Step = Callable[[Record | None, str | None, int], tuple[Record | None, str | None, T]]
+"""Given the record as found, the call id kept with it (see `_claim_step`) and the clock's
+time: the record to write (``None``: leave it as it is), the call id to keep with it, and the
+answer."""
+
+Decide = Callable[[Record | None, int], tuple[Record | None, T]]
+"""A transition that neither reads nor writes the call id kept with the record."""
 
 
 _MILLISECOND = timedelta(milliseconds=1)
@@ -36,14 +50,48 @@ def _ms(duration: timedelta) -> int:
     return max(1, duration // _MILLISECOND)
 
 
-def _claim_step(stored: str, fingerprint: str, lease_ms: int, ttl_ms: int) -> Step[ClaimResult]:
-    def step(record: Record | None, now_ms: int) -> tuple[Record | None, ClaimResult]:
+def _claim_step(
+    stored: str, fingerprint: str, lease_ms: int, ttl_ms: int, op: str | None = None
+) -> Step[ClaimResult]:
+    """A claim. *op*, the call id of a batch claim, is kept with the lease it takes (``op``, or
+    ``op + "+"`` for a takeover), as the Redis and PostgreSQL stores keep theirs: the same claim
+    sent again after its answer was lost finds its own lease and answers as the first send did.
+    A claim without one keeps none (nothing could send it again)."""
+
+    def step(
+        record: Record | None, found: str | None, now_ms: int
+    ) -> tuple[Record | None, str | None, ClaimResult]:
+        if (
+            op is not None
+            and found is not None
+            and record is not None
+            and record.status is Status.IN_PROGRESS
+            and record.is_live(now_ms)
+            and record.fingerprint == fingerprint
+            and found in (op, op + "+")
+        ):
+            # This very call ran already: answer as it did.
+            return None, found, Acquired(record.token, found != op, record.attempt)
         new, answer = machine.claim(
             stored, record, fingerprint, now_ms=now_ms, lease_ms=lease_ms, ttl_ms=ttl_ms
         )
+        if isinstance(answer, Acquired):
+            return new, None if op is None else op + ("+" if answer.recovered else ""), answer
         if isinstance(answer, Replay):
             answer = Replay(answer.record, judged_at_ms=now_ms)
-        return new, answer
+        return new, found, answer
+
+    return step
+
+
+def _keeping_op(decide: Decide[T]) -> Step[T]:
+    """*decide* as a step that leaves the call id kept with the record as it is."""
+
+    def step(
+        record: Record | None, found: str | None, now_ms: int
+    ) -> tuple[Record | None, str | None, T]:
+        new, answer = decide(record, now_ms)
+        return new, found, answer
 
     return step
 
@@ -51,10 +99,10 @@ def _claim_step(stored: str, fingerprint: str, lease_ms: int, ttl_ms: int) -> St
 def _complete_step(token: int, result: bytes, ttl_ms: int) -> Step[LeaseLost | None]:
     outcome = bytes(result)
 
-    def step(record: Record | None, now_ms: int) -> tuple[Record | None, LeaseLost | None]:
+    def decide(record: Record | None, now_ms: int) -> tuple[Record | None, LeaseLost | None]:
         return machine.complete(record, token, outcome, now_ms=now_ms, ttl_ms=ttl_ms)
 
-    return step
+    return _keeping_op(decide)
 
 
 def in_progress_refusal(key: str) -> ConflictError:
@@ -67,7 +115,7 @@ def in_progress_refusal(key: str) -> ConflictError:
 
 
 def _forget_step(force: bool) -> Step[tuple[Status | None, bool]]:
-    def step(
+    def decide(
         record: Record | None, now_ms: int
     ) -> tuple[Record | None, tuple[Status | None, bool]]:
         if record is None or not record.is_live(now_ms) or record.status is Status.RELEASED:
@@ -83,17 +131,18 @@ def _forget_step(force: bool) -> Step[tuple[Status | None, bool]]:
         )
         return tombstone, (record.status, False)
 
-    return step
+    return _keeping_op(decide)
 
 
 class MachineStore:
     """Implements every verb of `oncely.Store` over one `_atomic` primitive.
 
-    Subclasses provide `_atomic(key, step)`, which reads the record of *key*, calls
-    ``step(record, now_ms)`` and writes the record it returns (if not ``None``) atomically, and
-    `_read(key)`; `_atomic_many` runs several steps in one section where the store can (by
-    default one `_atomic` each). Async verbs run the same code through `_run_async`, which by
-    default calls it inline (right for stores that never block).
+    Subclasses provide `_atomic(key, step)`, which reads the record of *key* and the call id
+    kept with it, calls ``step(record, op, now_ms)`` and writes the record and the call id it
+    returns (if the record is not ``None``) atomically, and `_read(key)`; `_atomic_many` runs
+    several steps in one section where the store can (by default one `_atomic` each). Async
+    verbs run the same code through `_run_async`, which by default calls it inline (right for
+    stores that never block).
     """
 
     backend = "machine"
@@ -141,14 +190,25 @@ class MachineStore:
         return self._atomic(self._stored_key(key), _complete_step(token, result, _ms(ttl)))
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`: one atomic section for the whole batch."""
+        """See `oncely.BatchStore.claim_many`: one atomic section for the whole batch.
+
+        *ops*, one per request, are the claims' call ids: a batch sent again with the same
+        ids, after an answer that never came, gets its own applied claims back as `Acquired`
+        (not `InProgress`)."""
         lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+        each: Sequence[str | None] = [None] * len(requests) if ops is None else ops
+        check_ops(requests, each)
         steps = []
-        for key, fingerprint in requests:
+        for (key, fingerprint), op in zip(requests, each, strict=True):
             stored = self._stored_key(key)
-            steps.append((stored, _claim_step(stored, fingerprint, lease_ms, ttl_ms)))
+            steps.append((stored, _claim_step(stored, fingerprint, lease_ms, ttl_ms, op)))
         return [self._unscoped(answer) for answer in self._atomic_many(steps)] if steps else []
 
     def complete_many(
@@ -166,8 +226,10 @@ class MachineStore:
         """See `oncely.SyncStore.fail`."""
         return self._atomic(
             self._stored_key(key),
-            lambda record, now_ms: machine.fail(
-                record, token, bytes(error), now_ms=now_ms, ttl_ms=_ms(ttl)
+            _keeping_op(
+                lambda record, now_ms: machine.fail(
+                    record, token, bytes(error), now_ms=now_ms, ttl_ms=_ms(ttl)
+                )
             ),
         )
 
@@ -175,15 +237,17 @@ class MachineStore:
         """See `oncely.SyncStore.release`."""
         return self._atomic(
             self._stored_key(key),
-            lambda record, now_ms: machine.release(record, token, now_ms=now_ms),
+            _keeping_op(lambda record, now_ms: machine.release(record, token, now_ms=now_ms)),
         )
 
     def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.extend`."""
         return self._atomic(
             self._stored_key(key),
-            lambda record, now_ms: machine.extend(
-                record, token, now_ms=now_ms, lease_ms=_ms(lease)
+            _keeping_op(
+                lambda record, now_ms: machine.extend(
+                    record, token, now_ms=now_ms, lease_ms=_ms(lease)
+                )
             ),
         )
 
@@ -221,13 +285,18 @@ class MachineStore:
         return await self._run_async(functools.partial(self.complete, key, token, result, ttl=ttl))
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.aclaim_many`."""
+        """See `claim_many`."""
         if not requests:
             return []
         return await self._run_async(
-            functools.partial(self.claim_many, requests, lease=lease, ttl=ttl)
+            functools.partial(self.claim_many, requests, lease=lease, ttl=ttl, ops=ops)
         )
 
     async def acomplete_many(

@@ -38,6 +38,7 @@ class MemoryStore(MachineStore):
     def __init__(self, *, namespace: str = "", clock: Clock | None = None) -> None:
         super().__init__(namespace=namespace, clock=clock)
         self._records: dict[str, Record] = {}
+        self._ops: dict[str, str] = {}  # the call id kept with a record (see _machine)
         self._expiries: list[tuple[int, str]] = []
         self._lock = threading.Lock()
 
@@ -72,9 +73,13 @@ class MemoryStore(MachineStore):
             return answers
 
     def _apply(self, key: str, step: Step[T], now_ms: int) -> T:
-        record, answer = step(self._records.get(key), now_ms)
+        record, op, answer = step(self._records.get(key), self._ops.get(key), now_ms)
         if record is not None:
             self._records[key] = record
+            if op is None:
+                self._ops.pop(key, None)
+            else:
+                self._ops[key] = op
             heapq.heappush(self._expiries, (record.expires_at_ms, key))
         return answer
 
@@ -120,6 +125,7 @@ class MemoryStore(MachineStore):
             record = self._records.get(key)
             if record is not None and record.expires_at_ms <= now_ms:
                 del self._records[key]
+                self._ops.pop(key, None)
                 removed += 1
         return removed
 

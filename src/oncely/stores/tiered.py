@@ -132,14 +132,15 @@ class TieredStore:
     def _claim_many(
         self, requests: Sequence[tuple[str, str]]
     ) -> Flow[list[ClaimResult | StoreError]]:
-        """Answer what the cache holds; yield the misses for the inner store, once, in order."""
+        """Answer what the cache holds; yield the indexes of the misses for the inner store,
+        once, in order."""
         answers: list[ClaimResult | StoreError | None] = [
             self._cached(key, fingerprint) for key, fingerprint in requests
         ]
         misses = [index for index, answer in enumerate(answers) if answer is None]
         if misses:
             asked_at_ms = self.clock.now_ms()
-            fetched: list[ClaimResult | StoreError] = yield [requests[i] for i in misses]
+            fetched: list[ClaimResult | StoreError] = yield misses
             for index, answer in zip(misses, fetched, strict=True):
                 answers[index] = (
                     answer
@@ -172,12 +173,27 @@ class TieredStore:
         return self.inner.complete(key, token, result, ttl=ttl)
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`; only the cache's misses reach the inner store."""
+        """See `oncely.BatchStore.claim_many`; only the cache's misses reach the inner store,
+        with their call ids *ops* (one per request) when given and the inner store takes them.
+        """
+        if ops is not None:
+            _batch.check_ops(requests, ops)
         return drive(
             self._claim_many(requests),
-            lambda missed: _batch.claim_many(self.inner, missed, lease=lease, ttl=ttl),
+            lambda missed: _batch.claim_many(
+                self.inner,
+                [requests[i] for i in missed],
+                lease=lease,
+                ttl=ttl,
+                ops=None if ops is None else [ops[i] for i in missed],
+            ),
         )
 
     def complete_many(
@@ -277,12 +293,25 @@ class TieredStore:
         return await self.inner.acomplete(key, token, result, ttl=ttl)
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.aclaim_many`."""
+        """See `claim_many`."""
+        if ops is not None:
+            _batch.check_ops(requests, ops)
 
-        async def fetch(missed: list[tuple[str, str]]) -> list[ClaimResult | StoreError]:
-            return await _batch.aclaim_many(self.inner, missed, lease=lease, ttl=ttl)
+        async def fetch(missed: list[int]) -> list[ClaimResult | StoreError]:
+            return await _batch.aclaim_many(
+                self.inner,
+                [requests[i] for i in missed],
+                lease=lease,
+                ttl=ttl,
+                ops=None if ops is None else [ops[i] for i in missed],
+            )
 
         return await adrive(self._claim_many(requests), fetch)
 

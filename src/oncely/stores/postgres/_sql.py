@@ -39,6 +39,7 @@ from oncely._core.records import (
 )
 from oncely.errors import CorruptRecordError, StoreError
 from oncely.stores import _namespace
+from oncely.stores._batch import call_ids
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -48,7 +49,7 @@ __all__ = [
     "Statement",
     "claim",
     "claim_many",
-    "extend",
+    "extend_many",
     "finish",
     "finish_many",
     "get",
@@ -338,14 +339,20 @@ def claim(
 
 
 def _claim_statement(
-    queries: Queries, stored: str, key: str, fingerprint: str, lease_ms: int, ttl_ms: int
+    queries: Queries,
+    stored: str,
+    key: str,
+    fingerprint: str,
+    lease_ms: int,
+    ttl_ms: int,
+    op: str | None = None,
 ) -> Statement:
     params = {
         "key": stored,
         "fingerprint": fingerprint,
         "lease_ms": lease_ms,
         "ttl_ms": ttl_ms,
-        "op": call_id(),
+        "op": op or call_id(),
     }
     return Statement(queries.claim, params, key, resend=True)
 
@@ -355,13 +362,19 @@ def claim_many(
     requests: Sequence[tuple[str, str, str]],
     lease: timedelta,
     ttl: timedelta,
+    ops: Sequence[str] | None = None,
 ) -> Flow[list[ClaimResult | StoreError]]:
-    """`claim` for each ``(stored, key, fingerprint)`` in one `Batch`, answered in order."""
+    """`claim` for each ``(stored, key, fingerprint)`` in one `Batch`, answered in order.
+
+    *ops*, one per request, are the claims' call ids (new ones when omitted): a caller that
+    sends the batch again with them, after its reply was lost, gets its own claims back."""
     lease_ms, ttl_ms = _ms(lease), _ms(ttl)
     return _batch(
         [
-            (stored, _claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms))
-            for stored, key, fingerprint in requests
+            (stored, _claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms, op))
+            for (stored, key, fingerprint), op in zip(
+                requests, call_ids(requests, ops), strict=True
+            )
         ],
         decode_claim,
     )
@@ -449,13 +462,26 @@ def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLo
     return _held(reply)
 
 
-def extend(
+def _extend_statement(
     queries: Queries, stored: str, key: str, token: int, lease: timedelta
-) -> Flow[LeaseLost | None]:
-    """Move the end of the lease *token* holds to *lease* from now."""
+) -> Statement:
     params = {"key": stored, "token": token, "lease": _interval(lease)}
-    reply: Reply = yield Statement(queries.extend, params, key, resend=True)
-    return _held(reply)
+    return Statement(queries.extend, params, key, resend=True)
+
+
+def extend_many(
+    queries: Queries, items: Sequence[tuple[str, str, int]], lease: timedelta
+) -> Flow[list[LeaseLost | StoreError | None]]:
+    """Move the end of the lease each ``(stored, key, token)`` holds to *lease* from now, in
+    one `Batch` (one round trip, preparation included), answered in order. The store sends
+    every extend this way, alone or grouped."""
+    return _batch(
+        [
+            (stored, _extend_statement(queries, stored, key, token, lease))
+            for stored, key, token in items
+        ],
+        lambda key, reply: _held(reply),
+    )
 
 
 def _held(reply: Reply) -> LeaseLost | None:

@@ -45,6 +45,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.stores import _namespace
+from oncely.stores._coalesce import Coalescer
 from oncely.stores._machine import in_progress_refusal
 from oncely.stores.postgres import _sql
 
@@ -292,6 +293,9 @@ class PostgresStore:
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
         self._loop_pools: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
+        self._extends = Coalescer(
+            self._aextend_alone, self._aextend_many, max_in_flight=2, max_batch=256
+        )
         self._closed = False
         _OPEN_STORES.add(self)
 
@@ -575,19 +579,32 @@ class PostgresStore:
         return drive(_sql.release(self._queries, self._stored_key(key), key, token), self._execute)
 
     def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.extend`."""
-        flow = _sql.extend(self._queries, self._stored_key(key), key, token, lease)
-        return drive(flow, self._execute)
+        """See `oncely.SyncStore.extend`: a batch of one, so one round trip even on a pooled
+        connection that has not prepared it yet (a new one, opened over a slow network)."""
+        flow = _sql.extend_many(self._queries, [(self._stored_key(key), key, token)], lease)
+        (answer,) = drive(flow, self._execute)
+        if isinstance(answer, StoreError):
+            raise answer
+        return answer
 
     def get(self, key: str) -> Record | None:
         """See `oncely.SyncStore.get`."""
         return drive(_sql.get(self._queries, self._stored_key(key), key), self._execute)
 
     def claim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.claim_many`: one round trip and one transaction."""
-        return drive(self._claim_many(requests, lease, ttl), self._execute)
+        """See `oncely.BatchStore.claim_many`: one round trip and one transaction.
+
+        *ops*, one per request, are the claims' call ids (new ones when omitted): a batch sent
+        again with the same ids, after a reply that never came, gets its own applied claims
+        back as `Acquired` (not `InProgress`)."""
+        return drive(self._claim_many(requests, lease, ttl, ops), self._execute)
 
     def complete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
@@ -596,10 +613,14 @@ class PostgresStore:
         return drive(self._complete_many(items, ttl), self._execute)
 
     def _claim_many(
-        self, requests: Sequence[tuple[str, str]], lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None,
     ) -> Flow[list[ClaimResult | StoreError]]:
         named = [(self._stored_key(key), key, fingerprint) for key, fingerprint in requests]
-        return _sql.claim_many(self._queries, named, lease, ttl)
+        return _sql.claim_many(self._queries, named, lease, ttl, ops)
 
     def _complete_many(
         self, items: Sequence[tuple[str, int, bytes]], ttl: timedelta
@@ -640,19 +661,44 @@ class PostgresStore:
         return await adrive(flow, self._aexecute)
 
     async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.AsyncStore.aextend`."""
-        flow = _sql.extend(self._queries, self._stored_key(key), key, token, lease)
-        return await adrive(flow, self._aexecute)
+        """See `oncely.AsyncStore.aextend`.
+
+        Heartbeats of many leases beat together: the extends of one event loop go to the
+        server two calls at a time at most, and those that arrive meanwhile go together as the
+        next call, each call one round trip (pipeline mode, statement preparation included).
+        So a loop's extends hold two pooled connections at most and never wait for the pool to
+        open new ones, which over a slow network would cost them round trips each (and their
+        leases)."""
+        answer: LeaseLost | None = await self._extends.submit((key, token), {"lease": lease})
+        return answer
+
+    async def _aextend_many(
+        self, items: Sequence[tuple[str, int]], *, lease: timedelta
+    ) -> list[LeaseLost | StoreError | None]:
+        named = [(self._stored_key(key), key, token) for key, token in items]
+        return await adrive(_sql.extend_many(self._queries, named, lease), self._aexecute)
+
+    async def _aextend_alone(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
+        # A batch of one: one round trip even on a connection that has not prepared it yet.
+        (answer,) = await self._aextend_many([(key, token)], lease=lease)
+        if isinstance(answer, StoreError):
+            raise answer
+        return answer
 
     async def aget(self, key: str) -> Record | None:
         """See `oncely.AsyncStore.aget`."""
         return await adrive(_sql.get(self._queries, self._stored_key(key), key), self._aexecute)
 
     async def aclaim_many(
-        self, requests: Sequence[tuple[str, str]], *, lease: timedelta, ttl: timedelta
+        self,
+        requests: Sequence[tuple[str, str]],
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        ops: Sequence[str] | None = None,
     ) -> list[ClaimResult | StoreError]:
-        """See `oncely.BatchStore.aclaim_many`."""
-        return await adrive(self._claim_many(requests, lease, ttl), self._aexecute)
+        """See `claim_many`."""
+        return await adrive(self._claim_many(requests, lease, ttl, ops), self._aexecute)
 
     async def acomplete_many(
         self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta

@@ -30,6 +30,7 @@ from typing import Any, Final, TypeVar
 from oncely._core.flow import Flow
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status
 from oncely.errors import StoreError
+from oncely.stores._batch import call_ids
 from oncely.stores._machine import _ms
 from oncely.stores.redis import _codec
 from oncely.stores.redis._codec import Keyspace
@@ -227,10 +228,7 @@ def claim_many(
     *ops*, one per request, are the claims' call ids (new ones when omitted): a caller that
     sends a batch again with the same ids gets its own applied claims back as `Acquired`.
     """
-    if ops is None:
-        ops = [call_id() for _ in requests]
-    elif len(ops) != len(requests):
-        raise ValueError(f"ops has {len(ops)} ids for {len(requests)} requests")
+    ops = call_ids(requests, ops)
     lease_ms, ttl_ms = _ms(lease), _ms(ttl)
     items = tuple(
         ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, str(op)))

@@ -4,28 +4,35 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final = 1
-"""The schema version this code reads and writes."""
+SCHEMA_VERSION: Final = 2
+"""The schema version this code reads and writes (2 adds the ``op`` column)."""
+
+COLUMNS: Final = "SELECT name FROM pragma_table_info('oncely_records')"
+"""Returns the names of the record table's columns, one per row."""
+
+ADD_OP: Final = "ALTER TABLE oncely_records ADD COLUMN op TEXT"
+"""Upgrades a version 1 table (run by `migrate` when the column is missing)."""
 
 SELECT_VERSION: Final = "SELECT version FROM oncely_schema WHERE id = 1"
 """Returns one row with the applied schema version."""
 
 SELECT: Final = """
 SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
-       created_at_ms, updated_at_ms, result
+       created_at_ms, updated_at_ms, result, op
   FROM oncely_records WHERE key = ?
 """
-"""Parameters: key. Returns the record's row, or nothing."""
+"""Parameters: key. Returns the record's row, or nothing: the record's columns, then the call
+id kept with it (see `oncely.stores._machine`)."""
 
 UPSERT: Final = """
 INSERT INTO oncely_records (key, status, fingerprint, token, attempt, lease_expires_at_ms,
-                            expires_at_ms, created_at_ms, updated_at_ms, result)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                            expires_at_ms, created_at_ms, updated_at_ms, result, op)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (key) DO UPDATE SET
     status = excluded.status, fingerprint = excluded.fingerprint, token = excluded.token,
     attempt = excluded.attempt, lease_expires_at_ms = excluded.lease_expires_at_ms,
     expires_at_ms = excluded.expires_at_ms, created_at_ms = excluded.created_at_ms,
-    updated_at_ms = excluded.updated_at_ms, result = excluded.result
+    updated_at_ms = excluded.updated_at_ms, result = excluded.result, op = excluded.op
 """
 """Parameters: every column in table order. Writes the record the state machine decided on."""
 

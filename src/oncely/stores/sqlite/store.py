@@ -263,6 +263,9 @@ class SQLiteStore(MachineStore):
         with self._guarded(""), self._translate_errors(""):
             connection.execute("BEGIN IMMEDIATE")
             try:
+                columns = {row[0] for row in connection.execute(_sql.COLUMNS)}
+                if columns and "op" not in columns:  # a version 1 table
+                    connection.execute(_sql.ADD_OP)
                 for statement in script.split(";"):
                     if statement.strip():
                         connection.execute(statement)
@@ -346,10 +349,12 @@ class SQLiteStore(MachineStore):
             connection.execute("COMMIT")
 
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
-        record = self._decode(key, connection.execute(_sql.SELECT, (key,)).fetchone())
-        new, answer = step(record, now_ms)
+        row = connection.execute(_sql.SELECT, (key,)).fetchone()
+        record = self._decode(key, row)
+        found = row[-1] if row is not None and isinstance(row[-1], str) else None
+        new, op, answer = step(record, found, now_ms)
         if new is not None:
-            connection.execute(_sql.UPSERT, _encode(new))
+            connection.execute(_sql.UPSERT, (*_encode(new), op))
         return answer
 
     def _read(self, key: str) -> Record | None:
@@ -372,7 +377,7 @@ class SQLiteStore(MachineStore):
                 created,
                 updated,
                 result,
-            ) = row
+            ) = row[:10]
             for number in (token, attempt, lease_end, expires, created, updated):
                 if type(number) is not int:
                     raise TypeError(f"{number!r} is not an integer")
