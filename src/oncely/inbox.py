@@ -832,7 +832,7 @@ class _SQLitePerformer:
 
     def perform(self, op: Any) -> Any:
         from oncely._core import machine
-        from oncely.stores._machine import _claim_step, _ms
+        from oncely.stores._machine import _claim_step, _keeping_op, _ms
 
         connection, store = self._connection, self._store
         kind = type(op)
@@ -860,7 +860,9 @@ class _SQLitePerformer:
                 return settle(record, op.token, result, now_ms=now_ms, ttl_ms=ttl_ms)
 
             with store._translate_errors(op.key):
-                finished = store._apply(connection, stored, finish, store.clock.now_ms())
+                finished = store._apply(
+                    connection, stored, _keeping_op(finish), store.clock.now_ms()
+                )
             if isinstance(finished, LeaseLost):
                 connection.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
             connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
