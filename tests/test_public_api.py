@@ -21,6 +21,7 @@ SUBMODULES = {
     "guard",
     "inbox",
     "keys",
+    "outbox",
     "pytest_plugin",
     "stores",
     "testing",

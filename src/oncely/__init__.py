@@ -54,6 +54,7 @@ from oncely.errors import (
 )
 from oncely.guard import Guard
 from oncely.inbox import Inbox
+from oncely.outbox import Outbox
 from oncely.stores import open_store
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "MissingDependencyError",
     "OncelyError",
     "open_store",
+    "Outbox",
     "Policy",
     "Record",
     "Replay",

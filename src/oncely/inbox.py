@@ -48,7 +48,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal
 
-from oncely import _execution
+from oncely import _execution, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -67,6 +67,7 @@ from oncely.errors import (
 __all__ = ["AsyncInboxEntry", "Inbox", "InboxEntry"]
 
 _SAVEPOINT = "oncely_inbox"
+_USER = "the inbox"
 _BUSY_HINT = timedelta(seconds=1)
 """`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
@@ -327,39 +328,10 @@ class AsyncInboxEntry(_EntryState):
 
 
 def _sync_performer(store: Any, connection: Any) -> Callable[[Any], Any]:
-    raw = _raw_connection(connection)
+    raw = _txn.raw_connection(connection, _USER)
     if store.backend == "postgres":
         return _PostgresPerformer(store, raw).perform
     return _SQLitePerformer(store, raw).perform
-
-
-def _raw_connection(connection: Any) -> Any:
-    """The driver's connection behind a SQLAlchemy session or connection, or Django's."""
-    module = type(connection).__module__
-    if module.startswith("sqlalchemy"):
-        get_connection = getattr(connection, "connection", None)
-        if callable(get_connection):  # a Session: its Connection, in its transaction
-            connection = get_connection()
-        return connection.connection.driver_connection
-    if module.startswith("django"):
-        if not connection.in_atomic_block:
-            raise ConfigurationError("the inbox needs Django's transaction.atomic() around it")
-        connection.ensure_connection()
-        return connection.connection
-    return connection
-
-
-def _check_psycopg_transaction(connection: Any) -> None:
-    from psycopg.pq import TransactionStatus
-
-    status = connection.info.transaction_status
-    if status == TransactionStatus.IDLE and connection.autocommit:
-        raise ConfigurationError(
-            "the inbox writes in the caller's transaction, and this psycopg connection has "
-            "none: use `with connection.transaction():` (or a connection without autocommit)"
-        )
-    if status == TransactionStatus.INERROR:
-        raise ConfigurationError("the caller's transaction has failed: roll it back first")
 
 
 class _PostgresStatements:
@@ -413,7 +385,7 @@ class _PostgresPerformer:
     def __init__(self, store: Any, connection: Any) -> None:
         from psycopg.rows import tuple_row
 
-        _check_psycopg_transaction(connection)
+        _txn.check_psycopg_transaction(connection, _USER)
         self._statements = _PostgresStatements(store)
         self._cursor = connection.cursor(row_factory=tuple_row)
 
@@ -466,13 +438,8 @@ class _AsyncPerformer:
         if self._cursor is None:
             from psycopg.rows import tuple_row
 
-            connection = self._connection
-            if type(connection).__module__.startswith("sqlalchemy"):
-                get_connection = getattr(connection, "connection", None)
-                if callable(get_connection):  # an AsyncSession
-                    connection = await get_connection()
-                connection = (await connection.get_raw_connection()).driver_connection
-            _check_psycopg_transaction(connection)
+            connection = await _txn.araw_connection(self._connection)
+            _txn.check_psycopg_transaction(connection, _USER)
             self._cursor = connection.cursor(row_factory=tuple_row)
         return self.perform
 
@@ -514,11 +481,7 @@ class _AsyncPerformer:
 
 class _SQLitePerformer:
     def __init__(self, store: Any, connection: Any) -> None:
-        if not getattr(connection, "in_transaction", False):
-            raise ConfigurationError(
-                "the inbox writes in the caller's transaction, and this sqlite3 connection has "
-                "none: run BEGIN IMMEDIATE first (or write something in the transaction)"
-            )
+        _txn.check_sqlite_transaction(connection, _USER)
         self._store = store
         self._connection = connection
 

@@ -182,10 +182,10 @@ def test_check_is_a_readiness_probe(url: str, tmp_path: Path) -> None:
     code, out = run("--store", url, "--json", "check")
     assert code == 0
     health = json.loads(out)
-    assert (health["backend"], health["schema_version"]) == ("sqlite", 1)
+    assert (health["backend"], health["schema_version"]) == ("sqlite", 2)
     assert health["latency_ms"] >= 0
     code, out = run("--store", url, "check")
-    assert (code, out.startswith("ready: sqlite, schema 1, ")) == (0, True)
+    assert (code, out.startswith("ready: sqlite, schema 2, ")) == (0, True)
     code, out = run("--store", f"sqlite:///{tmp_path}/fresh.db", "check")
     assert code == 2
     assert "oncely migrate" in out
@@ -242,7 +242,7 @@ def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
             with admin.transaction():
                 admin.execute(out.encode())
             code, out = run("--store", url, "--json", "check")
-            assert (code, json.loads(out)["schema_version"]) == (0, 2)
+            assert (code, json.loads(out)["schema_version"]) == (0, 3)
         finally:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 

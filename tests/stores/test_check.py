@@ -68,11 +68,11 @@ def _set_sqlite_schema(path: Path, sql: str) -> None:
 
 
 def test_sqlite_check_needs_the_schema(tmp_path: Path) -> None:
-    """Migrated, the check answers 1; an older or missing schema fails it naming migrate."""
+    """Migrated, the check answers 2; an older or missing schema fails it naming migrate."""
     path = tmp_path / "db"
     with SQLiteStore(str(path)) as store:
         for call in _both(store):
-            assert call().schema_version == 1
+            assert call().schema_version == 2
         _set_sqlite_schema(path, "UPDATE oncely_schema SET version = 0")
         for call in _both(store):
             with pytest.raises(SchemaMissingError, match="older"):
@@ -160,7 +160,7 @@ def test_tiered_check_is_the_inner_stores(tmp_path: Path) -> None:
         tiered = TieredStore(inner)
         for call in _both(tiered):
             health = call()
-            assert (health.backend, health.schema_version) == ("tiered", 1)
+            assert (health.backend, health.schema_version) == ("tiered", 2)
         _set_sqlite_schema(tmp_path / "db", "DROP TABLE oncely_schema")
         for call in _both(tiered):
             with pytest.raises(SchemaMissingError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 """The schema version this code reads and writes."""
 
 SELECT_VERSION: Final = "SELECT version FROM oncely_schema WHERE id = 1"
