@@ -27,6 +27,7 @@ class FilePublisher:
         poison: Destinations whose events always fail.
         fail_times: message id → how many more times that event fails.
         hang_after: Once a batch is recorded, touch this file and hang (to be SIGKILLed).
+        delay: Seconds each call takes before it records (a broker's round trip).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, hang_after: str | None = None) -> None:
@@ -35,10 +36,14 @@ class FilePublisher:
         self.poison: set[str] = set()
         self.fail_times: dict[str, int] = {}
         self.hang_after = hang_after
+        self.delay = 0.0
+        self.tag = ""
         self.calls = 0
 
     async def publish(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
         self.calls += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if self.down:
             raise ConnectionError("broker unreachable")
         outcomes: list[Outcome] = []
@@ -66,6 +71,7 @@ class FilePublisher:
                         "headers": dict(event.headers),
                         "attempts": event.attempts,
                         "pid": os.getpid(),
+                        "tag": self.tag,
                     }
                 )
             )

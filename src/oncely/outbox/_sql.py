@@ -60,12 +60,13 @@ WITH next AS (
     INSERT INTO {schema}.oncely_outbox_keys AS k (ordering_key, seq)
     SELECT %(ordering_key)s::text, 1 WHERE %(ordering_key)s::text IS NOT NULL
     ON CONFLICT (ordering_key) DO UPDATE SET seq = k.seq + 1
-    RETURNING k.seq
+    RETURNING k.seq, nextval({sequence}) AS id
 ), added AS (
     INSERT INTO {schema}.oncely_outbox
-           (message_id, destination, ordering_key, seq, payload, headers)
-    VALUES (%(message_id)s, %(destination)s, %(ordering_key)s::text, (SELECT seq FROM next),
-            %(payload)s, %(headers)s::jsonb)
+           (id, message_id, destination, ordering_key, seq, payload, headers)
+    VALUES (coalesce((SELECT id FROM next), nextval({sequence})), %(message_id)s,
+            %(destination)s, %(ordering_key)s::text, (SELECT seq FROM next), %(payload)s,
+            %(headers)s::jsonb)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING id
 )
@@ -73,7 +74,12 @@ SELECT id{notify} FROM added
 """
 """Parameters: message_id, destination, ordering_key, payload, headers (JSON text), and with
 notify, channel. One row (the new id), or none when the message id is taken already (the
-transaction stays usable; the key's counter skipped a number, which is harmless)."""
+transaction stays usable; the key's counter skipped a number, which is harmless).
+
+A keyed event draws its id in ``next``, once it holds its key's counter row: so within a key,
+ids follow seq (commit) order too, as `OutboxEvent.id` promises. Drawn by the column's default,
+the id could be taken before the counter's lock is granted (a test caught exactly that: a
+writer that waited for the lock carried a lower id than the events committed before it)."""
 
 PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
 
@@ -190,8 +196,11 @@ class PostgresQueries:
             ("stats", PG_STATS),
         ):
             object.__setattr__(self, name, template.format(schema=quoted))
-        object.__setattr__(self, "add", PG_ADD.format(schema=quoted, notify=""))
-        object.__setattr__(self, "add_notify", PG_ADD.format(schema=quoted, notify=PG_NOTIFY))
+        table = f"{quoted}.oncely_outbox".replace("'", "''")
+        sequence = f"pg_get_serial_sequence('{table}', 'id')"
+        for name, notify in (("add", ""), ("add_notify", PG_NOTIFY)):
+            rendered = PG_ADD.format(schema=quoted, sequence=sequence, notify=notify)
+            object.__setattr__(self, name, rendered)
         object.__setattr__(self, "channel", channel(self.schema))
 
 
