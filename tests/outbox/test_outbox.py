@@ -357,3 +357,54 @@ def test_relay_run_stops_when_asked(db: Db, tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         close(relay)
+
+
+DJANGO_APP = """
+import sys
+import django
+from django.conf import settings
+
+settings.configure(
+    DATABASES={
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sys.argv[1],
+            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
+        }
+    },
+    INSTALLED_APPS=[],
+)
+django.setup()
+from django.db import connection, transaction
+
+import oncely
+
+outbox = oncely.Outbox(oncely.open_store("sqlite:///" + sys.argv[1]))
+with transaction.atomic():
+    print(outbox.add(connection, "orders", b"kept", message_id="m-kept", ordering_key="k"))
+try:
+    with transaction.atomic():
+        outbox.add(connection, "orders", b"lost", message_id="m-lost", ordering_key="k")
+        raise RuntimeError
+except RuntimeError:
+    pass
+try:
+    outbox.add(connection, "orders", b"x")
+except oncely.ConfigurationError as exc:
+    print("outside atomic:", "atomic" in str(exc))
+"""
+
+
+def test_django_connection_inside_atomic(lite: Db, tmp_path: Path) -> None:
+    """Django's connection inside transaction.atomic(): the event commits or rolls back with it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "django_outbox.py"
+    script.write_text(DJANGO_APP)
+    result = subprocess.run(
+        [sys.executable, str(script), lite.path], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["m-kept", "outside atomic: True"]
+    assert list(lite.states()) == ["m-kept"]
