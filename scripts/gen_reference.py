@@ -22,6 +22,7 @@ SECTIONS = [
     ("oncely.http.django", ["IdempotencyMiddleware"]),
     ("oncely.inbox", ["InboxEntry", "AsyncInboxEntry"]),
     ("oncely.aggregates", None),
+    ("oncely.outbox", None),
     ("oncely.consumers", None),
 ]
 OPTIONAL = [
@@ -148,11 +149,16 @@ def _cli() -> list[str]:
     ]
     root = click.Context(cli, info_name="oncely", terminal_width=HELP_WIDTH)
     commands = [("oncely", cli, root)]
-    for name in cli.list_commands(root):
-        command = cli.get_command(root, name)
-        if command is not None:
-            context = click.Context(command, info_name=name, parent=root, terminal_width=HELP_WIDTH)
-            commands.append((f"oncely {name}", command, context))
+    for title, command, context in commands:  # grows: a group's commands follow it
+        if not isinstance(command, click.Group):
+            continue
+        for name in command.list_commands(context):
+            sub = command.get_command(context, name)
+            if sub is not None:
+                sub_context = click.Context(
+                    sub, info_name=name, parent=context, terminal_width=HELP_WIDTH
+                )
+                commands.append((f"{title} {name}", sub, sub_context))
     for title, command, context in commands:
         out += [f"### `{title}`", "", "```text", command.get_help(context), "```", ""]
     return out

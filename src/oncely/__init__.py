@@ -55,6 +55,7 @@ from oncely.errors import (
 )
 from oncely.guard import Guard
 from oncely.inbox import Inbox
+from oncely.outbox import Outbox
 from oncely.stores import open_store
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "MissingDependencyError",
     "OncelyError",
     "open_store",
+    "Outbox",
     "Policy",
     "Record",
     "Replay",

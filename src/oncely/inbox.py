@@ -58,7 +58,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _execution
+from oncely import _execution, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -101,6 +101,7 @@ _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
 """The parameters `Inbox.idempotent` looks for the connection in, in this order."""
 
 _SAVEPOINT = "oncely_inbox"
+_USER = "the inbox"
 _BLOCK_SAVEPOINT = "oncely_inbox_block"
 """Taken after the claim when the policy has final errors: such an error undoes the block's
 writes back to it, and keeps the claim to record the error on."""
@@ -548,49 +549,14 @@ def _sync_performer(inbox: Inbox, connection: Any) -> Callable[[Any], Any]:
 
 
 def _raw_connection(connection: Any) -> Any:
-    """The driver's connection behind a SQLAlchemy session or connection, Django's, or a
-    DB-API cursor's."""
-    module = type(connection).__module__
-    if module.startswith("sqlalchemy"):
-        get_connection = getattr(connection, "connection", None)
-        if callable(get_connection):  # a Session: its Connection, in its transaction
-            connection = get_connection()
-        return connection.connection.driver_connection
-    if module.startswith("django"):
-        connection = getattr(connection, "db", connection)  # a cursor's connection
-        if not connection.in_atomic_block:
-            raise ConfigurationError("the inbox needs Django's transaction.atomic() around it")
-        connection.ensure_connection()
-        return connection.connection
-    if type(connection).__name__ in ("Cursor", "ClientCursor", "ServerCursor"):
-        return connection.connection  # a psycopg or sqlite3 cursor
-    return connection
+    return _txn.raw_connection(connection, _USER)
 
 
-async def _araw_connection(connection: Any) -> Any:
-    """The async psycopg connection behind a SQLAlchemy ``AsyncSession`` or
-    ``AsyncConnection``, or an async cursor."""
-    if type(connection).__module__.startswith("sqlalchemy"):
-        get_connection = getattr(connection, "connection", None)
-        if callable(get_connection):  # an AsyncSession
-            connection = await get_connection()
-        return (await connection.get_raw_connection()).driver_connection
-    if type(connection).__name__ in ("AsyncCursor", "AsyncClientCursor"):
-        return connection.connection
-    return connection
+_araw_connection = _txn.araw_connection
 
 
 def _check_psycopg_transaction(connection: Any) -> None:
-    from psycopg.pq import TransactionStatus
-
-    status = connection.info.transaction_status
-    if status == TransactionStatus.IDLE and connection.autocommit:
-        raise ConfigurationError(
-            "the inbox writes in the caller's transaction, and this psycopg connection has "
-            "none: use `with connection.transaction():` (or a connection without autocommit)"
-        )
-    if status == TransactionStatus.INERROR:
-        raise ConfigurationError("the caller's transaction has failed: roll it back first")
+    _txn.check_psycopg_transaction(connection, _USER)
 
 
 _LEASE_LOST = "oncely: the inbox record was changed in this transaction"

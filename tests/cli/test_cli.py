@@ -251,7 +251,7 @@ def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
             with admin.transaction():
                 admin.execute(out.encode())
             code, out = run("--store", url, "--json", "check")
-            assert (code, json.loads(out)["schema_version"]) == (0, 2)
+            assert (code, json.loads(out)["schema_version"]) == (0, 3)
         finally:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 

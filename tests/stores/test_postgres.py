@@ -1416,7 +1416,7 @@ def test_migrate_upgrades_a_version_1_schema(
             store.claim("new", "fp", lease=LEASE, ttl=TTL)
         store.migrate()
         version = admin.execute(f'SELECT version FROM "{fresh_schema}".oncely_schema').fetchone()
-        assert version == (_sql.SCHEMA_VERSION,) == (2,)
+        assert version == (_sql.SCHEMA_VERSION,) == (3,)
         assert store.complete("old", taken.token, b"kept", ttl=TTL) is None
         replay = store.claim("old", "fp", lease=LEASE, ttl=TTL)
         assert isinstance(replay, Replay)

@@ -396,3 +396,80 @@ def demo(ctx: click.Context) -> None:
     from oncely._demo import main as demo_main
 
     ctx.exit(demo_main(list(ctx.args), prog="oncely demo"))
+
+
+@cli.command()
+@click.option(
+    "--to", "to", envvar="ONCELY_RELAY_TO", help="Broker URL: amqp://, kafka://, nats://, redis://."
+)
+@click.option(
+    "--publisher",
+    "factory",
+    help="module:callable returning a Publisher (called with the --to URL if given).",
+)
+@click.option("--batch-size", default=100, show_default=True, help="Events per batch.")
+@click.option("--poll-interval", default=1.0, show_default=True, help="Seconds between polls.")
+@click.option(
+    "--max-attempts", default=10, show_default=True, help="Failures before dead-lettering."
+)
+@click.option(
+    "--retention", default=86400.0, show_default=True, help="Seconds published events are kept."
+)
+@click.option("--no-listen", is_flag=True, help="Poll only (no LISTEN/NOTIFY on PostgreSQL).")
+@_common_options
+@click.pass_context
+def relay(
+    ctx: click.Context,
+    to: str | None,
+    factory: str | None,
+    batch_size: int,
+    poll_interval: float,
+    max_attempts: int,
+    retention: float,
+    no_listen: bool,
+) -> None:
+    """Publish the outbox's committed events to a broker until SIGTERM or SIGINT."""
+    from oncely.outbox import Relay, publisher_from_url
+    from oncely.outbox._registry import load_factory
+
+    if not to and not factory:
+        raise SetupError("no broker: pass --to URL (or --publisher module:callable)")
+    try:
+        if factory:
+            make = load_factory(factory)
+            publisher = make(to) if to else make()
+        else:
+            assert to is not None
+            publisher = publisher_from_url(to)
+    except oncely.OncelyError as exc:
+        raise _translate(exc) from exc
+    with _store(ctx) as store:
+        runner = Relay(
+            store,
+            publisher,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            max_attempts=max_attempts,
+            retention=retention,
+            listen=not no_listen,
+        )
+        click.echo(f"relay: publishing the outbox of {store!r}", err=True)
+        runner.run_forever()
+        click.echo("relay: stopped", err=True)
+
+
+@cli.group()
+def outbox() -> None:
+    """Inspect the transactional outbox."""
+
+
+@outbox.command(name="stats")
+@_common_options
+@click.pass_context
+def outbox_stats(ctx: click.Context) -> None:
+    """Count pending, dead-lettered and published outbox events."""
+    from oncely.outbox._relay import backend_stats
+
+    with _store(ctx) as store:
+        counts = backend_stats(store)
+    _emit(ctx, counts, [f"{name:15} {value}" for name, value in counts.items()])

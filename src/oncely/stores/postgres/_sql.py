@@ -61,7 +61,7 @@ __all__ = [
 
 BACKEND: Final = "postgres"
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """The schema version this code reads and writes (see ``schema.sql``)."""
 
 _COLUMNS: Final = (

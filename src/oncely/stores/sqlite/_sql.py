@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 SCHEMA_VERSION: Final = 2
-"""The schema version this code reads and writes (2 adds the ``op`` column)."""
+"""The schema version this code reads and writes (2: the ``op`` column, the outbox tables)."""
 
 COLUMNS: Final = "SELECT name FROM pragma_table_info('oncely_records')"
 """Returns the names of the record table's columns, one per row."""

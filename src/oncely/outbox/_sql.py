@@ -1,0 +1,305 @@
+"""The outbox's statements on PostgreSQL and SQLite, and why they keep each key's order.
+
+How events of one ordering key stay in commit order, with any number of writers and relays:
+
+1. **Writers number each key's events in commit order.** `PG_ADD` increments the key's counter
+   row in ``oncely_outbox_keys`` (``INSERT ... ON CONFLICT DO UPDATE SET seq = seq + 1
+   RETURNING seq``) and stores the event with that ``seq``. The upsert leaves the counter row
+   locked until the writer's transaction ends, so a second writer of the same key waits there
+   until the first commits (then it reads the incremented counter and takes the next number) or
+   rolls back (then it takes the same number, which was never seen). A sequence id drawn at
+   insert time would not do: two transactions can commit in the other order than they drew
+   ids. Hence: **when an event of seq n is visible, every event of its key with a lower seq has
+   committed and is visible too** (or was published and purged). Writers of different keys
+   never wait for each other; a transaction adding events of several keys takes their locks in
+   the order it adds them (add them in one order everywhere, or a deadlock aborts one).
+   On SQLite the single write lock, held from a transaction's first write to its commit, gives
+   the same property without the counter's lock mattering.
+
+2. **A relay only starts a key at its head.** The head of a key is its pending event (neither
+   published nor dead) with no pending event of a lower seq (`PG_HEADS`). The relay locks heads
+   with ``FOR UPDATE SKIP LOCKED``: a head another relay holds is skipped, and nothing else of
+   that key qualifies while the head is pending, so **a key is worked on by one relay at a
+   time**. Holding a key's head, the relay also locks the key's following pending events, in
+   seq order (`PG_FOLLOWERS`), and hands the publisher the batch in id order (within one key,
+   id order is seq order: the later writer inserted after the earlier one committed).
+
+3. **The locks are held until the outcome is recorded.** The relay's transaction stays open
+   while the publisher publishes; it marks confirmed events published, counts the failures,
+   and commits. Only then can another relay see the key's next head. A head that failed waits
+   for its ``next_attempt_at``, and its key with it; a dead-lettered head no longer counts as
+   pending, so the key moves on. A relay that dies before it commits leaves every row as it
+   was: the next relay publishes the batch again (at-least-once; consumers deduplicate by the
+   message id). So seq n+1 is never published before n is published or dead-lettered.
+
+   A relay whose snapshot predates another relay's commit sees the old head still pending:
+   either it is locked (skipped), or it was updated since (PostgreSQL re-checks a row it locks
+   against its newest version, which is published, dead or not yet due), and the events after
+   it are not heads in that snapshot. On SQLite, where a claim cannot hold the write lock while
+   publishing, a claim is a mark instead (``claimed_until_ms``), taken in one write transaction
+   and treated like a lock until it passes.
+
+Statements name their tables through ``{schema}`` (PostgreSQL), filled in by `PostgresQueries`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Final
+
+__all__ = ["PostgresQueries", "channel"]
+
+_EVENT: Final = (
+    "o.id, o.message_id, o.destination, o.payload, o.headers, o.ordering_key, o.attempts"
+)
+"""The columns an `OutboxEvent` is made of, in its field order."""
+
+PG_ADD: Final = """
+WITH next AS (
+    INSERT INTO {schema}.oncely_outbox_keys AS k (ordering_key, seq)
+    SELECT %(ordering_key)s::text, 1 WHERE %(ordering_key)s::text IS NOT NULL
+    ON CONFLICT (ordering_key) DO UPDATE SET seq = k.seq + 1
+    RETURNING k.seq, nextval({sequence}) AS id
+), added AS (
+    INSERT INTO {schema}.oncely_outbox
+           (id, message_id, destination, ordering_key, seq, payload, headers)
+    VALUES (coalesce((SELECT id FROM next), nextval({sequence})), %(message_id)s,
+            %(destination)s, %(ordering_key)s::text, (SELECT seq FROM next), %(payload)s,
+            %(headers)s::jsonb)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING id
+)
+SELECT id{notify} FROM added
+"""
+"""Parameters: message_id, destination, ordering_key, payload, headers (JSON text), and with
+notify, channel. One row (the new id), or none when the message id is taken already (the
+transaction stays usable; the key's counter skipped a number, which is harmless).
+
+A keyed event draws its id in ``next``, once it holds its key's counter row: so within a key,
+ids follow seq (commit) order too, as `OutboxEvent.id` promises. Drawn by the column's default,
+the id could be taken before the counter's lock is granted (a test caught exactly that: a
+writer that waited for the lock carried a lower id than the events committed before it)."""
+
+PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
+
+PG_HEADS: Final = f"""
+SELECT {_EVENT}
+  FROM {{schema}}.oncely_outbox AS o
+ WHERE o.published_at IS NULL AND o.dead_at IS NULL
+   AND o.next_attempt_at <= statement_timestamp()
+   AND NOT EXISTS (SELECT 1 FROM {{schema}}.oncely_outbox AS p
+                    WHERE p.ordering_key = o.ordering_key AND p.seq < o.seq
+                      AND p.published_at IS NULL AND p.dead_at IS NULL)
+ ORDER BY o.id
+ LIMIT %(limit)s
+   FOR UPDATE OF o SKIP LOCKED
+"""
+"""Parameters: limit. Due pending events without an earlier pending event of their key (every
+event without a key is one), locked, skipping those another relay holds."""
+
+PG_FOLLOWERS: Final = f"""
+SELECT {_EVENT}
+  FROM {{schema}}.oncely_outbox AS o
+ WHERE o.ordering_key = ANY(%(keys)s::text[])
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND o.id <> ALL(%(ids)s::bigint[])
+ ORDER BY o.ordering_key, o.seq
+ LIMIT %(limit)s
+   FOR UPDATE OF o
+"""
+"""Parameters: keys (whose heads this relay holds), ids (those heads), limit. The pending events
+after them, locked (no other relay can hold them: their key's head is pending and ours)."""
+
+PG_PUBLISHED: Final = """
+UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
+ WHERE id = ANY(%(ids)s::bigint[])
+"""
+
+PG_FAILED: Final = """
+UPDATE {schema}.oncely_outbox AS o
+   SET attempts = o.attempts + 1,
+       last_error = f.error,
+       next_attempt_at = statement_timestamp() + f.delay_ms * interval '1 millisecond',
+       dead_at = CASE WHEN f.dead THEN statement_timestamp() END
+  FROM unnest(%(ids)s::bigint[], %(errors)s::text[], %(delays)s::bigint[], %(dead)s::boolean[])
+       AS f(id, error, delay_ms, dead)
+ WHERE o.id = f.id
+"""
+"""Parameters: ids, errors, delays (ms), dead: one element per failed event."""
+
+PG_NOTED: Final = """
+UPDATE {schema}.oncely_outbox SET last_error = %(error)s WHERE id = ANY(%(ids)s::bigint[])
+"""
+"""Parameters: error, ids. A failure of the whole publish call: recorded, not counted."""
+
+PG_PURGE: Final = """
+DELETE FROM {schema}.oncely_outbox
+ WHERE id IN (SELECT id FROM {schema}.oncely_outbox
+               WHERE published_at < statement_timestamp() - %(retention)s
+               ORDER BY published_at LIMIT %(batch)s
+                 FOR UPDATE SKIP LOCKED)
+"""
+"""Parameters: retention (an interval), batch. Deletes one batch of old published events."""
+
+PG_PURGE_KEYS: Final = """
+DELETE FROM {schema}.oncely_outbox_keys AS k
+ USING (SELECT c.ordering_key, c.seq FROM {schema}.oncely_outbox_keys AS c
+         WHERE NOT EXISTS (SELECT 1 FROM {schema}.oncely_outbox AS o
+                            WHERE o.ordering_key = c.ordering_key
+                              AND o.published_at IS NULL AND o.dead_at IS NULL)
+         LIMIT %(batch)s) AS idle
+ WHERE k.ordering_key = idle.ordering_key AND k.seq = idle.seq
+"""
+"""Parameters: batch. Deletes counters of keys with no pending event (their next event starts
+again at 1, which is harmless: only pending events are compared). ``k.seq = idle.seq`` keeps
+a counter whose writer committed a new event after this statement's snapshot: PostgreSQL
+re-checks the row it waited for, and finds its seq moved on."""
+
+PG_STATS: Final = """
+SELECT count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL),
+       count(*) FILTER (WHERE dead_at IS NOT NULL),
+       count(*) FILTER (WHERE published_at IS NOT NULL),
+       min(created_at) FILTER (WHERE published_at IS NULL AND dead_at IS NULL)
+  FROM {schema}.oncely_outbox
+"""
+"""No parameters. Pending, dead and published counts, and the oldest pending event's time."""
+
+
+@dataclass(frozen=True, slots=True)
+class PostgresQueries:
+    """The outbox statements of one PostgreSQL schema."""
+
+    schema: str
+    add: str = field(init=False)
+    add_notify: str = field(init=False)
+    heads: str = field(init=False)
+    followers: str = field(init=False)
+    published: str = field(init=False)
+    failed: str = field(init=False)
+    noted: str = field(init=False)
+    purge: str = field(init=False)
+    purge_keys: str = field(init=False)
+    stats: str = field(init=False)
+    channel: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        quoted = quote_identifier(self.schema)
+        for name, template in (
+            ("heads", PG_HEADS),
+            ("followers", PG_FOLLOWERS),
+            ("published", PG_PUBLISHED),
+            ("failed", PG_FAILED),
+            ("noted", PG_NOTED),
+            ("purge", PG_PURGE),
+            ("purge_keys", PG_PURGE_KEYS),
+            ("stats", PG_STATS),
+        ):
+            object.__setattr__(self, name, template.format(schema=quoted))
+        table = f"{quoted}.oncely_outbox".replace("'", "''")
+        sequence = f"pg_get_serial_sequence('{table}', 'id')"
+        for name, notify in (("add", ""), ("add_notify", PG_NOTIFY)):
+            rendered = PG_ADD.format(schema=quoted, sequence=sequence, notify=notify)
+            object.__setattr__(self, name, rendered)
+        object.__setattr__(self, "channel", channel(self.schema))
+
+
+def quote_identifier(name: str) -> str:
+    """Quote *name* as a PostgreSQL identifier (the store checked it when it opened)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def channel(schema: str) -> str:
+    """The NOTIFY channel of *schema*'s outbox: one per schema, short of the 63-byte limit."""
+    return "oncely_outbox_" + hashlib.sha256(schema.encode()).hexdigest()[:16]
+
+
+# -- SQLite ---------------------------------------------------------------------------------------
+
+SQLITE_NEXT_SEQ: Final = """
+INSERT INTO oncely_outbox_keys (ordering_key, seq) VALUES (?, 1)
+ON CONFLICT (ordering_key) DO UPDATE SET seq = seq + 1
+RETURNING seq
+"""
+"""Parameters: ordering_key. One row: the key's next seq."""
+
+SQLITE_ADD: Final = """
+INSERT INTO oncely_outbox (message_id, destination, ordering_key, seq, payload, headers,
+                           created_at_ms, next_attempt_at_ms)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (message_id) DO NOTHING
+RETURNING id
+"""
+"""Parameters: message_id, destination, ordering_key, seq, payload, headers (JSON text), now_ms
+twice. One row (the new id), or none when the message id is taken already."""
+
+SQLITE_HEADS: Final = f"""
+SELECT {_EVENT}
+  FROM oncely_outbox AS o
+ WHERE o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
+   AND o.next_attempt_at_ms <= :now
+   AND (o.claimed_until_ms IS NULL OR o.claimed_until_ms <= :now)
+   AND NOT EXISTS (SELECT 1 FROM oncely_outbox AS p
+                    WHERE p.ordering_key = o.ordering_key AND p.seq < o.seq
+                      AND p.published_at_ms IS NULL AND p.dead_at_ms IS NULL)
+ ORDER BY o.id
+ LIMIT :limit
+"""
+"""`PG_HEADS` with claims for locks: a head claimed by a live relay is skipped."""
+
+SQLITE_FOLLOWERS: Final = f"""
+SELECT {_EVENT}
+  FROM oncely_outbox AS o
+ WHERE o.ordering_key IN (SELECT value FROM json_each(:keys))
+   AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
+   AND o.id NOT IN (SELECT value FROM json_each(:ids))
+ ORDER BY o.ordering_key, o.seq
+ LIMIT :limit
+"""
+"""Parameters: keys and ids (JSON arrays), limit. See `PG_FOLLOWERS`."""
+
+SQLITE_CLAIM: Final = """
+UPDATE oncely_outbox SET claimed_until_ms = :until WHERE id IN (SELECT value FROM json_each(:ids))
+"""
+
+SQLITE_PUBLISHED: Final = """
+UPDATE oncely_outbox SET published_at_ms = ?, claimed_until_ms = NULL WHERE id = ?
+"""
+
+SQLITE_FAILED: Final = """
+UPDATE oncely_outbox
+   SET attempts = attempts + 1, last_error = ?, next_attempt_at_ms = ?, dead_at_ms = ?,
+       claimed_until_ms = NULL
+ WHERE id = ?
+"""
+"""Parameters: error, next_attempt_at_ms, dead_at_ms (or NULL), id."""
+
+SQLITE_RELEASED: Final = """
+UPDATE oncely_outbox SET claimed_until_ms = NULL, last_error = coalesce(?, last_error)
+ WHERE id = ?
+"""
+"""Parameters: error (or NULL to keep the last one), id. Ends a claim without counting."""
+
+SQLITE_PURGE: Final = """
+DELETE FROM oncely_outbox
+ WHERE id IN (SELECT id FROM oncely_outbox WHERE published_at_ms < ?
+               ORDER BY published_at_ms LIMIT ?)
+"""
+
+SQLITE_PURGE_KEYS: Final = """
+DELETE FROM oncely_outbox_keys
+ WHERE ordering_key IN (
+       SELECT c.ordering_key FROM oncely_outbox_keys AS c
+        WHERE NOT EXISTS (SELECT 1 FROM oncely_outbox AS o
+                           WHERE o.ordering_key = c.ordering_key
+                             AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL)
+        LIMIT ?)
+"""
+
+SQLITE_STATS: Final = """
+SELECT coalesce(sum(published_at_ms IS NULL AND dead_at_ms IS NULL), 0),
+       coalesce(sum(dead_at_ms IS NOT NULL), 0),
+       coalesce(sum(published_at_ms IS NOT NULL), 0),
+       min(CASE WHEN published_at_ms IS NULL AND dead_at_ms IS NULL THEN created_at_ms END)
+  FROM oncely_outbox
+"""
