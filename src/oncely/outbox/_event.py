@@ -37,8 +37,12 @@ class OutboxEvent:
 
 
 class NotAttempted:
-    """The outcome of an event a publisher did not try: an earlier event of its ordering key
-    failed in the same call, so publishing it would break commit order."""
+    """The outcome of an event a publisher did not get confirmed because an earlier event of
+    its ordering key failed in the same call: publishing it would break commit order.
+
+    Usually it was never sent. A publisher that pipelines may already have sent it when the
+    earlier failure arrived; it is then published again later, which the consumer deduplicates
+    by its message id (at-least-once publishing, effectively-once consumption)."""
 
     _instance: NotAttempted | None = None
 
@@ -64,8 +68,9 @@ class Publisher(Protocol):
 
     `publish` receives events in commit order and returns one `Outcome` per event, in the same
     order. It publishes events of one ``ordering_key`` in the order given (it may pipeline
-    confirms); after an event fails, later events of the same ordering key in that call are
-    answered `NOT_ATTEMPTED` and not sent. Events without an ordering key are independent. It
+    confirms); after an event fails, later events of the same ordering key in that call that
+    were not confirmed are answered `NOT_ATTEMPTED` (and not sent, where they were not sent
+    yet). Events without an ordering key are independent. It
     raises only for a failure of the whole call (not connected, say); the relay then treats
     every event as failed.
     """
