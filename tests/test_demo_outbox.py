@@ -19,21 +19,26 @@ import pytest
 
 from oncely._demo_outbox import crash_planned, message_id, order_key
 
-SEEDS = (1, 2, 3)
-ORDERS = 20
+SEEDS = (1, 2)
+ORDERS = 16
 RATE = 0.2
+
+
+UNSAFE = 0
+"""The key of the ``--unsafe`` run (seed 1) in `runs`."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, int, dict[str, Any]]]:
-    """One demo run per seed, all at once (each spends most of its time waiting out leases):
-    seed → (its directory, exit code, JSON summary)."""
+    """One demo run per seed and one --unsafe, all at once (each spends most of its time
+    waiting out the relay's claim): seed (or `UNSAFE`) → (its directory, exit code, summary)."""
     started = {}
-    for seed in SEEDS:
+    for seed in (*SEEDS, UNSAFE):
         directory = tmp_path_factory.mktemp(f"outbox-demo-{seed}")
         command = [
             sys.executable, "-m", "oncely.demo", "--outbox", "--dir", str(directory),
-            "--orders", str(ORDERS), "--crash-rate", str(RATE), "--seed", str(seed), "--json",
+            "--orders", str(ORDERS), "--crash-rate", str(RATE), "--seed", str(seed or 1), "--json",
+            *(["--unsafe"] if seed == UNSAFE else []),
         ]  # fmt: skip
         started[seed] = (
             directory,
@@ -105,6 +110,23 @@ def test_each_request_makes_one_order_and_one_shipment_despite_crashes(
     # Crashed API workers' clients got the committed order replayed, never a second one.
     assert summary["replayed_responses"] == summary["double_submits"] + planned["api"]
     assert summary["requests"] == orders + summary["double_submits"]
+
+
+def test_without_the_inboxes_the_check_fails(
+    runs: dict[int, tuple[Path, int, dict[str, Any]]],
+) -> None:
+    """--unsafe: the same pipeline and crashes, no inbox: retries make second orders and
+    events, re-publishes and redeliveries second shipments; the demo says so, exit code 1."""
+    directory, code, summary = runs[UNSAFE]
+    assert code == 1
+    assert summary["mode"] == "unsafe"
+    assert summary["check_ok"] is False
+    assert summary["check"].startswith("end-to-end check: FAILED")
+    made = Counter(key for (key,) in rows(directory / "shop.db", "SELECT request_key FROM orders"))
+    assert sum(made.values()) == summary["orders"] > ORDERS  # a retried or doubled request ran
+    shipped = rows(directory / "warehouse.db", "SELECT COUNT(*) FROM shipments")[0][0]
+    assert shipped == summary["shipments"] == summary["deliveries"] > summary["orders"]
+    assert summary["deduplicated_republishes"] == summary["deduplicated_redeliveries"] == 0
 
 
 def test_the_main_demo_lists_the_mode_and_refuses_a_used_directory(tmp_path: Path) -> None:

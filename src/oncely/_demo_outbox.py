@@ -119,6 +119,7 @@ class Config:
     warehouse: str
     seed: int
     crash_rate: float
+    unsafe: bool = False
 
 
 # -- reporting from children ------------------------------------------------------------------
@@ -211,30 +212,52 @@ class Shop(_Service):
 
     def place_order(self, key: str, order: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Create the order requested with *key* once; answer 201, or 200 with the replay."""
+        if self.config.unsafe:
+            return self._place_without_inbox(key, order)
         with (
             _transaction(self.db) as db,
             self.inbox.claim(db, key, scope=ORDERS_SCOPE, fingerprint=order) as entry,
         ):
             if entry.replayed:
                 return 200, dict(entry.result)
-            order_id = db.execute(
-                "INSERT INTO orders (request_key, item, quantity, pid) VALUES (?, ?, ?, ?)",
-                (key, order["item"], order["quantity"], os.getpid()),
-            ).lastrowid
-            event = {"order_id": order_id, "request_key": key, **order}
-            self.outbox.add(
-                db,
-                DESTINATION,
-                json.dumps(event),
-                headers={"type": "order.placed"},
-                message_id=message_id(key),
-            )
+            order_id = self._write(db, key, order, message_id(key))
             result = {"order_id": order_id}
             entry.complete(result)
         # Committed: the order, its record and its event. Dying now loses only the answer.
+        self._committed(key, order_id)
+        return 201, result
+
+    def _place_without_inbox(self, key: str, order: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``--unsafe``: the same writes, without the inbox record; each request runs."""
+        with _transaction(self.db) as db:
+            (earlier,) = db.execute(
+                "SELECT COUNT(*) FROM orders WHERE request_key = ?", (key,)
+            ).fetchone()
+            order_id = self._write(db, key, order, f"{message_id(key)}#{earlier + 1}")
+        if not earlier:  # crash after the first execution only, as the safe run does
+            self._committed(key, order_id)
+        return 201, {"order_id": order_id}
+
+    def _write(self, db: sqlite3.Connection, key: str, order: dict[str, Any], event_id: str) -> int:
+        """Insert the order and add its event, in the transaction open on *db*."""
+        order_id = db.execute(
+            "INSERT INTO orders (request_key, item, quantity, pid) VALUES (?, ?, ?, ?)",
+            (key, order["item"], order["quantity"], os.getpid()),
+        ).lastrowid
+        assert order_id is not None
+        event = {"order_id": order_id, "request_key": key, **order}
+        self.outbox.add(
+            db,
+            DESTINATION,
+            json.dumps(event),
+            headers={"type": "order.placed"},
+            message_id=event_id,
+        )
+        return order_id
+
+    def _committed(self, key: str, order_id: int) -> None:
         if crash_planned(self.config.seed, self.config.crash_rate, "api", key):
             self.reporter.crash(key, f"after committing order {order_id}, before responding")
-        return 201, result
 
 
 def api_main(reports: Connection[Any, Any], config: Config) -> None:
@@ -425,6 +448,9 @@ class Warehouse(_Service):
 
         key = delivery.headers[KEY_HEADER]
         event = json.loads(delivery.payload)
+        if self.config.unsafe:
+            self._ship_without_inbox(key, event)
+            return
         with (
             _transaction(self.db) as db,
             self.inbox.claim(db, key, scope=SHIPMENTS_SCOPE, fingerprint=event) as entry,
@@ -435,12 +461,29 @@ class Warehouse(_Service):
                 kind = "redelivery" if delivery.delivery > 1 else "republish"
                 self.reporter.send("deduplicated", label=key, how=kind)
                 return
-            shipment = db.execute(
-                "INSERT INTO shipments (order_id, request_key, message_id, pid) "
-                "VALUES (?, ?, ?, ?)",
-                (event["order_id"], event["request_key"], key, os.getpid()),
-            ).lastrowid
+            shipment = self._write(db, key, event)
             entry.complete({"shipment": shipment})
+        self._committed(key, shipment)
+
+    def _ship_without_inbox(self, key: str, event: dict[str, Any]) -> None:
+        """``--unsafe``: the shipment without the inbox record; each delivery ships."""
+        with _transaction(self.db) as db:
+            (earlier,) = db.execute(
+                "SELECT COUNT(*) FROM shipments WHERE message_id = ?", (key,)
+            ).fetchone()
+            shipment = self._write(db, key, event)
+        if not earlier:  # crash after the first execution only, as the safe run does
+            self._committed(key, shipment)
+
+    def _write(self, db: sqlite3.Connection, key: str, event: dict[str, Any]) -> int:
+        shipment = db.execute(
+            "INSERT INTO shipments (order_id, request_key, message_id, pid) VALUES (?, ?, ?, ?)",
+            (event["order_id"], event["request_key"], key, os.getpid()),
+        ).lastrowid
+        assert shipment is not None
+        return shipment
+
+    def _committed(self, key: str, shipment: int) -> None:
         if crash_planned(self.config.seed, self.config.crash_rate, "consumer", key):
             self.reporter.crash(key, f"after committing shipment {shipment}, before the ack")
         self.reporter.send("shipped", label=key)
@@ -736,14 +779,19 @@ def check(config: Config, requested: int, tally: Tally) -> Check:
             return connection.execute(sql).fetchall()
 
     orders = query(config.shop, "SELECT request_key, id FROM orders")
-    events = query(config.shop, "SELECT message_id, published_at_ms FROM oncely_outbox")
+    events = [
+        (json.loads(payload)["request_key"], published)
+        for payload, published in query(
+            config.shop, "SELECT payload, published_at_ms FROM oncely_outbox"
+        )
+    ]
     queued = query(config.broker, "SELECT message_id, deliveries FROM queue")
     shipments = query(config.warehouse, "SELECT request_key, order_id FROM shipments")
     keys = [order_key(n) for n in range(requested)]
     order_of: dict[str, list[int]] = {}
     for key, order_id in orders:
         order_of.setdefault(key, []).append(order_id)
-    event_count = Counter(mid for mid, _ in events)
+    event_count = Counter(key for key, _ in events)
     shipped: dict[str, list[int]] = {}
     for key, order_id in shipments:
         shipped.setdefault(key, []).append(order_id)
@@ -761,7 +809,7 @@ def check(config: Config, requested: int, tally: Tally) -> Check:
         sum(1 for key, ids in tally.answers.items() if ids != set(order_of.get(key, []))),
         "requests answered with another order than the one stored",
     )
-    problem(sum(1 for key in keys if not event_count[message_id(key)]), "orders without an event")
+    problem(sum(1 for key in keys if not event_count[key]), "orders without an event")
     problem(sum(n - 1 for n in event_count.values() if n > 1), "duplicate events")
     problem(sum(1 for _, published in events if published is None), "events never published")
     problem(sum(1 for key in keys if key not in shipped), "orders never shipped (lost)")
@@ -789,22 +837,18 @@ def summarise(
     args: argparse.Namespace, tally: Tally, result: Check, elapsed: float
 ) -> dict[str, Any]:
     """The machine-readable summary."""
+    keys = [order_key(n) for n in range(args.orders)]
+    # An order's first event: the only one with the inboxes, "#1" of several without.
+    first_events = [message_id(key) + ("#1" if args.unsafe else "") for key in keys]
     planned = {
-        "api": sum(
-            crash_planned(args.seed, args.crash_rate, "api", order_key(n))
-            for n in range(args.orders)
-        ),
-        "relay": sum(
-            crash_planned(args.seed, args.crash_rate, "relay", message_id(order_key(n)))
-            for n in range(args.orders)
-        ),
+        "api": sum(crash_planned(args.seed, args.crash_rate, "api", key) for key in keys),
+        "relay": sum(crash_planned(args.seed, args.crash_rate, "relay", e) for e in first_events),
         "consumer": sum(
-            crash_planned(args.seed, args.crash_rate, "consumer", message_id(order_key(n)))
-            for n in range(args.orders)
+            crash_planned(args.seed, args.crash_rate, "consumer", e) for e in first_events
         ),
     }
     return {
-        "mode": "outbox",
+        "mode": "unsafe" if args.unsafe else "outbox",
         "orders_requested": args.orders,
         "requests": tally.requests,
         "double_submits": tally.double_submits,
@@ -908,6 +952,9 @@ def build_outbox_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", type=Path, help="where the SQLite files go (default: temporary)")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     parser.add_argument("--json", action="store_true", help="print a JSON summary only")
+    parser.add_argument(
+        "--unsafe", action="store_true", help="the same without the inboxes: watch the check fail"
+    )
     return parser
 
 
@@ -947,6 +994,7 @@ def _run(args: argparse.Namespace, directory: Path, *, temporary: bool) -> int:
         warehouse=str(directory / "warehouse.db"),
         seed=args.seed,
         crash_rate=args.crash_rate,
+        unsafe=args.unsafe,
     )
     for path in (config.shop, config.broker, config.warehouse):
         if Path(path).exists():
@@ -957,7 +1005,8 @@ def _run(args: argparse.Namespace, directory: Path, *, temporary: bool) -> int:
         where = "a temporary directory" if temporary else str(directory)
         _print(
             "oncely demo --outbox: POST /orders → inbox + order + outbox (one transaction) → "
-            "relay → broker → consumer inbox + shipment\n"
+            "relay → broker → consumer inbox + shipment"
+            f"{' WITHOUT the inboxes (--unsafe)' if args.unsafe else ''}\n"
             f"  {args.orders} orders | {args.clients} clients | {args.api_workers} API workers, "
             f"1 relay, {args.consumers} consumers | {args.crash_rate * 100:g}% crash at each "
             f"point (seed {args.seed})\n"
