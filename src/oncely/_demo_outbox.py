@@ -27,6 +27,8 @@ Crashes (``os._exit``), at the three points where a crash hurts most, each decid
 
 The parent restarts every crashed process. At the end it checks: each order request made
 exactly one order, one event, and one shipment; nothing lost (exit code 1 otherwise).
+``--unsafe`` runs the same pipeline and crashes without the two inboxes, to show the check
+failing.
 """
 
 from __future__ import annotations
