@@ -818,6 +818,12 @@ def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser
         default=0.25,
         help="--http: share of responses the proxy drops (default: 0.25)",
     )
+    parser.add_argument(
+        "--outbox",
+        action="store_true",
+        help="the end-to-end demo instead: HTTP, inbox and outbox in one transaction, relay, "
+        "broker, consumer, with crashes (its own options: --outbox --help)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     parser.add_argument("--json", action="store_true", help="print a JSON summary only")
     parser.add_argument("--unsafe", action="store_true", help=argparse.SUPPRESS)
@@ -826,6 +832,11 @@ def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m oncely.demo") -> int:
     """Run the demo; return 0 when the ledger check passes, 1 when it fails, 3 if aborted."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--outbox" in argv:  # a demo of its own, with its own options
+        from oncely._demo_outbox import main as outbox_main
+
+        return outbox_main([arg for arg in argv if arg != "--outbox"])
     args = build_parser(prog).parse_args(argv)
     if args.http:
         from oncely.http._demo import run_http_demo
