@@ -408,3 +408,16 @@ def test_django_connection_inside_atomic(lite: Db, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["m-kept", "outside atomic: True"]
     assert list(lite.states()) == ["m-kept"]
+
+
+def test_relay_run_raises_when_the_outbox_tables_are_missing(db: Db, tmp_path: Path) -> None:
+    """A schema to migrate is no outage to wait out: run() raises at once."""
+    db.execute("DROP TABLE {table}")
+    # A SQLite store would create the table again on open: this one is opened without migrating.
+    store = oncely.open_store(db.url, migrate=False) if db.kind == "sqlite" else db.store()
+    relay = Relay(store, FilePublisher(tmp_path / "out"), poll_interval=0.05)
+    try:
+        with pytest.raises(oncely.SchemaMissingError):
+            asyncio.run(relay.run())
+    finally:
+        close(relay)

@@ -14,15 +14,15 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
 from oncely._core.policy import Duration, to_timedelta
-from oncely._log import get_logger
-from oncely.errors import ConfigurationError
+from oncely._log import fields, get_logger
+from oncely.errors import ConfigurationError, MissingDependencyError, SchemaMissingError
 from oncely.outbox import _sql
 from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome, Publisher
 from oncely.outbox._writer import check_store
@@ -35,6 +35,7 @@ _MAX_BATCH = 10_000
 _MAX_ERROR = 2000
 """Characters of an error message kept in ``last_error``."""
 _PURGE_BATCH = 1000
+_SETUP_ERRORS = (ConfigurationError, MissingDependencyError, SchemaMissingError)
 
 
 class Relay:
@@ -180,6 +181,7 @@ class Relay:
                         event.destination,
                         attempts,
                         error,
+                        extra=fields(key=event.message_id, attempt=attempts, outcome="dead"),
                     )
                 else:
                     logger.warning(
@@ -192,6 +194,7 @@ class Relay:
                         self.max_attempts,
                         delay.total_seconds(),
                         error,
+                        extra=fields(key=event.message_id, attempt=attempts, outcome="failed"),
                     )
         return settlement
 
@@ -206,6 +209,11 @@ class Relay:
 
         A batch under way when *stop* is set is finished first. A failing broker or database
         is logged and retried with backoff, never raised.
+
+        Raises:
+            SchemaMissingError: The outbox tables are missing: run ``migrate()``.
+            ConfigurationError: A setting that waiting will not fix (from the publisher, say).
+            MissingDependencyError: The publisher's client library is missing.
         """
         stop = stop if stop is not None else asyncio.Event()
         wake = asyncio.Event()
@@ -220,6 +228,8 @@ class Relay:
                         next_purge = time.monotonic() + self.purge_interval.total_seconds()
                         await self.purge()
                     published = await self.run_once()
+                except _SETUP_ERRORS:
+                    raise  # waiting would not help: the schema, a setting, a missing library
                 except Exception as exc:
                     failures += 1
                     delay = self._delay(failures)
@@ -504,9 +514,13 @@ class _SQLiteBackend:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="oncely-outbox")
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    def _write(self) -> contextlib.AbstractContextManager[Any]:
-        """A write transaction on the store's connection of the relay's thread."""
-        return self._store._transaction("the outbox")  # type: ignore[no-any-return]
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Any]:
+        """A write transaction on the store's connection of the relay's thread; SQLite's errors
+        as the store's (a missing table is `SchemaMissingError`)."""
+        store = self._store
+        with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
+            yield connection
 
     def _claim(self, limit: int) -> list[OutboxEvent]:
         with self._write() as connection:
