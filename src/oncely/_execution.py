@@ -122,6 +122,8 @@ class Lease:
     (an extend that lands after a complete answers `LeaseLost`, and means nothing)."""
 
     viewed: CurrentLease | None = None
+    unstorable: Exception | None = None
+    """Why the codec could not store the operation's value (see `outcome_of`)."""
 
     def view(self) -> CurrentLease:
         """The public, read-only view of this lease (made once, when first asked for)."""
@@ -317,17 +319,32 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
 
 
 def outcome_of(lease: Lease, value: Any, codec: _codec.Codec) -> bytes:
-    """*value* framed as the stored outcome, or the unavailable marker if it cannot be encoded."""
+    """*value* framed as the stored outcome, or the unavailable marker if it cannot be encoded
+    (then `Lease.unstorable` says why, for `raise_if_unstorable`)."""
     try:
         return _codec.encode_value(codec.encode(value))
     except Exception as exc:
+        lease.unstorable = exc
         logger.warning(
-            "result of key=%s cannot be serialised (%s); replays will raise ResultUnavailableError",
+            "result of key=%s cannot be serialised (%s); it is recorded as unavailable",
             lease.key,
             exc,
             extra=fields(key=lease.key, token=lease.token, outcome="unserialisable"),
         )
         return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
+
+
+def raise_if_unstorable(lease: Lease) -> None:
+    """Tell the first caller, once the record is completed, that its value could not be stored:
+    the same `ResultUnavailableError` every replay raises, so the mistake shows on the first
+    call rather than on a retry in production."""
+    exc = lease.unstorable
+    if exc is not None:
+        raise ResultUnavailableError(
+            lease.key,
+            f"the codec cannot store the returned value ({type(exc).__name__}: {exc}); the "
+            "operation took effect once and will not run again",
+        ) from exc
 
 
 def settle_error(lease: Lease, exc: BaseException, policy: Policy) -> Flow[None]:
@@ -386,6 +403,7 @@ def protected_call(
         yield from settle_error(outcome, exc, policy)
         raise
     yield from complete_with(outcome, value, codec, policy)
+    raise_if_unstorable(outcome)
     return value
 
 
@@ -656,6 +674,8 @@ def call(
             run(settle(lease, "complete", payload, policy, (lost, None)), store)
         elif lease.heartbeat is not None:
             _SCHEDULER.stop(lease)
+    if lease.unstorable is not None:
+        raise_if_unstorable(lease)
     return value
 
 
@@ -700,6 +720,8 @@ async def acall(
             started = _stop_async_heartbeat(lease)
             if started is not None:
                 await asyncio.wait((started,))
+    if lease.unstorable is not None:
+        raise_if_unstorable(lease)
     return value
 
 

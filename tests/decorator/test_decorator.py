@@ -256,8 +256,11 @@ class TestSync:
         with pytest.raises(ResultUnavailableError, match="CardDeclined"):
             charge_without_declaration("a")
 
-    def test_unserialisable_result_is_returned_once_then_unavailable(self, store: Store) -> None:
-        """The first call returns its value; replays raise ResultUnavailableError, never rerun."""
+    def test_unserialisable_result_is_an_error_at_the_first_call_and_never_reruns(
+        self, store: Store
+    ) -> None:
+        """The first call raises ResultUnavailableError (the codec's error chained), not only
+        the replays; the operation took effect once and never runs again."""
         attempts = []
 
         @oncely.idempotent(store=store, key="k")
@@ -265,12 +268,29 @@ class TestSync:
             attempts.append(k)
             return threading.Lock()
 
-        assert op("a") is not None
+        with pytest.raises(ResultUnavailableError, match="took effect once") as first:
+            op("a")
+        assert first.value.__cause__ is not None
         with pytest.raises(ResultUnavailableError):
             op("a")
         with pytest.raises(ResultUnavailableError):
             op("a")
         assert attempts == ["a"]
+
+    def test_unserialisable_async_result_is_an_error_at_the_first_call(self, store: Store) -> None:
+        """The async path tells the first caller too."""
+        attempts = []
+
+        @oncely.idempotent(store=store, key="k")
+        async def op(k: str) -> object:
+            attempts.append(k)
+            return threading.Lock()
+
+        with pytest.raises(ResultUnavailableError, match="took effect once"):
+            asyncio.run(op("b"))
+        with pytest.raises(ResultUnavailableError):
+            asyncio.run(op("b"))
+        assert attempts == ["b"]
 
     def test_corrupt_stored_result_fails_closed(self, store: Store) -> None:
         """A record whose result oncely did not write is an error, never a reason to rerun."""
