@@ -318,6 +318,12 @@ def complete_with(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy)
     yield from settle(lease, "complete", outcome_of(lease, value, codec), policy)
 
 
+def complete_or_raise(lease: Lease, value: Any, codec: _codec.Codec, policy: Policy) -> Flow[None]:
+    """`complete_with`, then `raise_if_unstorable`: for callers that are handed the value back."""
+    yield from complete_with(lease, value, codec, policy)
+    raise_if_unstorable(lease)
+
+
 def outcome_of(lease: Lease, value: Any, codec: _codec.Codec) -> bytes:
     """*value* framed as the stored outcome, or the unavailable marker if it cannot be encoded
     (then `Lease.unstorable` says why, for `raise_if_unstorable`)."""
@@ -402,8 +408,7 @@ def protected_call(
     except BaseException as exc:
         yield from settle_error(outcome, exc, policy)
         raise
-    yield from complete_with(outcome, value, codec, policy)
-    raise_if_unstorable(outcome)
+    yield from complete_or_raise(outcome, value, codec, policy)
     return value
 
 

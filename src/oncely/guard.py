@@ -151,7 +151,7 @@ class Guard:
             raise OncelyError(f"the guard for {self.key!r} was already settled")
         self._settled = True
         if verb == "complete":
-            return _execution.complete_with(lease, value, self.codec, self.policy)
+            return _execution.complete_or_raise(lease, value, self.codec, self.policy)
         if verb == "fail":
             return _execution.settle_error(lease, value, self.policy)
         return _execution.settle(lease, "release", None, self.policy)

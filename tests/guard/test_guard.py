@@ -82,6 +82,21 @@ def test_exception_releases_and_final_error_is_stored(store: Store) -> None:
             _ = guard.result
 
 
+def test_completing_with_an_unstorable_value_is_an_error_at_once(store: Store) -> None:
+    """complete() with a value the codec cannot store raises ResultUnavailableError at once
+    (the codec's error chained), as every replay does; the block never runs again."""
+    with (
+        pytest.raises(oncely.ResultUnavailableError, match="took effect once") as first,
+        Guard(store, "u") as guard,
+    ):
+        guard.complete(threading.Lock())
+    assert first.value.__cause__ is not None
+    with Guard(store, "u") as again:
+        assert again.replayed
+        with pytest.raises(oncely.ResultUnavailableError):
+            _ = again.result
+
+
 def test_explicit_fail_and_release(store: Store) -> None:
     """fail() with a final error stores it; release() lets the next claim run."""
     with Guard(store, "a", scope="guard", final_errors=(Refused,)) as guard:
