@@ -54,7 +54,7 @@ from oncely.errors import (
     VersionConflictError,
 )
 from oncely.guard import Guard
-from oncely.inbox import Inbox
+from oncely.inbox import Inbox, current_transaction
 from oncely.outbox import Outbox
 from oncely.stores import open_store
 
@@ -70,6 +70,7 @@ __all__ = [
     "ConflictError",
     "CorruptRecordError",
     "current_lease",
+    "current_transaction",
     "CurrentLease",
     "FingerprintError",
     "FingerprintMismatchError",

@@ -124,6 +124,11 @@ class Lease:
     viewed: CurrentLease | None = None
     unstorable: Exception | None = None
     """Why the codec could not store the operation's value (see `outcome_of`)."""
+    ttl: timedelta | None = None
+    """How long the outcome is kept, for a settle made elsewhere (`committed`)."""
+    committed: bool = False
+    """Completed in the operation's own database transaction, now committed
+    (`oncely.Inbox.transactional`): there is nothing left to settle."""
 
     def view(self) -> CurrentLease:
         """The public, read-only view of this lease (made once, when first asked for)."""
@@ -226,7 +231,7 @@ def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
             answer.attempt,
             extra=fields(key=key, token=answer.token, attempt=answer.attempt, outcome="recovered"),
         )
-    return Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt)
+    return Lease(key, answer.token, policy.lease, answer.recovered, answer.attempt, ttl=policy.ttl)
 
 
 def suppressed(key: str, answer: Replay) -> None:
@@ -256,6 +261,10 @@ def settle(
         LeaseLostError: The lease was lost before the operation could be completed or failed.
         StoreUnavailableError: The store stayed unavailable; the key recovers after the lease.
     """
+    if lease.committed:  # completed in the operation's own transaction, already committed
+        if lease.heartbeat is not None:
+            yield StopHeartbeat(lease)
+        return
     if verb == "release":
         call = StoreCall("release", (lease.key, lease.token))
     else:  # the operation ran: a cancelled caller still records its outcome

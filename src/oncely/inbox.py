@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _execution, _txn
+from oncely import _execution, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -74,6 +76,7 @@ from oncely._core.records import (
     Replay,
     Status,
 )
+from oncely._log import fields
 from oncely.decorator import (
     _ALL,
     _IMPLICIT,
@@ -92,10 +95,16 @@ from oncely.errors import (
     OncelyError,
 )
 
-__all__ = ["AsyncInboxEntry", "Inbox", "InboxEntry"]
+__all__ = ["AsyncInboxEntry", "Inbox", "InboxEntry", "current_transaction"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+H = TypeVar("H", bound=Callable[..., Any])
+
+logger = logging.getLogger("oncely")
+
+_TRANSACTION: contextvars.ContextVar[Any] = contextvars.ContextVar("oncely_transaction")
+"""The connection or session of the `Inbox.transactional` handler running in this context."""
 
 _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
 """The parameters `Inbox.idempotent` looks for the connection in, in this order."""
@@ -240,6 +249,99 @@ class Inbox:
 
         return decorate
 
+    def transactional(self, begin: Callable[[], Any]) -> Callable[[H], H]:
+        """Decorate a consumer's handler so that its writes and its message's record commit
+        together, in one transaction that *begin* opens: the ack follows the commit.
+
+        .. code-block:: python
+
+            inbox = oncely.Inbox(store)            # the store the consumer records in
+
+            @rabbitmq.idempotent_handler(store, group="billing")
+            @inbox.transactional(pool.connection)  # psycopg_pool.AsyncConnectionPool
+            async def on_order(message) -> None:
+                connection = oncely.current_transaction()
+                await connection.execute("INSERT INTO charges ...")
+
+        The consumer claims the message with a lease, as always (its attempts are counted and
+        a message that keeps failing is dead-lettered). The handler then runs inside the
+        transaction, and the record is completed in that same transaction, by the lease's
+        fencing token, before it commits. A worker that dies before the commit leaves neither
+        the writes nor the completion (the message is redelivered and runs again once the
+        lease is over); one that dies after it leaves both (the redelivery is a duplicate,
+        acked without running). A worker that outlived its lease, and was overtaken, finds its
+        token fenced out: its transaction rolls back, and only one run ever commits.
+
+        It works the same under `oncely.idempotent` and a `Guard`: any protected operation
+        whose effect is writes in the store's database.
+
+        Args:
+            begin: Called once per message, it returns a context manager (an async one for an
+                async handler) that opens a transaction, gives the connection or session to
+                write through (psycopg, SQLAlchemy, sqlite3 or Django's, as for `claim`), and
+                commits on a clean exit, rolling back on an exception: a psycopg pool's
+                ``connection``, SQLAlchemy's ``engine.begin`` or ``sessionmaker.begin``. The
+                handler gets it from `current_transaction`.
+
+        The record keeps the result the handler returns, encoded with this inbox's codec, for
+        as long as the consumer's ``ttl`` says.
+        """
+
+        def decorate(handler: H) -> H:
+            if not callable(handler):
+                raise ConfigurationError(f"transactional decorates handlers, not {handler!r}")
+            if _is_async(handler):
+
+                @functools.wraps(handler)
+                async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                    lease = _running_lease()
+                    opened = begin()
+                    if not hasattr(opened, "__aenter__"):
+                        raise ConfigurationError(
+                            "an async handler's begin() must return an async context manager "
+                            f"(async psycopg or SQLAlchemy), not {type(opened).__name__}"
+                        )
+                    async with opened as connection:
+                        reset = _TRANSACTION.set(connection)
+                        try:
+                            value = await handler(*args, **kwargs)
+                        finally:
+                            _TRANSACTION.reset(reset)
+                        perform = await _AsyncPerformer(self, connection).bind()
+                        _committing(lease, await perform(self._settle(lease, value)))
+                    lease.committed = True
+                    return value
+
+                return async_wrapper  # type: ignore[return-value]
+
+            @functools.wraps(handler)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                lease = _running_lease()
+                opened = begin()
+                if not hasattr(opened, "__enter__"):
+                    raise ConfigurationError(
+                        f"begin() must return a context manager, not {type(opened).__name__}"
+                    )
+                with opened as connection:
+                    reset = _TRANSACTION.set(connection)
+                    try:
+                        value = handler(*args, **kwargs)
+                    finally:
+                        _TRANSACTION.reset(reset)
+                    perform = _sync_performer(self, connection)
+                    _committing(lease, perform(self._settle(lease, value)))
+                lease.committed = True
+                return value
+
+            return wrapper  # type: ignore[return-value]
+
+        return decorate
+
+    def _settle(self, lease: _execution.Lease, value: Any) -> _Settle:
+        lease.settling = True  # a heartbeat's extend after this completion means nothing
+        payload = _execution.outcome_of(lease, value, self.codec)
+        return _Settle(lease.key, lease.token, payload, lease.ttl or self.policy.ttl)
+
     def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
         if not isinstance(scope, str) or not scope:
             raise ConfigurationError("the inbox needs a scope naming the operation")
@@ -251,6 +353,46 @@ class Inbox:
 class _Plan:
     key: str
     fingerprint: str
+
+
+def current_transaction() -> Any:
+    """Return the connection or session of the `Inbox.transactional` handler running now: the
+    transaction its message's record is written in.
+
+    Raises:
+        ConfigurationError: No transactional handler is running in this context.
+
+    .. versionadded:: 0.1.0
+    """
+    connection = _TRANSACTION.get(None)
+    if connection is None:
+        raise ConfigurationError(
+            "current_transaction() is for handlers decorated with Inbox.transactional"
+        )
+    return connection
+
+
+def _running_lease() -> _execution.Lease:
+    lease = _execution._CURRENT.get()
+    if lease is None:
+        raise ConfigurationError(
+            "an Inbox.transactional handler runs under an oncely consumer (or oncely.idempotent "
+            "or a Guard), which claims its key with a lease first"
+        )
+    return lease
+
+
+def _committing(lease: _execution.Lease, answer: Any) -> None:
+    """Raise, inside the transaction (so that it rolls back), if the completion was refused."""
+    if isinstance(answer, LeaseLost):
+        lease.lost = True
+        logger.error(
+            "lease lost key=%s token=%d on a transactional completion: rolled back",
+            lease.key,
+            lease.token,
+            extra=fields(key=lease.key, token=lease.token, outcome="lease_lost"),
+        )
+        raise LeaseLostError(lease.key, token=lease.token)
 
 
 def _decorate(
@@ -369,6 +511,17 @@ class _Finish:
 
 
 @dataclass(frozen=True, slots=True)
+class _Settle:
+    """Complete a record claimed with a lease (a consumer's), by its token, in the caller's
+    transaction; answers `LeaseLost` (the transaction must then roll back) or ``None``."""
+
+    key: str
+    token: int
+    result: bytes
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
 class _Rollback:
     """Undo everything since the savepoint (the claim and the block's writes), drop it."""
 
@@ -422,6 +575,10 @@ def _exit(
         _execution._chain(error, exc)
 
 
+_UNPROTECTED = Acquired(token=0)
+"""The claim of an entry under ``ONCELY_DISABLED``: held, never written."""
+
+
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
@@ -471,6 +628,20 @@ class _EntryState:
             raise OncelyError("this entry replayed: there is nothing to complete")
         self._value = value
 
+    def _unprotected(self) -> bool:
+        """Under ``ONCELY_DISABLED`` (or `oncely.testing.disabled`): the block runs, nothing
+        is read or written, and a warning says so."""
+        if not _switches.disabled:
+            return False
+        logger.warning(
+            "oncely is DISABLED (%s): %s runs UNPROTECTED",
+            _switches.DISABLED_VARIABLE,
+            self._plan.key,
+            extra=fields(key=self._plan.key, outcome="unprotected"),
+        )
+        self._acquired = _UNPROTECTED
+        return True
+
     def _entered(self, outcome: Acquired | Replay) -> None:
         if isinstance(outcome, Replay):
             self._replay = outcome
@@ -478,8 +649,8 @@ class _EntryState:
             self._acquired = outcome
 
     def _exit_flow(self, error: BaseException | None) -> Flow[None] | None:
-        if self._acquired is None:
-            return None  # replayed: nothing was written, the savepoint is gone
+        if self._acquired is None or self._acquired is _UNPROTECTED:
+            return None  # replayed (nothing was written, the savepoint is gone), or disabled
         return _exit(self._inbox, self._plan, self._acquired.token, self._value, error)
 
 
@@ -496,6 +667,8 @@ class InboxEntry(_EntryState):
         self._perform = perform
 
     def __enter__(self) -> InboxEntry:
+        if self._unprotected():
+            return self
         self._entered(drive(_enter(self._inbox, self._plan), self._perform))
         return self
 
@@ -523,6 +696,8 @@ class AsyncInboxEntry(_EntryState):
         self._performer = performer
 
     async def __aenter__(self) -> AsyncInboxEntry:
+        if self._unprotected():
+            return self
         perform = await self._performer.bind()
         self._entered(await adrive(_enter(self._inbox, self._plan), perform))
         return self
@@ -657,25 +832,32 @@ class _PostgresScripts:
         rows = [row[:-1] for row in reply.rows]  # without the restored lock_timeout
         return self.sql.decode_claim(op.key, self.sql.Reply(rows, reply.rowcount))
 
+    def completion(self, op: _Finish | _Settle) -> tuple[str, Any]:
+        """The guarded update that writes *op*'s outcome (see `_guarded`)."""
+        store = self.store
+        status = op.status if type(op) is _Finish else Status.COMPLETED
+        statement = self.sql._finish_statement(
+            store._queries, store._stored_key(op.key), op.key, op.token, status, op.result, op.ttl
+        )
+        return self._complete, statement.params
+
     def finish(self, op: _Finish) -> _Script:
         """Write the outcome and release the savepoint; a final error first undoes the block."""
-        store = self.store
-        statement = self.sql._finish_statement(
-            store._queries,
-            store._stored_key(op.key),
-            op.key,
-            op.token,
-            op.status,
-            op.result,
-            op.ttl,
-        )
-        script: _Script = [(self._complete, statement.params), *self.release]
+        script: _Script = [self.completion(op), *self.release]
         if op.undo_block:
             script.insert(0, (f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}", None))
         return script
 
-    def flow(self, op: _Begin | _Finish | _Rollback) -> Flow[Any]:
+    def flow(self, op: _Begin | _Finish | _Settle | _Rollback) -> Flow[Any]:
         """Perform *op* as scripts (yielded, answered with their replies): sync and async."""
+        if type(op) is _Settle:
+            try:
+                yield [self.completion(op)]
+            except Exception as exc:
+                if not _is_lease_lost(exc):
+                    raise
+                return LeaseLost()  # the transaction has failed: the caller rolls it back
+            return None
         if type(op) is _Begin:
             try:
                 answer = self.claimed(op, (yield self.begin(op)))
@@ -798,7 +980,7 @@ class _SQLitePerformer:
 
     def perform(self, op: Any) -> Any:
         from oncely._core import machine
-        from oncely.stores._machine import _claim_step, _keeping_op, _ms
+        from oncely.stores._machine import _claim_step, _ms
 
         connection, store = self._connection, self._store
         kind = type(op)
@@ -815,20 +997,13 @@ class _SQLitePerformer:
             elif op.nested:
                 connection.execute(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
             return store._unscoped(answer)
+        if kind is _Settle:
+            return self._finish(op.key, op.token, machine.complete, op.result, op.ttl)
         if kind is _Finish:
-            stored = store._stored_key(op.key)
             if op.undo_block:
                 connection.execute(f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
             settle = machine.complete if op.status is Status.COMPLETED else machine.fail
-            result, ttl_ms = bytes(op.result), _ms(op.ttl)
-
-            def finish(record: Any, now_ms: int) -> Any:
-                return settle(record, op.token, result, now_ms=now_ms, ttl_ms=ttl_ms)
-
-            with store._translate_errors(op.key):
-                finished = store._apply(
-                    connection, stored, _keeping_op(finish), store.clock.now_ms()
-                )
+            finished = self._finish(op.key, op.token, settle, op.result, op.ttl)
             if isinstance(finished, LeaseLost):
                 connection.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
             connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
@@ -841,3 +1016,19 @@ class _SQLitePerformer:
             time.sleep(op.seconds)
             return None
         raise TypeError(f"cannot perform {op!r}")
+
+    def _finish(
+        self, key: str, token: int, settle: Callable[..., Any], result: bytes, ttl: timedelta
+    ) -> Any:
+        """Settle *key*'s record by *token* in the caller's transaction (the write lock held)."""
+        from oncely.stores._machine import _keeping_op, _ms
+
+        store, payload, ttl_ms = self._store, bytes(result), _ms(ttl)
+
+        def finish(record: Any, now_ms: int) -> Any:
+            return settle(record, token, payload, now_ms=now_ms, ttl_ms=ttl_ms)
+
+        with store._translate_errors(key):
+            return store._apply(
+                self._connection, store._stored_key(key), _keeping_op(finish), store.clock.now_ms()
+            )

@@ -805,7 +805,12 @@ class IdempotentConsumer:
                     ),
                 )
             lease = _execution.Lease(
-                key, answer.token, self._policy.lease, answer.recovered, answer.attempt
+                key,
+                answer.token,
+                self._policy.lease,
+                answer.recovered,
+                answer.attempt,
+                ttl=self._policy.ttl,
             )
             return None, lease
         if isinstance(answer, Replay):
@@ -937,6 +942,10 @@ class IdempotentConsumer:
         ran = yield from self._guarded(message, lease)
         if isinstance(ran, Verdict):
             return ran
+        if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
+            return Verdict(
+                Action.ACK, Reason.PROCESSED, lease.key, attempt=lease.attempt, result=ran[0]
+            )
         lease.settling = True  # an extend landing after the completion answers LeaseLost
         if lease.heartbeat is not None:  # before the completion: an extend after it is refused
             yield _execution.StopHeartbeat(lease)
@@ -1016,6 +1025,10 @@ class IdempotentConsumer:
             return None
 
     def _failed(self, key: str, attempt: int, exc: Exception) -> Verdict:
+        if isinstance(exc, LeaseLostError) and exc.key == key:
+            # Overtaken, its transaction rolled back (`Inbox.transactional`): the worker that
+            # took the message over decides it; the redelivery is its duplicate.
+            return Verdict(Action.RETRY, Reason.LEASE_LOST, key, self._retry_delay(), error=exc)
         final = isinstance(exc, self.policy.dead_letter_on)
         if final or attempt >= self.policy.max_attempts:
             logger.error(
