@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -311,14 +310,18 @@ def test_registry_refuses_what_it_cannot_open() -> None:
 
 def test_run_forever_stops_on_sigint(lite: Db, tmp_path: Path) -> None:
     """The sync convenience handles SIGINT like SIGTERM: the batch ends, then it returns."""
+    add_events(lite, Outbox(lite.store()), [("a", None)])
+    out = tmp_path / "out"
     process = subprocess.Popen(
         [sys.executable, "-c", RELAY, lite.url],
-        env=env(ONCELY_TEST_OUTBOX_FILE=str(tmp_path / "out")),
+        env=env(ONCELY_TEST_OUTBOX_FILE=str(out)),
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        time.sleep(0.5)  # let it start (if it has not, SIGINT stops it anyway)
+        # Running (it published), not still importing: a SIGINT during the imports of a loaded
+        # machine's slow start is Python's KeyboardInterrupt, before any handler exists.
+        eventually(lambda: len(read(out)) == 1, timeout=30)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
     finally:
