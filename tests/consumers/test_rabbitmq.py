@@ -24,7 +24,7 @@ from oncely.consumers.rabbitmq import IdempotentHandler, dead_letter_arguments, 
 from oncely.stores.redis import RedisStore
 from tests.conftest import service_url
 from tests.consumers._effects import FAST, Ledger, Worker
-from tests.consumers._proxy import TcpProxy
+from tests.faults._proxy import FaultProxy
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -196,7 +196,7 @@ def test_store_down_at_claim_nothing_is_acked_until_it_returns(
     redis_url: str, store: RedisStore, ledger: Ledger, name: str
 ) -> None:
     """The store unreachable: the handler does not run and the message is not acked."""
-    with TcpProxy(_redis_port(redis_url)) as proxy:
+    with FaultProxy(_redis_port(redis_url)) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0",
             namespace=name,
@@ -243,7 +243,7 @@ def test_store_down_at_completion_the_message_is_not_acked(
     transactional inbox). This test pins exactly that documented behaviour.
     """
     monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.05,))
-    with TcpProxy(_redis_port(redis_url)) as proxy:
+    with FaultProxy(_redis_port(redis_url)) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0",
             namespace=name,
