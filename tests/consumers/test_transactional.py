@@ -264,6 +264,30 @@ def test_under_the_decorator_a_repeat_replays_what_the_transaction_committed(
     assert charges(pg, scope) == [f"{scope}-1"]
 
 
+def test_sqlalchemy_engine_begin(pg: tuple[str, str], pg_store: Any, scope: str) -> None:
+    """SQLAlchemy's ``engine.begin``: the handler writes through the Connection it yields."""
+    import sqlalchemy
+
+    base, schema = pg
+    engine = sqlalchemy.create_engine(
+        base.replace("postgresql://", "postgresql+psycopg://", 1),
+        connect_args={"options": f"-c search_path={schema}"},
+    )
+    inbox = Inbox(pg_store)
+    consumer = IdempotentConsumer(pg_store, scope=scope, policy=POLICY)
+
+    @inbox.transactional(engine.begin)
+    def handle(key: str) -> None:
+        insert = sqlalchemy.text("INSERT INTO charges (key) VALUES (:key)")
+        current_transaction().execute(insert, {"key": key})
+
+    fetched = [delivery(f"{scope}-1"), delivery(f"{scope}-2"), delivery(f"{scope}-1")]
+    verdicts = [consumer.process(message, lambda m=message: handle(m.raw)) for message in fetched]
+    assert [v.reason for v in verdicts] == [Reason.PROCESSED, Reason.PROCESSED, Reason.DUPLICATE]
+    assert charges(pg, scope) == [f"{scope}-1", f"{scope}-2"]
+    engine.dispose()
+
+
 def test_misuse_is_a_configuration_error(pg: tuple[str, str], pg_store: Any) -> None:
     inbox = Inbox(pg_store)
 
