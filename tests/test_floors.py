@@ -35,12 +35,25 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def test_the_floors_script_pins_the_extras_floors() -> None:
-    """Every driver floor of the redis and postgres extras is what scripts/test-floors installs
+    """Every driver floor of the store and broker extras is what scripts/test-floors installs
     (the same release: 3.1 is 3.1.0), and the psycopg binary wheel matches psycopg."""
     extras = _extras()
     pins = _pins()
-    floors = dict(_floor(requirement) for requirement in extras["redis"] + extras["postgres"])
-    assert set(floors) == {"redis", "psycopg", "psycopg-pool"}, floors
+    requirements = [
+        requirement
+        for extra in ("redis", "postgres", "rabbitmq", "kafka", "nats")
+        for requirement in extras[extra]
+    ]
+    floors = dict(_floor(requirement) for requirement in requirements)
+    assert set(floors) == {
+        "redis",
+        "psycopg",
+        "psycopg-pool",
+        "aio-pika",
+        "confluent-kafka",
+        "aiokafka",
+        "nats-py",
+    }, floors
     for name, version in floors.items():
         assert _release(pins[name]) == _release(version), (name, pins[name], version)
     assert pins["psycopg-binary"] == pins["psycopg"]

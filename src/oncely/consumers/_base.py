@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import inspect
 import secrets
 import threading
 import uuid
@@ -1466,3 +1467,17 @@ def seconds(value: Duration | None) -> float:
     if value is None:
         return 0.0
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def mark_coroutine_function(handler: Any) -> None:
+    """Make an instance whose ``__call__`` is async pass for a coroutine function.
+
+    Clients choose how to call a callback by asking ``asyncio.iscoroutinefunction`` or
+    ``inspect.iscoroutinefunction``, which answer no for such an instance: aio-pika 9.0 (on
+    aiormq 6), for one, then never awaits what it returns. The markers make both answer yes
+    (Python 3.12+ has `inspect.markcoroutinefunction` for the second).
+    """
+    mark = getattr(inspect, "markcoroutinefunction", None)
+    if mark is not None:
+        mark(handler)
+    handler._is_coroutine = getattr(asyncio.coroutines, "_is_coroutine", None)

@@ -69,6 +69,7 @@ from oncely.consumers._base import (
     ano_broker,
     arun_with,
     default_scope,
+    mark_coroutine_function,
     seconds,
 )
 from oncely.errors import ConfigurationError
@@ -166,6 +167,7 @@ class IdempotentHandler:
         self.dead_letter_subject = dead_letter_subject
         self.jetstream = jetstream
         functools.update_wrapper(self, handler)
+        mark_coroutine_function(self)
 
     @property
     def stats(self) -> ConsumerStats:

@@ -49,6 +49,7 @@ from oncely.consumers._base import (
     KeySource,
     Verdict,
     default_scope,
+    mark_coroutine_function,
     seconds,
 )
 
@@ -114,6 +115,7 @@ class IdempotentHandler:
             codec=codec,
         )
         functools.update_wrapper(self, handler)
+        mark_coroutine_function(self)
 
     @property
     def stats(self) -> ConsumerStats:
