@@ -37,6 +37,7 @@ ENTRIES = (
     "async",
     "guard",
     "guard_async",
+    "txn",
     "asgi",
     "wsgi",
     "httpx",
@@ -93,6 +94,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return store in ("redis", "postgres") and fault == "redelivery"
     if fault in ("disconnect", "redelivery", *REBALANCES):
         return False
+    if entry == "txn":  # the effect and its record in one PostgreSQL transaction
+        return store == "postgres" and fault != "restart"
     if store == "memory":  # one process: nothing to kill, stop or proxy
         return fault in ("none", "slow")
     if fault == "skew":
@@ -687,6 +690,8 @@ def run_history(plan: Plan, services: Services) -> Result:
         hold = 3 * lease
     elif plan.fault == "reset":
         hold = lease / 2
+    if plan.entry == "txn":
+        base["txn_url"] = services.effects.url
     a = {
         **base,
         "worker": "A",
@@ -702,6 +707,8 @@ def run_history(plan: Plan, services: Services) -> Result:
         "retry_for": 4 * lease + 15,
         "retry_gap": 0.1,
     }
+    if plan.entry == "txn" and proxy is not None:  # A's transactions meet the store's faults
+        a["txn_url"] = services.effects.url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
     faults: list[str] = []
     point = plan.fault.partition("@")[2]
     if plan.fault.startswith(("kill", "stop", "zombie")):

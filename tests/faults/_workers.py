@@ -161,6 +161,46 @@ class _Client:
         finally:
             self.event("end", op, key)
 
+    def txn_function(self, hold: float) -> Any:
+        """The ``txn`` entry: the effect is written in a transaction that commits with the
+        key's record (`oncely.Inbox.transactional` under `oncely.idempotent`), so it stands
+        only once that commit is made: the ``effect`` event and point come after it (a kill
+        there is the window a transaction closes: written, and nothing but the transaction
+        completed the record). Nothing adopts a standing write: a second run's write would
+        stand too, and the checker would see a double effect."""
+        import psycopg
+
+        url = self.config["txn_url"]
+
+        @oncely.Inbox(self.store).transactional(lambda: psycopg.connect(url))
+        def write(key: str, op: str, token: int) -> dict[str, Any]:
+            self.point("claim", op, key)
+            time.sleep(hold)
+            self.point("mid", op, key)
+            if not self.effects.write(oncely.current_transaction(), key, op, token):
+                raise Fenced(f"{op}'s write with token {token} was rejected")
+            return {"op": op, "token": token}
+
+        def run(key: str, op: str) -> dict[str, Any]:
+            token = _token()
+            self.event("run", op, key, token=token)
+            try:
+                value = write(key, op, token)
+                self.event("effect", op, key, token=token, accepted=True)  # committed
+                self.point("effect", op, key)
+                return value
+            finally:
+                self.event("end", op, key)
+
+        return oncely.idempotent(
+            store=self.store,
+            key="key",
+            scope="faults",
+            fingerprint=None,
+            lease=self.lease,
+            ttl=self.ttl,
+        )(run)
+
     def run_all(self) -> None:
         ops = self.config["ops"]
         if self.config.get("concurrent"):
@@ -176,7 +216,9 @@ class _Client:
     def run_one(self, spec: dict[str, Any]) -> None:
         key, hold = spec["key"], spec.get("hold", 0.0)
         guard = self.config["entry"] == "guard"
-        if not guard:
+        if self.config["entry"] == "txn":
+            function = self.txn_function(hold)
+        elif not guard:
             function = oncely.idempotent(
                 store=self.store,
                 key="key",
