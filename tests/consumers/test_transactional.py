@@ -288,6 +288,67 @@ def test_sqlalchemy_engine_begin(pg: tuple[str, str], pg_store: Any, scope: str)
     engine.dispose()
 
 
+DJANGO_CONSUMER = """
+import sys
+from contextlib import contextmanager
+
+import django
+from django.conf import settings
+
+settings.configure(
+    DATABASES={
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sys.argv[1],
+            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
+        }
+    },
+    INSTALLED_APPS=[],
+)
+django.setup()
+from django.db import connection, transaction
+
+import oncely
+from oncely.consumers import Delivery, IdempotentConsumer
+
+store = oncely.open_store("sqlite:///" + sys.argv[1])
+consumer = IdempotentConsumer(store, scope="billing")
+
+
+@contextmanager
+def begin():
+    with transaction.atomic():
+        yield connection
+
+
+@oncely.Inbox(store).transactional(begin)
+def charge(key):
+    with oncely.current_transaction().cursor() as cursor:
+        cursor.execute("INSERT INTO charges VALUES (%s)", [key])
+
+
+message = Delivery(b"{}", {"Idempotency-Key": "c-1"})
+print(*(consumer.process(message, lambda: charge("c-1")).reason for _ in range(2)))
+with connection.cursor() as cursor:
+    cursor.execute("SELECT count(*) FROM charges")
+    print(cursor.fetchone()[0], store.get("billing|c-1").status)
+"""
+
+
+def test_django_atomic(tmp_path: Path) -> None:
+    """A *begin* around Django's ``transaction.atomic()`` that yields ``django.db.connection``."""
+    path = tmp_path / "app.db"
+    with oncely.open_store(f"sqlite:///{path}"), sqlite3.connect(path) as setup:
+        setup.execute("CREATE TABLE charges (key TEXT)")
+    script = tmp_path / "django_consumer.py"
+    script.write_text(DJANGO_CONSUMER)
+    result = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["processed duplicate", "1 completed"]
+
+
 def test_misuse_is_a_configuration_error(pg: tuple[str, str], pg_store: Any) -> None:
     inbox = Inbox(pg_store)
 
