@@ -342,6 +342,28 @@ def test_events_keep_their_order_across_batches(db: Db, tmp_path: Path) -> None:
     outbox.store.close()
 
 
+@pytest.mark.postgres
+def test_claiming_a_deep_backlog_reads_less_than_a_page_per_pending_event(pg: Db) -> None:
+    """Finding the heads of a few keys with many events waiting does not test every waiting
+    event against its key's others: it reads fewer pages than there are pending events (the
+    per-event test read three per event, so a relay catching up fell behind quadratically)."""
+    from oncely.outbox._sql import PostgresQueries
+
+    outbox = Outbox(pg.store())
+    with pg.transaction() as connection:
+        for number in range(1200):
+            outbox.add(connection, "d", b"x", ordering_key=f"k{number % 4}")
+    heads = PostgresQueries(pg.schema).heads
+    with pg.transaction() as connection:
+        connection.execute(f'ANALYZE "{pg.schema}".oncely_outbox')
+        plan = connection.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + heads, {"limit": 100}
+        ).fetchone()[0][0]["Plan"]
+    assert plan["Actual Rows"] == 4  # one head per key
+    assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
+    outbox.store.close()
+
+
 def test_relay_run_stops_when_asked(db: Db, tmp_path: Path) -> None:
     publisher = FilePublisher(tmp_path / "out")
     relay = relay_for(db, publisher, poll_interval=timedelta(hours=1))

@@ -84,32 +84,54 @@ writer that waited for the lock carried a lower id than the events committed bef
 PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
 
 PG_HEADS: Final = f"""
+WITH RECURSIVE keyed AS (
+    (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
+      WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+      ORDER BY o.ordering_key, o.seq LIMIT 1)
+    UNION ALL
+    SELECT n.ordering_key, n.seq
+      FROM keyed AS k,
+           LATERAL (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
+                     WHERE o.ordering_key > k.ordering_key
+                       AND o.published_at IS NULL AND o.dead_at IS NULL
+                     ORDER BY o.ordering_key, o.seq LIMIT 1) AS n
+)
 SELECT {_EVENT}
   FROM {{schema}}.oncely_outbox AS o
  WHERE o.published_at IS NULL AND o.dead_at IS NULL
    AND o.next_attempt_at <= statement_timestamp()
-   AND NOT EXISTS (SELECT 1 FROM {{schema}}.oncely_outbox AS p
-                    WHERE p.ordering_key = o.ordering_key AND p.seq < o.seq
-                      AND p.published_at IS NULL AND p.dead_at IS NULL)
+   AND (o.ordering_key IS NULL
+        OR (o.ordering_key, o.seq) IN (SELECT h.ordering_key, h.seq FROM keyed AS h))
  ORDER BY o.id
  LIMIT %(limit)s
    FOR UPDATE OF o SKIP LOCKED
 """
 """Parameters: limit. Due pending events without an earlier pending event of their key (every
-event without a key is one), locked, skipping those another relay holds."""
+event without a key is one), locked, skipping those another relay holds.
+
+``keyed`` is each key's lowest pending seq, found by skipping from key to key through the
+``(ordering_key, seq)`` index of pending events: one index descent per key with pending events,
+however many events each has waiting. (A test per event, "no pending event of a lower seq",
+cost each claim the whole backlog times its keys' depth: a relay catching up on 4000 events of
+32 keys claimed about 70 a second.)"""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
-  FROM {{schema}}.oncely_outbox AS o
- WHERE o.ordering_key = ANY(%(keys)s::text[])
-   AND o.published_at IS NULL AND o.dead_at IS NULL
-   AND o.id <> ALL(%(ids)s::bigint[])
- ORDER BY o.ordering_key, o.seq
+  FROM unnest(%(keys)s::text[]) AS k(ordering_key),
+       LATERAL (SELECT * FROM {{schema}}.oncely_outbox AS f
+                 WHERE f.ordering_key = k.ordering_key COLLATE "C"
+                   AND f.published_at IS NULL AND f.dead_at IS NULL
+                   AND f.id <> ALL(%(ids)s::bigint[])
+                 ORDER BY f.seq
+                 LIMIT %(limit)s
+                   FOR UPDATE) AS o
  LIMIT %(limit)s
-   FOR UPDATE OF o
 """
 """Parameters: keys (whose heads this relay holds), ids (those heads), limit. The pending events
-after them, locked (no other relay can hold them: their key's head is pending and ours)."""
+after them, locked (no other relay can hold them: their key's head is pending and ours): for
+each key in turn its next ones in seq order, a prefix of the key's pending events, read through
+the ``(ordering_key, seq)`` index, so the work is the rows returned. (Sorting every pending
+event of the keys, as one ``ORDER BY ordering_key, seq``, cost a batch the keys' backlog.)"""
 
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
