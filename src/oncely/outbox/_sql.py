@@ -117,21 +117,18 @@ cost each claim the whole backlog times its keys' depth: a relay catching up on 
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
-  FROM unnest(%(keys)s::text[]) AS k(ordering_key),
-       LATERAL (SELECT * FROM {{schema}}.oncely_outbox AS f
-                 WHERE f.ordering_key = k.ordering_key COLLATE "C"
-                   AND f.published_at IS NULL AND f.dead_at IS NULL
-                   AND f.id <> ALL(%(ids)s::bigint[])
-                 ORDER BY f.seq
-                 LIMIT %(limit)s
-                   FOR UPDATE) AS o
+  FROM {{schema}}.oncely_outbox AS o
+ WHERE o.ordering_key = ANY(%(keys)s::text[])
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND o.id <> ALL(%(ids)s::bigint[])
+ ORDER BY o.id
  LIMIT %(limit)s
+   FOR UPDATE OF o
 """
 """Parameters: keys (whose heads this relay holds), ids (those heads), limit. The pending events
-after them, locked (no other relay can hold them: their key's head is pending and ours): for
-each key in turn its next ones in seq order, a prefix of the key's pending events, read through
-the ``(ordering_key, seq)`` index, so the work is the rows returned. (Sorting every pending
-event of the keys, as one ``ORDER BY ordering_key, seq``, cost a batch the keys' backlog.)"""
+after them, locked (no other relay can hold them: their key's head is pending and ours), oldest
+first. Within a key id order is seq order, so what the limit keeps of each key is a prefix of
+its pending events; and the rows are those the heads' scan read first, near each other."""
 
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
