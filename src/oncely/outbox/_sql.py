@@ -20,9 +20,10 @@ How events of one ordering key stay in commit order, with any number of writers 
    published nor dead) with no pending event of a lower seq (`PG_HEADS`). The relay locks heads
    with ``FOR UPDATE SKIP LOCKED``: a head another relay holds is skipped, and nothing else of
    that key qualifies while the head is pending, so **a key is worked on by one relay at a
-   time**. Holding a key's head, the relay also locks the key's following pending events, in
-   seq order (`PG_FOLLOWERS`), and hands the publisher the batch in id order (within one key,
-   id order is seq order: the later writer inserted after the earlier one committed).
+   time**. Holding keys' heads, the relay also locks the keys' following pending events,
+   oldest first (`PG_FOLLOWERS`), and hands the publisher the batch in id order. Within one
+   key, id order is seq order (the later writer inserted after the earlier one committed), so
+   a batch holds a prefix of each key's pending events, in the key's order.
 
 3. **The locks are held until the outcome is recorded.** The relay's transaction stays open
    while the publisher publishes; it marks confirmed events published, counts the failures,
@@ -272,7 +273,7 @@ SELECT {_EVENT}
  WHERE o.ordering_key IN (SELECT value FROM json_each(:keys))
    AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
    AND o.id NOT IN (SELECT value FROM json_each(:ids))
- ORDER BY o.ordering_key, o.seq
+ ORDER BY o.id
  LIMIT :limit
 """
 """Parameters: keys and ids (JSON arrays), limit. See `PG_FOLLOWERS`."""
