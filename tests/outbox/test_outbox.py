@@ -263,6 +263,31 @@ def test_failed_event_is_retried_after_backoff_in_key_order(db: Db, tmp_path: Pa
     outbox.store.close()
 
 
+def test_a_key_held_up_with_a_long_backlog_does_not_hold_up_the_others(
+    db: Db, tmp_path: Path
+) -> None:
+    """The oldest pending events are one key's, more than a claim looks at first, behind a
+    failing head: the events of the other keys, and those without a key, are published."""
+    outbox = Outbox(db.store())
+    stuck = add_events(db, outbox, [("s", "stuck")] * 12)  # past the first look of batch 2
+    others = add_events(db, outbox, [("o", "k1"), ("o", None), ("o", "k2")])
+    publisher = FilePublisher(tmp_path / "out")
+    publisher.fail_times[stuck[0]] = 1_000
+    relay = relay_for(db, publisher, batch_size=2, backoff=60.0)
+
+    async def scenario() -> None:
+        await relay.run_once()  # the head fails, and backs off for a minute
+        while len(publisher.published()) < 3:
+            assert await relay.run_once() > 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(relay)
+    assert {event["message_id"] for event in publisher.published()} == set(others)
+    outbox.store.close()
+
+
 def test_poison_event_is_dead_lettered_and_its_key_proceeds(
     db: Db, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -107,18 +107,25 @@ WITH RECURSIVE near AS MATERIALIZED (
                      WHERE o.ordering_key > k.ordering_key
                        AND o.published_at IS NULL AND o.dead_at IS NULL
                      ORDER BY o.ordering_key, o.seq LIMIT 1) AS m
+), beyond AS (
+    -- Look past the window only when it is full and cannot fill a batch by itself.
+    SELECT (SELECT count(*) FROM near) >= %(window)s
+       AND (SELECT count(*) FROM near AS n
+             WHERE (n.ordering_key IS NULL AND n.next_attempt_at <= statement_timestamp())
+                OR n.ordering_key IN (SELECT h.ordering_key FROM near_heads AS h
+                                       WHERE h.next_attempt_at <= statement_timestamp()))
+           < %(limit)s AS yes
 )
 SELECT {_EVENT}
   FROM {{schema}}.oncely_outbox AS o
  WHERE o.published_at IS NULL AND o.dead_at IS NULL
    AND o.next_attempt_at <= statement_timestamp()
+   AND o.id <= (SELECT CASE WHEN b.yes THEN 9223372036854775807
+                            ELSE (SELECT max(n.id) FROM near AS n) END FROM beyond AS b)
    AND (o.ordering_key IS NULL
         OR (o.ordering_key, o.seq) IN (SELECT h.ordering_key, h.seq FROM near_heads AS h)
-        OR (o.ordering_key, o.seq) IN (
-               SELECT k.ordering_key, k.seq FROM keyed AS k
-                WHERE (SELECT count(*) FROM near) >= %(window)s
-                  AND (SELECT count(*) FROM near_heads AS h
-                        WHERE h.next_attempt_at <= statement_timestamp()) < %(limit)s))
+        OR (o.ordering_key, o.seq) IN (SELECT k.ordering_key, k.seq FROM keyed AS k
+                                        WHERE (SELECT b.yes FROM beyond AS b)))
  ORDER BY o.id
  LIMIT %(limit)s
    FOR UPDATE OF o SKIP LOCKED
@@ -130,11 +137,12 @@ Heads are found without testing each event against its key's others (that cost e
 backlog times its keys' depth: a relay catching up on 4000 events of 32 keys claimed about 70
 a second). ``near`` is the oldest *window* pending events: a key with an event among them has
 its first pending event among them too (within a key id order is seq order), so their heads
-are the keys' heads, found in the window alone. When the window is full and holds fewer than
-*limit* due heads (a few keys with deep backlogs, or keys held up by a failing head), ``keyed``
-finds every key's head beyond it, by skipping from key to key through the ``(ordering_key,
-seq)`` index of pending events: one index descent per key, run only then, since with many keys
-it would cost one per key."""
+are the keys' heads, found in the window alone, and the claim reads no further than the window.
+Only when the window is full and cannot fill a batch itself (fewer than *limit* of its events
+are due heads, their keys' later events or due events without a key: a key held up by a
+failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every key's
+head by skipping from key to key through the ``(ordering_key, seq)`` index of pending events,
+one descent per key, and the scan goes on past the window for events without a key."""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
