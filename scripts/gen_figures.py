@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "docs" / "guides" / "performance.md", ROOT / "docs" / "guides" / "inbox.md"]
+PAGES = [ROOT / "docs" / "guides" / page for page in ("performance.md", "inbox.md", "outbox.md")]
 BLOCK = re.compile(
     r"(<!-- figures: (?P<source>[^#\s]+)#(?P<section>[^>]+?) -->\n)"
     r"(?P<body>.*?)(<!-- /figures -->)",

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
 import sys
 import types
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+
+from tests.conftest import service_url
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP_MARK = "<!-- not run -->"
+DATABASE_MARK = "DATABASE_URL"
+"""An example that reads this environment variable gets a PostgreSQL database of its own."""
+DJANGO_MARK = "import django"
+"""An example that configures Django runs in a process of its own (settings are per process)."""
 
 
 def _examples() -> list[object]:
@@ -24,13 +36,57 @@ def _examples() -> list[object]:
             if preceding == [SKIP_MARK]:
                 continue
             name = f"{document.relative_to(ROOT)}#{number}"
-            examples.append(pytest.param(match.group(1), id=name))
+            marks = [pytest.mark.postgres] if DATABASE_MARK in match.group(1) else []
+            examples.append(pytest.param(match.group(1), id=name, marks=marks))
     return examples
+
+
+@contextlib.contextmanager
+def _database() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards: the examples create their tables as
+    an application would, and their names (orders) would collide in a shared one."""
+    import psycopg
+
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    name = f"oncely_docs_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+    try:
+        yield urlunsplit(urlsplit(base)._replace(path=f"/{name}"))
+    finally:
+        with psycopg.connect(base, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.mark.parametrize("code", _examples())
 def test_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The example runs as a fresh module, in a fresh working directory, without raising."""
+    """The example runs as a fresh module, in a fresh working directory, without raising (with
+    a PostgreSQL database of its own if it reads DATABASE_URL; in a process of its own if it
+    configures Django)."""
+    with contextlib.ExitStack() as stack:
+        if DATABASE_MARK in code:
+            monkeypatch.setenv(DATABASE_MARK, stack.enter_context(_database()))
+        if DJANGO_MARK in code:
+            _run_in_a_process(code, tmp_path)
+        else:
+            _run_here(code, tmp_path, monkeypatch)
+
+
+def _run_in_a_process(code: str, tmp_path: Path) -> None:
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "error"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _run_here(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType("__docs__")  # a real module, as a reader's code would be
     monkeypatch.setitem(sys.modules, module.__name__, module)

@@ -263,6 +263,31 @@ def test_failed_event_is_retried_after_backoff_in_key_order(db: Db, tmp_path: Pa
     outbox.store.close()
 
 
+def test_a_key_held_up_with_a_long_backlog_does_not_hold_up_the_others(
+    db: Db, tmp_path: Path
+) -> None:
+    """The oldest pending events are one key's, more than a claim looks at first, behind a
+    failing head: the events of the other keys, and those without a key, are published."""
+    outbox = Outbox(db.store())
+    stuck = add_events(db, outbox, [("s", "stuck")] * 12)  # past the first look of batch 2
+    others = add_events(db, outbox, [("o", "k1"), ("o", None), ("o", "k2")])
+    publisher = FilePublisher(tmp_path / "out")
+    publisher.fail_times[stuck[0]] = 1_000
+    relay = relay_for(db, publisher, batch_size=2, backoff=60.0)
+
+    async def scenario() -> None:
+        await relay.run_once()  # the head fails, and backs off for a minute
+        while len(publisher.published()) < 3:
+            assert await relay.run_once() > 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(relay)
+    assert {event["message_id"] for event in publisher.published()} == set(others)
+    outbox.store.close()
+
+
 def test_poison_event_is_dead_lettered_and_its_key_proceeds(
     db: Db, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -339,6 +364,30 @@ def test_events_keep_their_order_across_batches(db: Db, tmp_path: Path) -> None:
     for key in ("k0", "k1"):
         sent = [event["message_id"] for event in publisher.published() if event["key"] == key]
         assert sent == [ids[i] for i in range(7) if f"k{i % 2}" == key]
+    outbox.store.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("keys", [4, 1200])
+def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, keys: int) -> None:
+    """Finding the heads of 1200 pending events reads fewer pages than there are events, with
+    a few keys with deep backlogs (testing each event against its key's others read three per
+    event, so a relay catching up fell behind quadratically) as with a key per event (skipping
+    from key to key through the index would take a descent per key)."""
+    from oncely.outbox._sql import PostgresQueries
+
+    outbox = Outbox(pg.store())
+    with pg.transaction() as connection:
+        for number in range(1200):
+            outbox.add(connection, "d", b"x", ordering_key=f"k{number % keys}")
+    heads = PostgresQueries(pg.schema).heads
+    with pg.transaction() as connection:
+        connection.execute(f'ANALYZE "{pg.schema}".oncely_outbox')
+        plan = connection.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + heads, {"limit": 100, "window": 400}
+        ).fetchone()[0][0]["Plan"]
+    assert plan["Actual Rows"] == min(keys, 100)  # one head per key
+    assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
     outbox.store.close()
 
 

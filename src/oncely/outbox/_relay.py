@@ -35,6 +35,9 @@ _MAX_BATCH = 10_000
 _MAX_ERROR = 2000
 """Characters of an error message kept in ``last_error``."""
 _PURGE_BATCH = 1000
+_WINDOW = 4
+"""A claim looks for heads among the oldest ``batch_size`` times this many pending events first
+(see `_sql.PG_HEADS`)."""
 _SETUP_ERRORS = (ConfigurationError, MissingDependencyError, SchemaMissingError)
 
 
@@ -381,7 +384,8 @@ class _PostgresBatch:
 
     async def load(self, limit: int) -> None:
         queries, connection = self._queries, self._connection
-        heads = await (await connection.execute(queries.heads, {"limit": limit})).fetchall()
+        window = {"limit": limit, "window": limit * _WINDOW}
+        heads = await (await connection.execute(queries.heads, window)).fetchall()
         keys = list({row[5] for row in heads if row[5] is not None})
         if keys and len(heads) < limit:
             params = {"keys": keys, "ids": [row[0] for row in heads], "limit": limit - len(heads)}
