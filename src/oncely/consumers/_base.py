@@ -450,12 +450,7 @@ class IdempotentConsumer:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
-            logger.error(
-                "message dead-lettered: no usable idempotency key (%s)",
-                exc,
-                extra=fields(store=self.store, outcome="dead_lettered"),
-            )
-            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc))
+            return self._verdict(self._unusable(exc))
         try:
             outcome = yield from _execution.acquire(key, fingerprint, self._policy)
         except InProgressError as exc:
@@ -492,22 +487,7 @@ class IdempotentConsumer:
             return self._verdict(self._duplicate(key, outcome))
         lease = outcome
         if lease.attempt > self.policy.max_attempts:
-            yield from self._release(lease)
-            logger.error(
-                "message dead-lettered: key=%s was started %d times without finishing",
-                key,
-                lease.attempt - 1,
-                extra=fields(
-                    key=key,
-                    token=lease.token,
-                    attempt=lease.attempt,
-                    store=self.store,
-                    outcome="dead_lettered",
-                ),
-            )
-            return self._verdict(
-                Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt)
-            )
+            return self._verdict((yield from self._exhausted(lease)))
         try:
             value = yield _execution.Invoke(lease)
         except Exception as exc:
@@ -603,14 +583,7 @@ class IdempotentConsumer:
                 key = self.key_for(delivery)
                 fingerprint = self.fingerprint_for(delivery)
             except Exception as exc:
-                logger.error(
-                    "message dead-lettered: no usable idempotency key (%s)",
-                    exc,
-                    extra=fields(store=self.store, outcome="dead_lettered"),
-                )
-                verdicts[index] = self._verdict(
-                    Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
-                )
+                verdicts[index] = self._verdict(self._unusable(exc))
                 continue
             if key in firsts:
                 if prints[key] != fingerprint:
@@ -673,22 +646,7 @@ class IdempotentConsumer:
             for (key, index), answer in zip(claims.items(), answers, strict=True):
                 verdict, lease = self._claimed(key, answer)
                 if lease is not None and lease.attempt > self.policy.max_attempts:
-                    yield from self._release(lease)
-                    logger.error(
-                        "message dead-lettered: key=%s was started %d times without finishing",
-                        key,
-                        lease.attempt - 1,
-                        extra=fields(
-                            key=key,
-                            token=lease.token,
-                            attempt=lease.attempt,
-                            store=self.store,
-                            outcome="dead_lettered",
-                        ),
-                    )
-                    verdict = Verdict(
-                        Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt
-                    )
+                    verdict = yield from self._exhausted(lease)
                 elif lease is not None:
                     leases.append((index, lease))
                     continue
@@ -909,27 +867,28 @@ class IdempotentConsumer:
                 if lease.heartbeat is not None:
                     yield _execution.StopHeartbeat(lease)
         for (index, lease, value, _), outcome in zip(finished, outcomes, strict=True):
-            key, delay = lease.key, self._retry_delay()
-            if outcome is None:
-                done = Verdict(
-                    Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value
-                )
-                verdicts.append((index, done))
-            elif isinstance(outcome, LeaseLost):
-                lease.lost = True
-                logger.error(
-                    "lease lost key=%s token=%d on complete",
-                    key,
-                    lease.token,
-                    extra=fields(
-                        key=key, token=lease.token, store=self.store, outcome="lease_lost"
-                    ),
-                )
-                verdicts.append((index, Verdict(Action.RETRY, Reason.LEASE_LOST, key, delay)))
-            else:  # an error for this item alone, or for the whole call
-                failed = Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=outcome)
-                verdicts.append((index, failed))
+            verdicts.append((index, self._settled(lease, value, outcome)))
         return verdicts
+
+    def _settled(self, lease: _execution.Lease, value: Any, outcome: Any) -> Verdict:
+        """The verdict of a handler that returned *value*, once its completion answered
+        *outcome* (`_Completed`): acked only when the record is completed."""
+        key = lease.key
+        if outcome is None:
+            return Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
+        if isinstance(outcome, LeaseLost):
+            lease.lost = True
+            logger.error(
+                "lease lost key=%s token=%d on complete",
+                key,
+                lease.token,
+                extra=fields(key=key, token=lease.token, store=self.store, outcome="lease_lost"),
+            )
+            return Verdict(Action.RETRY, Reason.LEASE_LOST, key, self._retry_delay())
+        # an error for this item alone, or for the whole call
+        return Verdict(
+            Action.RETRY, Reason.STORE_UNAVAILABLE, key, self._retry_delay(), error=outcome
+        )
 
     def _run_one(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any, Any] | Verdict]:
         """Run one handler and send its completion off at once: ``(value, handle)`` (the
@@ -1014,6 +973,33 @@ class IdempotentConsumer:
             return _execution.replay(outcome, self.codec, Any, self._policy)
         except Exception:  # a stored failure, or a result that cannot be decoded
             return None
+
+    def _unusable(self, exc: Exception) -> Verdict:
+        """The verdict of a delivery whose key or fingerprint could not be derived."""
+        logger.error(
+            "message dead-lettered: no usable idempotency key (%s)",
+            exc,
+            extra=fields(store=self.store, outcome="dead_lettered"),
+        )
+        return Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
+
+    def _exhausted(self, lease: _execution.Lease) -> Flow[Verdict]:
+        """Give back *lease*, claimed for one start more than `ConsumerPolicy.max_attempts`
+        (workers died mid-handler): the message is dead-lettered, not run."""
+        yield from self._release(lease)
+        logger.error(
+            "message dead-lettered: key=%s was started %d times without finishing",
+            lease.key,
+            lease.attempt - 1,
+            extra=fields(
+                key=lease.key,
+                token=lease.token,
+                attempt=lease.attempt,
+                store=self.store,
+                outcome="dead_lettered",
+            ),
+        )
+        return Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, lease.key, attempt=lease.attempt)
 
     def _failed(self, key: str, attempt: int, exc: Exception) -> Verdict:
         final = isinstance(exc, self.policy.dead_letter_on)
