@@ -74,7 +74,6 @@ from oncely.errors import (
 )
 from oncely.keys import from_header
 from oncely.stores._batch import takes_ops
-from oncely.stores._coalesce import CoalescingStore
 
 __all__ = [
     "Action",
@@ -399,6 +398,7 @@ class IdempotentConsumer:
         self.stats = ConsumerStats()
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # what aprocess calls: see _async_store
+        self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -695,9 +695,13 @@ class IdempotentConsumer:
         get their answers."""
         options: dict[str, Any] = {"lease": self._policy.lease, "ttl": self._policy.ttl}
         ops: list[str] | None = None
-        verb = getattr(self.store, "claim_many", None) or getattr(self.store, "aclaim_many", None)
-        if takes_ops(verb):
-            ops = [secrets.token_hex(8) for _ in requests]  # the same ids if sent again
+        if self._takes_ops is None:
+            store = self.store
+            verb = getattr(store, "claim_many", None) or getattr(store, "aclaim_many", None)
+            self._takes_ops = takes_ops(verb)
+        if self._takes_ops:  # the same ids if sent again; unique: a random prefix per call
+            prefix = secrets.token_hex(8)
+            ops = [f"{prefix}.{i}" for i in range(len(requests))]
         call = _execution.StoreCall(
             "claim_many", (requests,), options if ops is None else {**options, "ops": ops}
         )
@@ -1094,21 +1098,62 @@ class IdempotentConsumer:
         return _execution.run(self.flow(delivery), store, handler)
 
     async def aprocess(self, delivery: Delivery, handler: Callable[[], Awaitable[Any]]) -> Verdict:
-        """Async `process`: *handler* returns an awaitable."""
-        store = self._async_calls
-        if store is None:  # not `or`: a store with no records may be falsy (it has a len)
-            store = self._async_store()
-        return await _execution.arun(self.flow(delivery), store, handler)
+        """Async `process`: *handler* returns an awaitable.
+
+        With a store that has the batch verbs and `ConsumerPolicy.coalesce`, the deliveries
+        handled at once (one task each, as aio-pika and nats-py run callbacks) share their
+        store calls: one claim call in flight at a time, the claims made meanwhile going
+        together in the next one, and likewise for completions (group commit, `_AsyncGroups`).
+        The common path (a new key that completes, a finished duplicate) is a straight line;
+        every other answer goes through the batch path's decisions.
+        """
+        groups = self._async_calls
+        if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
+            groups = self._async_store()
+        if type(groups) is _Settling:
+            return await _execution.arun(self.flow(delivery), groups, handler)
+        if groups.loop is not asyncio.get_running_loop():
+            groups = self._async_store()
+        try:
+            key = self.key_for(delivery)
+            fingerprint = self.fingerprint_for(delivery)
+        except Exception as exc:
+            return self._verdict(self._unusable(exc))
+        answer = await groups.claims.submit(_Claim((key, fingerprint), self._claim_many))
+        verdict, lease = self._claimed(key, answer)
+        if lease is None:
+            assert verdict is not None
+            return self._verdict(verdict)
+        perform = groups.perform
+        if lease.attempt > self.policy.max_attempts:
+            return self._verdict(await adrive(self._exhausted(lease), perform))
+        if self._policy.heartbeat:
+            await perform(_execution.StartHeartbeat(lease))
+        try:
+            value = await _execution.ainvoke_under(lease, handler)
+        except Exception as exc:
+            verdict = self._failed(key, lease.attempt, exc)
+            await adrive(self._settle_failure(lease, verdict, exc), perform)
+            return self._verdict(verdict)
+        except BaseException:  # cancelled: give the lease back, then go on being cancelled
+            await adrive(self._release(lease), perform)
+            raise
+        lease.settling = True  # an extend landing after the completion answers LeaseLost
+        if lease.heartbeat is not None:  # before the completion: an extend after it is refused
+            await perform(_execution.StopHeartbeat(lease))
+        item = (key, lease.token, _encoded(lease, value, self.codec))
+        outcome = await groups.complete(_Complete(item, self._complete_many))
+        return self._verdict(self._settled(lease, value, outcome))
 
     def _async_store(self) -> Any:
-        """The store `aprocess` calls, checked once: the store, or its coalescing view, with
-        completions that finish even if their caller is cancelled (`_Settling`)."""
+        """What `aprocess` calls, checked once (per event loop when grouping): the store's
+        claim and completion groups (`_AsyncGroups`), or the store with completions that
+        finish even if their caller is cancelled (`_Settling`)."""
         store = _require(self.store, AsyncStore)
         if self.policy.coalesce and self.batches:
-            # One claim in flight at a time; the rest queue and go together when it returns:
-            # the largest batches, and a round trip is short next to a handler.
-            store = CoalescingStore(store, max_in_flight=1)
-        self._async_calls = _Settling(store)
+            self._async_calls = _AsyncGroups(store)
+        else:
+            self._async_calls = _Settling(store)
         return self._async_calls
 
     def process_batch(
@@ -1250,6 +1295,15 @@ class _Complete:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class _Claim:
+    """Claim *item*, ``(key, fingerprint)``, with the claims made meanwhile: answers its
+    claim answer (or the `StoreError` for it). *many* claims a list (`_claim_many`)."""
+
+    item: tuple[str, str]
+    many: Callable[[list[tuple[str, str]]], Flow[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class _Completed:
     """Wait for the completions of these `_Complete` handles; answers theirs, in order."""
 
@@ -1297,15 +1351,20 @@ class _Completions:
 
 
 class _AsyncCompletions:
-    """Async `_Completions`: a task sends them; it is never cancelled with its caller, since
-    the handlers have run."""
+    """Async `_Completions` (or claims, `_Claim`): a task sends them, at most `_MAX_BATCH` in
+    one call; it is never cancelled with its caller, since the handlers have run. With
+    *skip_cancelled* (claims), an item whose caller was cancelled before it was sent is not
+    sent: it would take a lease nobody uses."""
 
-    def __init__(self, perform: Callable[[Any], Awaitable[Any]]) -> None:
+    def __init__(
+        self, perform: Callable[[Any], Awaitable[Any]], *, skip_cancelled: bool = False
+    ) -> None:
         self._perform = perform
-        self._queue: list[tuple[_Complete, asyncio.Future[Any]]] = []
+        self._skip_cancelled = skip_cancelled
+        self._queue: list[tuple[Any, asyncio.Future[Any]]] = []  # _Complete or _Claim
         self._task: asyncio.Task[None] | None = None
 
-    def submit(self, op: _Complete) -> asyncio.Future[Any]:
+    def submit(self, op: _Complete | _Claim) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append((op, future))
@@ -1318,7 +1377,10 @@ class _AsyncCompletions:
     async def _send(self) -> None:
         try:
             while self._queue:
-                queued, self._queue = self._queue, []
+                queued = self._queue[:_MAX_BATCH]
+                del self._queue[:_MAX_BATCH]
+                if self._skip_cancelled:
+                    queued = [entry for entry in queued if not entry[1].done()]
                 for batch in _by_flow(queued):
                     try:
                         flow = batch[0][0].many([op.item for op, _ in batch])
@@ -1337,14 +1399,72 @@ class _AsyncCompletions:
             for _, future in self._queue:  # only if cancelled (the loop is closing)
                 future.cancel()
 
+    def idle(self) -> asyncio.Future[Any]:
+        """A future done once every item submitted so far has been sent and answered."""
+        if self._task is None:
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._task
+
 
 _SENDING: set[asyncio.Future[Any]] = set()
+
+_MAX_BATCH = 256
+"""The most claims (completions) `_AsyncCompletions` sends in one call: a store answers a
+batch call at once, and no other call waits long behind it."""
+
+
+class _AsyncGroups:
+    """The claim and the completion groups of `IdempotentConsumer.aprocess` on one event loop:
+    each sends one call at a time, and the items submitted meanwhile go together in the next
+    (group commit: as many round trips as the store can answer, however many deliveries)."""
+
+    def __init__(self, store: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.store = store
+        self.claims = _AsyncCompletions(self.perform, skip_cancelled=True)
+        self.completions = _AsyncCompletions(self.perform)
+
+    def perform(self, op: Any) -> Awaitable[Any]:
+        """Perform *op* (a store call, a heartbeat's start or stop) against the store."""
+        return _execution.aperform(op, self.store)
+
+    async def complete(self, op: _Complete) -> Any:
+        """Send *op* with the completions made meanwhile; answer its outcome. A caller
+        cancelled meanwhile waits for it to land, then is cancelled (see `_landed`)."""
+        handle = self.completions.submit(op)
+        try:
+            return await handle
+        except asyncio.CancelledError:
+            if handle.cancelled():  # by this caller, not by a closing loop: it is still sent
+                await _landed([self.completions.idle()])
+            raise
+
+
+async def _landed(handles: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """The answers of these completions (`_Complete` handles). A caller cancelled meanwhile
+    waits for them to land, then is cancelled: a consumer shutting down does not close its
+    store under a completion, to leave the record in progress and the message to run again."""
+    pending = [handle for handle in handles if not handle.done()]
+    cancelled: asyncio.CancelledError | None = None
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        pending = [handle for handle in pending if not handle.done()]
+    if cancelled is not None:
+        raise cancelled
+    return [handle.result() for handle in handles]
+
 
 _F = TypeVar("_F")
 
 
 def _by_flow(queued: list[tuple[_Complete, _F]]) -> list[list[tuple[_Complete, _F]]]:
-    """*queued* in batches of one completion flow each (one consumer's, with its ttl)."""
+    """*queued* in batches of one flow each (one consumer's completions, with its ttl; or its
+    claims, `_Claim`)."""
     batches: dict[Any, list[tuple[_Complete, _F]]] = {}
     for entry in queued:
         batches.setdefault(entry[0].many, []).append(entry)
@@ -1410,8 +1530,8 @@ async def arun_with(
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
             if kind is _Complete:
                 return completions.submit(op)
-            if kind is _Completed:  # a cancelled caller waits for them to land, then goes on
-                return [await _execution.shielded(handle) for handle in op.handles]
+            if kind is _Completed:
+                return await _landed(op.handles)
             if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
             if kind is Parallel:
