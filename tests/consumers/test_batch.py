@@ -588,3 +588,56 @@ def test_a_claim_cancelled_before_it_is_sent_takes_no_lease() -> None:
 
     asyncio.run(main())
     assert slow.get(consumer.key_for(deliveries("b")[0])) is None
+
+
+def test_a_copy_of_a_running_delivery_waits_for_it_and_is_a_duplicate(
+    store: BatchingStore,
+) -> None:
+    """A copy of a delivery the consumer is running (a redelivery racing the first) waits for
+    that run, then is acked as its duplicate: not retried after retry_delay, never run twice."""
+    consumer = IdempotentConsumer(store, scope="orders", policy=POLICY)
+    ran: list[int] = []
+
+    async def main() -> list[Verdict]:
+        async def handler() -> str:
+            ran.append(1)
+            await asyncio.sleep(0.05)
+            return "done"
+
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0.01)  # the first copy runs its handler
+        copy = await consumer.aprocess(deliveries("a")[0], handler)
+        return [await first, copy]
+
+    verdicts = asyncio.run(main())
+    assert ran == [1]
+    assert [(v.action, v.reason) for v in verdicts] == [
+        (Action.ACK, Reason.PROCESSED),
+        (Action.ACK, Reason.DUPLICATE),
+    ]
+    assert verdicts[1].result == "done"
+
+
+def test_a_copy_waits_for_a_running_delivery_no_longer_than_retry_delay(
+    store: BatchingStore,
+) -> None:
+    """A copy waits for the running delivery at most retry_delay: then its claim answers in
+    progress and it is retried, as a copy running on another worker would be."""
+    policy = ConsumerPolicy(lease=timedelta(seconds=10), retry_delay=0.05)
+    consumer = IdempotentConsumer(store, scope="orders", policy=policy)
+
+    async def main() -> Verdict:
+        release = asyncio.Event()
+
+        async def handler() -> None:
+            await release.wait()
+
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0.01)
+        copy = await consumer.aprocess(deliveries("a")[0], handler)
+        release.set()
+        await first
+        return copy
+
+    verdict = asyncio.run(main())
+    assert (verdict.action, verdict.reason) == (Action.RETRY, Reason.IN_PROGRESS)

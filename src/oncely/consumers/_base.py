@@ -1104,8 +1104,10 @@ class IdempotentConsumer:
         handled at once (one task each, as aio-pika and nats-py run callbacks) share their
         store calls: one claim call in flight at a time, the claims made meanwhile going
         together in the next one, and likewise for completions (group commit, `_AsyncGroups`).
-        The common path (a new key that completes, a finished duplicate) is a straight line;
-        every other answer goes through the batch path's decisions.
+        A copy of a delivery being processed here waits for it (up to
+        `ConsumerPolicy.retry_delay`) before it claims. The common path (a new key that
+        completes, a finished duplicate) is a straight line; every other answer goes through
+        the batch path's decisions.
         """
         groups = self._async_calls
         if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
@@ -1119,6 +1121,29 @@ class IdempotentConsumer:
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
             return self._verdict(self._unusable(exc))
+        running = groups.running
+        first = running.get(key)
+        if first is not None:
+            # A copy of a delivery this consumer is running: claimed now, it would be retried
+            # after retry_delay. It waits for that run (as long at most), then claims: mostly
+            # a completed duplicate then, acked at once. The store decides, as ever.
+            await asyncio.wait((first,), timeout=self.policy.retry_delay.total_seconds())
+            return await self._agrouped(groups, key, fingerprint, handler)
+        mine = running[key] = groups.loop.create_future()
+        try:
+            return await self._agrouped(groups, key, fingerprint, handler)
+        finally:
+            del running[key]
+            mine.set_result(None)
+
+    async def _agrouped(
+        self,
+        groups: _AsyncGroups,
+        key: str,
+        fingerprint: str,
+        handler: Callable[[], Awaitable[Any]],
+    ) -> Verdict:
+        """`aprocess` from the claim on, with claims and completions grouped."""
         answer = await groups.claims.submit(_Claim((key, fingerprint), self._claim_many))
         verdict, lease = self._claimed(key, answer)
         if lease is None:
@@ -1425,6 +1450,8 @@ class _AsyncGroups:
         self.store = store
         self.claims = _AsyncCompletions(self.perform, skip_cancelled=True)
         self.completions = _AsyncCompletions(self.perform)
+        self.running: dict[str, asyncio.Future[None]] = {}
+        """The keys of the deliveries being processed, each with a future done once it is."""
 
     def perform(self, op: Any) -> Awaitable[Any]:
         """Perform *op* (a store call, a heartbeat's start or stop) against the store."""
