@@ -498,3 +498,146 @@ def test_a_batch_claim_applied_with_its_reply_lost_runs_once_on_redis(batch: Bat
         direct.close()
         proxy.close()
         delete_namespace(url, namespace)
+
+
+# -- deliveries handled one per task (aprocess): their claims and completions grouped ----------
+
+
+def test_concurrent_deliveries_share_claim_and_completion_calls(store: BatchingStore) -> None:
+    """Deliveries handled at once, one task each, claim and complete in a few batch calls
+    (group commit), with every decision as alone: each runs once, the copy is a duplicate."""
+    consumer = IdempotentConsumer(store, scope="orders", policy=POLICY)
+    ran: list[Any] = []
+
+    async def main() -> list[Verdict]:
+        async def one(delivery: Delivery) -> Verdict:
+            async def handler() -> str:
+                await asyncio.sleep(0)
+                ran.append(delivery.raw[1])
+                return "done"
+
+            return await consumer.aprocess(delivery, handler)
+
+        first = await asyncio.gather(*(one(d) for d in deliveries(*"abcdefghij")))
+        return [*first, await one(deliveries("a")[0])]
+
+    verdicts = asyncio.run(main())
+    assert sorted(ran) == list("abcdefghij")
+    assert reasons(verdicts) == ["processed"] * 10 + ["duplicate"]
+    assert all(v.action is Action.ACK for v in verdicts)
+    # those made in one turn of the loop go together; the copy's claim comes later
+    assert store.calls.count("claim_many") <= 3
+    assert store.calls.count("complete_many") <= 2
+    for key in "abcdefghij":
+        record = store.get(consumer.key_for(deliveries(key)[0]))
+        assert record is not None
+        assert record.status is Status.COMPLETED
+
+
+def test_grouped_batch_calls_are_bounded() -> None:
+    """However many deliveries wait, no batch call carries more than 256 of them."""
+    sizes: list[int] = []
+
+    class Sizes(BatchingStore):
+        async def aclaim_many(self, requests: Any, **options: Any) -> list[Any]:
+            sizes.append(len(requests))
+            return await super().aclaim_many(requests, **options)
+
+    consumer = IdempotentConsumer(Sizes(), scope="orders", policy=POLICY)
+
+    async def handler() -> None:
+        return None
+
+    async def main() -> list[Verdict]:
+        keys = [f"k{n}" for n in range(600)]
+        return await asyncio.gather(*(consumer.aprocess(d, handler) for d in deliveries(*keys)))
+
+    verdicts = asyncio.run(main())
+    assert all(v.reason is Reason.PROCESSED for v in verdicts)
+    assert sum(sizes) == 600
+    assert max(sizes) <= 256
+
+
+def test_a_claim_cancelled_before_it_is_sent_takes_no_lease() -> None:
+    """A delivery cancelled while its claim waits for the one in flight is not claimed: its
+    redelivery runs at once, not after a lease nobody holds."""
+    release: list[asyncio.Event] = []
+
+    class Slow(BatchingStore):
+        async def aclaim_many(self, requests: Any, **options: Any) -> list[Any]:
+            await release[0].wait()
+            return await super().aclaim_many(requests, **options)
+
+    slow = Slow(clock=FrozenClock())
+    consumer = IdempotentConsumer(slow, scope="orders", policy=POLICY)
+
+    async def handler() -> None:
+        return None
+
+    async def main() -> None:
+        release.append(asyncio.Event())
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0)  # "a" is in flight; "b" waits behind it
+        second = asyncio.ensure_future(consumer.aprocess(deliveries("b")[0], handler))
+        await asyncio.sleep(0)
+        second.cancel()
+        release[0].set()
+        assert (await first).reason is Reason.PROCESSED
+        with pytest.raises(asyncio.CancelledError):
+            await second
+
+    asyncio.run(main())
+    assert slow.get(consumer.key_for(deliveries("b")[0])) is None
+
+
+def test_a_copy_of_a_running_delivery_waits_for_it_and_is_a_duplicate(
+    store: BatchingStore,
+) -> None:
+    """A copy of a delivery the consumer is running (a redelivery racing the first) waits for
+    that run, then is acked as its duplicate: not retried after retry_delay, never run twice."""
+    consumer = IdempotentConsumer(store, scope="orders", policy=POLICY)
+    ran: list[int] = []
+
+    async def main() -> list[Verdict]:
+        async def handler() -> str:
+            ran.append(1)
+            await asyncio.sleep(0.05)
+            return "done"
+
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0.01)  # the first copy runs its handler
+        copy = await consumer.aprocess(deliveries("a")[0], handler)
+        return [await first, copy]
+
+    verdicts = asyncio.run(main())
+    assert ran == [1]
+    assert [(v.action, v.reason) for v in verdicts] == [
+        (Action.ACK, Reason.PROCESSED),
+        (Action.ACK, Reason.DUPLICATE),
+    ]
+    assert verdicts[1].result == "done"
+
+
+def test_a_copy_waits_for_a_running_delivery_no_longer_than_retry_delay(
+    store: BatchingStore,
+) -> None:
+    """A copy waits for the running delivery at most retry_delay: then its claim answers in
+    progress and it is retried, as a copy running on another worker would be."""
+    policy = ConsumerPolicy(lease=timedelta(seconds=10), retry_delay=0.05)
+    consumer = IdempotentConsumer(store, scope="orders", policy=policy)
+
+    async def main() -> Verdict:
+        release = asyncio.Event()
+
+        async def handler() -> None:
+            await release.wait()
+
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0.01)
+        copy = await consumer.aprocess(deliveries("a")[0], handler)
+        release.set()
+        await first
+        return copy
+
+    verdict = asyncio.run(main())
+    assert (verdict.action, verdict.reason) == (Action.RETRY, Reason.IN_PROGRESS)

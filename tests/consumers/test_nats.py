@@ -282,6 +282,45 @@ def test_in_progress_heartbeats_hold_a_slow_message(
     assert ledger.counts() == {"order-1": 1}
 
 
+def test_a_batch_keeps_every_message_while_its_slow_one_runs(
+    store: RedisStore, ledger: Ledger, name: str
+) -> None:
+    """In a fetched batch, a message whose handler is done waits unacked for the others (its
+    completion and ack go with the batch's): the batch's in_progress beat holds it too, so a
+    slow neighbour (longer than ack_wait) does not get it redelivered."""
+
+    async def main() -> list[int]:
+        async with jetstream(name) as (_, js):
+            deliveries: list[int] = []
+
+            @idempotent_handler(store, group=name, policy=FAST, progress_interval=0.2)
+            async def handle(msg: Msg) -> None:
+                deliveries.append(msg.metadata.num_delivered)
+                if msg.headers["Idempotency-Key"] == "slow":
+                    await asyncio.sleep(1.4)  # longer than ack_wait=1
+                await ledger.awrite(msg.headers["Idempotency-Key"])
+
+            sub = await js.pull_subscribe(
+                f"{name}.orders", durable="billing", stream=name, config=ConsumerConfig(ack_wait=1)
+            )
+            for key in ("quick", "slow"):
+                await publish(js, name, key, stamp(key))
+            fetched: list[Msg] = []
+            while len(fetched) < 2:
+                fetched += await sub.fetch(2 - len(fetched), timeout=5)
+            # another member pulls meanwhile: a message let go after ack_wait would come to it
+            other = await js.pull_subscribe(f"{name}.orders", durable="billing", stream=name)
+            spy = asyncio.ensure_future(other.fetch(1, timeout=2.5))
+            verdicts = await handle.batch(fetched)
+            assert [v.reason for v in verdicts] == [Reason.PROCESSED] * 2
+            with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+                await spy  # nothing was redelivered
+            return deliveries
+
+    assert asyncio.run(main()) == [1, 1]
+    assert ledger.counts() == {"quick": 1, "slow": 1}
+
+
 def test_fetched_batches_take_effect_once(any_store: Any, ledger: Ledger, name: str) -> None:
     """handler.batch(fetched): 3 copies of 8 keys in batches of 10, two members: 8 effects."""
     keys = [f"order-{i}" for i in range(8)]

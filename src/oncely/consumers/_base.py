@@ -75,7 +75,6 @@ from oncely.errors import (
 )
 from oncely.keys import from_header
 from oncely.stores._batch import takes_ops
-from oncely.stores._coalesce import CoalescingStore
 
 __all__ = [
     "Action",
@@ -400,6 +399,7 @@ class IdempotentConsumer:
         self.stats = ConsumerStats()
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # what aprocess calls: see _async_store
+        self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -451,12 +451,7 @@ class IdempotentConsumer:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
-            logger.error(
-                "message dead-lettered: no usable idempotency key (%s)",
-                exc,
-                extra=fields(store=self.store, outcome="dead_lettered"),
-            )
-            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc))
+            return self._verdict(self._unusable(exc))
         try:
             outcome = yield from _execution.acquire(key, fingerprint, self._policy)
         except InProgressError as exc:
@@ -493,22 +488,7 @@ class IdempotentConsumer:
             return self._verdict(self._duplicate(key, outcome))
         lease = outcome
         if lease.attempt > self.policy.max_attempts:
-            yield from self._release(lease)
-            logger.error(
-                "message dead-lettered: key=%s was started %d times without finishing",
-                key,
-                lease.attempt - 1,
-                extra=fields(
-                    key=key,
-                    token=lease.token,
-                    attempt=lease.attempt,
-                    store=self.store,
-                    outcome="dead_lettered",
-                ),
-            )
-            return self._verdict(
-                Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt)
-            )
+            return self._verdict((yield from self._exhausted(lease)))
         try:
             value = yield _execution.Invoke(lease)
         except Exception as exc:
@@ -604,14 +584,7 @@ class IdempotentConsumer:
                 key = self.key_for(delivery)
                 fingerprint = self.fingerprint_for(delivery)
             except Exception as exc:
-                logger.error(
-                    "message dead-lettered: no usable idempotency key (%s)",
-                    exc,
-                    extra=fields(store=self.store, outcome="dead_lettered"),
-                )
-                verdicts[index] = self._verdict(
-                    Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
-                )
+                verdicts[index] = self._verdict(self._unusable(exc))
                 continue
             if key in firsts:
                 if prints[key] != fingerprint:
@@ -674,22 +647,7 @@ class IdempotentConsumer:
             for (key, index), answer in zip(claims.items(), answers, strict=True):
                 verdict, lease = self._claimed(key, answer)
                 if lease is not None and lease.attempt > self.policy.max_attempts:
-                    yield from self._release(lease)
-                    logger.error(
-                        "message dead-lettered: key=%s was started %d times without finishing",
-                        key,
-                        lease.attempt - 1,
-                        extra=fields(
-                            key=key,
-                            token=lease.token,
-                            attempt=lease.attempt,
-                            store=self.store,
-                            outcome="dead_lettered",
-                        ),
-                    )
-                    verdict = Verdict(
-                        Action.DEAD_LETTER, Reason.EXHAUSTED, key, attempt=lease.attempt
-                    )
+                    verdict = yield from self._exhausted(lease)
                 elif lease is not None:
                     leases.append((index, lease))
                     continue
@@ -738,9 +696,13 @@ class IdempotentConsumer:
         get their answers."""
         options: dict[str, Any] = {"lease": self._policy.lease, "ttl": self._policy.ttl}
         ops: list[str] | None = None
-        verb = getattr(self.store, "claim_many", None) or getattr(self.store, "aclaim_many", None)
-        if takes_ops(verb):
-            ops = [secrets.token_hex(8) for _ in requests]  # the same ids if sent again
+        if self._takes_ops is None:
+            store = self.store
+            verb = getattr(store, "claim_many", None) or getattr(store, "aclaim_many", None)
+            self._takes_ops = takes_ops(verb)
+        if self._takes_ops:  # the same ids if sent again; unique: a random prefix per call
+            prefix = secrets.token_hex(8)
+            ops = [f"{prefix}.{i}" for i in range(len(requests))]
         call = _execution.StoreCall(
             "claim_many", (requests,), options if ops is None else {**options, "ops": ops}
         )
@@ -915,27 +877,28 @@ class IdempotentConsumer:
                 if lease.heartbeat is not None:
                     yield _execution.StopHeartbeat(lease)
         for (index, lease, value, _), outcome in zip(finished, outcomes, strict=True):
-            key, delay = lease.key, self._retry_delay()
-            if outcome is None:
-                done = Verdict(
-                    Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value
-                )
-                verdicts.append((index, done))
-            elif isinstance(outcome, LeaseLost):
-                lease.lost = True
-                logger.error(
-                    "lease lost key=%s token=%d on complete",
-                    key,
-                    lease.token,
-                    extra=fields(
-                        key=key, token=lease.token, store=self.store, outcome="lease_lost"
-                    ),
-                )
-                verdicts.append((index, Verdict(Action.RETRY, Reason.LEASE_LOST, key, delay)))
-            else:  # an error for this item alone, or for the whole call
-                failed = Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=outcome)
-                verdicts.append((index, failed))
+            verdicts.append((index, self._settled(lease, value, outcome)))
         return verdicts
+
+    def _settled(self, lease: _execution.Lease, value: Any, outcome: Any) -> Verdict:
+        """The verdict of a handler that returned *value*, once its completion answered
+        *outcome* (`_Completed`): acked only when the record is completed."""
+        key = lease.key
+        if outcome is None:
+            return Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
+        if isinstance(outcome, LeaseLost):
+            lease.lost = True
+            logger.error(
+                "lease lost key=%s token=%d on complete",
+                key,
+                lease.token,
+                extra=fields(key=key, token=lease.token, store=self.store, outcome="lease_lost"),
+            )
+            return Verdict(Action.RETRY, Reason.LEASE_LOST, key, self._retry_delay())
+        # an error for this item alone, or for the whole call
+        return Verdict(
+            Action.RETRY, Reason.STORE_UNAVAILABLE, key, self._retry_delay(), error=outcome
+        )
 
     def _run_one(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any, Any] | Verdict]:
         """Run one handler and send its completion off at once: ``(value, handle)`` (the
@@ -1024,6 +987,33 @@ class IdempotentConsumer:
             return _execution.replay(outcome, self.codec, Any, self._policy)
         except Exception:  # a stored failure, or a result that cannot be decoded
             return None
+
+    def _unusable(self, exc: Exception) -> Verdict:
+        """The verdict of a delivery whose key or fingerprint could not be derived."""
+        logger.error(
+            "message dead-lettered: no usable idempotency key (%s)",
+            exc,
+            extra=fields(store=self.store, outcome="dead_lettered"),
+        )
+        return Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
+
+    def _exhausted(self, lease: _execution.Lease) -> Flow[Verdict]:
+        """Give back *lease*, claimed for one start more than `ConsumerPolicy.max_attempts`
+        (workers died mid-handler): the message is dead-lettered, not run."""
+        yield from self._release(lease)
+        logger.error(
+            "message dead-lettered: key=%s was started %d times without finishing",
+            lease.key,
+            lease.attempt - 1,
+            extra=fields(
+                key=lease.key,
+                token=lease.token,
+                attempt=lease.attempt,
+                store=self.store,
+                outcome="dead_lettered",
+            ),
+        )
+        return Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, lease.key, attempt=lease.attempt)
 
     def _failed(self, key: str, attempt: int, exc: Exception) -> Verdict:
         if isinstance(exc, LeaseLostError) and exc.key == key:
@@ -1122,21 +1112,87 @@ class IdempotentConsumer:
         return _execution.run(self.flow(delivery), store, handler)
 
     async def aprocess(self, delivery: Delivery, handler: Callable[[], Awaitable[Any]]) -> Verdict:
-        """Async `process`: *handler* returns an awaitable."""
-        store = self._async_calls
-        if store is None:  # not `or`: a store with no records may be falsy (it has a len)
-            store = self._async_store()
-        return await _execution.arun(self.flow(delivery), store, handler)
+        """Async `process`: *handler* returns an awaitable.
+
+        With a store that has the batch verbs and `ConsumerPolicy.coalesce`, the deliveries
+        handled at once (one task each, as aio-pika and nats-py run callbacks) share their
+        store calls: one claim call in flight at a time, the claims made meanwhile going
+        together in the next one, and likewise for completions (group commit, `_AsyncGroups`).
+        A copy of a delivery being processed here waits for it (up to
+        `ConsumerPolicy.retry_delay`) before it claims. The common path (a new key that
+        completes, a finished duplicate) is a straight line; every other answer goes through
+        the batch path's decisions.
+        """
+        groups = self._async_calls
+        if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
+            groups = self._async_store()
+        if type(groups) is _Settling:
+            return await _execution.arun(self.flow(delivery), groups, handler)
+        if groups.loop is not asyncio.get_running_loop():
+            groups = self._async_store()
+        try:
+            key = self.key_for(delivery)
+            fingerprint = self.fingerprint_for(delivery)
+        except Exception as exc:
+            return self._verdict(self._unusable(exc))
+        running = groups.running
+        first = running.get(key)
+        if first is not None:
+            # A copy of a delivery this consumer is running: claimed now, it would be retried
+            # after retry_delay. It waits for that run (as long at most), then claims: mostly
+            # a completed duplicate then, acked at once. The store decides, as ever.
+            await asyncio.wait((first,), timeout=self.policy.retry_delay.total_seconds())
+            return await self._agrouped(groups, key, fingerprint, handler)
+        mine = running[key] = groups.loop.create_future()
+        try:
+            return await self._agrouped(groups, key, fingerprint, handler)
+        finally:
+            del running[key]
+            mine.set_result(None)
+
+    async def _agrouped(
+        self,
+        groups: _AsyncGroups,
+        key: str,
+        fingerprint: str,
+        handler: Callable[[], Awaitable[Any]],
+    ) -> Verdict:
+        """`aprocess` from the claim on, with claims and completions grouped."""
+        answer = await groups.claims.submit(_Claim((key, fingerprint), self._claim_many))
+        verdict, lease = self._claimed(key, answer)
+        if lease is None:
+            assert verdict is not None
+            return self._verdict(verdict)
+        perform = groups.perform
+        if lease.attempt > self.policy.max_attempts:
+            return self._verdict(await adrive(self._exhausted(lease), perform))
+        if self._policy.heartbeat:
+            await perform(_execution.StartHeartbeat(lease))
+        try:
+            value = await _execution.ainvoke_under(lease, handler)
+        except Exception as exc:
+            verdict = self._failed(key, lease.attempt, exc)
+            await adrive(self._settle_failure(lease, verdict, exc), perform)
+            return self._verdict(verdict)
+        except BaseException:  # cancelled: give the lease back, then go on being cancelled
+            await adrive(self._release(lease), perform)
+            raise
+        lease.settling = True  # an extend landing after the completion answers LeaseLost
+        if lease.heartbeat is not None:  # before the completion: an extend after it is refused
+            await perform(_execution.StopHeartbeat(lease))
+        item = (key, lease.token, _encoded(lease, value, self.codec))
+        outcome = await groups.complete(_Complete(item, self._complete_many))
+        return self._verdict(self._settled(lease, value, outcome))
 
     def _async_store(self) -> Any:
-        """The store `aprocess` calls, checked once: the store, or its coalescing view, with
-        completions that finish even if their caller is cancelled (`_Settling`)."""
+        """What `aprocess` calls, checked once (per event loop when grouping): the store's
+        claim and completion groups (`_AsyncGroups`), or the store with completions that
+        finish even if their caller is cancelled (`_Settling`)."""
         store = _require(self.store, AsyncStore)
         if self.policy.coalesce and self.batches:
-            # One claim in flight at a time; the rest queue and go together when it returns:
-            # the largest batches, and a round trip is short next to a handler.
-            store = CoalescingStore(store, max_in_flight=1)
-        self._async_calls = _Settling(store)
+            self._async_calls = _AsyncGroups(store)
+        else:
+            self._async_calls = _Settling(store)
         return self._async_calls
 
     def process_batch(
@@ -1278,6 +1334,15 @@ class _Complete:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class _Claim:
+    """Claim *item*, ``(key, fingerprint)``, with the claims made meanwhile: answers its
+    claim answer (or the `StoreError` for it). *many* claims a list (`_claim_many`)."""
+
+    item: tuple[str, str]
+    many: Callable[[list[tuple[str, str]]], Flow[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class _Completed:
     """Wait for the completions of these `_Complete` handles; answers theirs, in order."""
 
@@ -1325,15 +1390,20 @@ class _Completions:
 
 
 class _AsyncCompletions:
-    """Async `_Completions`: a task sends them; it is never cancelled with its caller, since
-    the handlers have run."""
+    """Async `_Completions` (or claims, `_Claim`): a task sends them, at most `_MAX_BATCH` in
+    one call; it is never cancelled with its caller, since the handlers have run. With
+    *skip_cancelled* (claims), an item whose caller was cancelled before it was sent is not
+    sent: it would take a lease nobody uses."""
 
-    def __init__(self, perform: Callable[[Any], Awaitable[Any]]) -> None:
+    def __init__(
+        self, perform: Callable[[Any], Awaitable[Any]], *, skip_cancelled: bool = False
+    ) -> None:
         self._perform = perform
-        self._queue: list[tuple[_Complete, asyncio.Future[Any]]] = []
+        self._skip_cancelled = skip_cancelled
+        self._queue: list[tuple[Any, asyncio.Future[Any]]] = []  # _Complete or _Claim
         self._task: asyncio.Task[None] | None = None
 
-    def submit(self, op: _Complete) -> asyncio.Future[Any]:
+    def submit(self, op: _Complete | _Claim) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append((op, future))
@@ -1346,7 +1416,10 @@ class _AsyncCompletions:
     async def _send(self) -> None:
         try:
             while self._queue:
-                queued, self._queue = self._queue, []
+                queued = self._queue[:_MAX_BATCH]
+                del self._queue[:_MAX_BATCH]
+                if self._skip_cancelled:
+                    queued = [entry for entry in queued if not entry[1].done()]
                 for batch in _by_flow(queued):
                     try:
                         flow = batch[0][0].many([op.item for op, _ in batch])
@@ -1365,14 +1438,74 @@ class _AsyncCompletions:
             for _, future in self._queue:  # only if cancelled (the loop is closing)
                 future.cancel()
 
+    def idle(self) -> asyncio.Future[Any]:
+        """A future done once every item submitted so far has been sent and answered."""
+        if self._task is None:
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._task
+
 
 _SENDING: set[asyncio.Future[Any]] = set()
+
+_MAX_BATCH = 256
+"""The most claims (completions) `_AsyncCompletions` sends in one call: a store answers a
+batch call at once, and no other call waits long behind it."""
+
+
+class _AsyncGroups:
+    """The claim and the completion groups of `IdempotentConsumer.aprocess` on one event loop:
+    each sends one call at a time, and the items submitted meanwhile go together in the next
+    (group commit: as many round trips as the store can answer, however many deliveries)."""
+
+    def __init__(self, store: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.store = store
+        self.claims = _AsyncCompletions(self.perform, skip_cancelled=True)
+        self.completions = _AsyncCompletions(self.perform)
+        self.running: dict[str, asyncio.Future[None]] = {}
+        """The keys of the deliveries being processed, each with a future done once it is."""
+
+    def perform(self, op: Any) -> Awaitable[Any]:
+        """Perform *op* (a store call, a heartbeat's start or stop) against the store."""
+        return _execution.aperform(op, self.store)
+
+    async def complete(self, op: _Complete) -> Any:
+        """Send *op* with the completions made meanwhile; answer its outcome. A caller
+        cancelled meanwhile waits for it to land, then is cancelled (see `_landed`)."""
+        handle = self.completions.submit(op)
+        try:
+            return await handle
+        except asyncio.CancelledError:
+            if handle.cancelled():  # by this caller, not by a closing loop: it is still sent
+                await _landed([self.completions.idle()])
+            raise
+
+
+async def _landed(handles: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """The answers of these completions (`_Complete` handles). A caller cancelled meanwhile
+    waits for them to land, then is cancelled: a consumer shutting down does not close its
+    store under a completion, to leave the record in progress and the message to run again."""
+    pending = [handle for handle in handles if not handle.done()]
+    cancelled: asyncio.CancelledError | None = None
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        pending = [handle for handle in pending if not handle.done()]
+    if cancelled is not None:
+        raise cancelled
+    return [handle.result() for handle in handles]
+
 
 _F = TypeVar("_F")
 
 
 def _by_flow(queued: list[tuple[_Complete, _F]]) -> list[list[tuple[_Complete, _F]]]:
-    """*queued* in batches of one completion flow each (one consumer's, with its ttl)."""
+    """*queued* in batches of one flow each (one consumer's completions, with its ttl; or its
+    claims, `_Claim`)."""
     batches: dict[Any, list[tuple[_Complete, _F]]] = {}
     for entry in queued:
         batches.setdefault(entry[0].many, []).append(entry)
@@ -1438,8 +1571,8 @@ async def arun_with(
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
             if kind is _Complete:
                 return completions.submit(op)
-            if kind is _Completed:  # a cancelled caller waits for them to land, then goes on
-                return [await _execution.shielded(handle) for handle in op.handles]
+            if kind is _Completed:
+                return await _landed(op.handles)
             if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
             if kind is Parallel:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -226,8 +226,9 @@ class IdempotentHandler:
         handlers run concurrently, and each message is completed as its handler returns, the
         completions grouped into batch calls (see
         `oncely.consumers.IdempotentConsumer.batch_flow`). Without them the messages run one
-        after the other: keep ``len(msgs)`` times the handler's duration well below
-        ``ack_wait`` then, since the messages still waiting get no ``in_progress()`` heartbeat.
+        after the other. Either way the messages are acked once the batch is decided, and until
+        then one ``in_progress()`` beat every *progress_interval* holds all of them, those whose
+        handler is done (or yet to start) too.
 
         Returns:
             One verdict per message, in order.
@@ -237,7 +238,8 @@ class IdempotentHandler:
             raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
         deliveries = [self._delivery(msg) for msg in msgs]
         flow = self.consumer.batch_flow(deliveries)
-        verdicts = await arun_with(flow, store, self._run, ano_broker)
+        async with self._progress(msgs):  # one beat for the batch, not a timer per message
+            verdicts = await arun_with(flow, store, self.handler, ano_broker)
         # Acks are buffered publishes: no task each.
         return [
             await self._settle(msg, verdict) for msg, verdict in zip(msgs, verdicts, strict=True)
@@ -255,31 +257,40 @@ class IdempotentHandler:
             return False
 
     async def _run(self, msg: Msg) -> Any:
-        # The first beat is a timer, not a task: handlers shorter than the interval (most of
-        # them) cost no task to start and cancel.
+        async with self._progress((msg,)):
+            return await self.handler(msg)
+
+    @contextlib.asynccontextmanager
+    async def _progress(self, msgs: Sequence[Msg]) -> AsyncIterator[None]:
+        """Send ``in_progress()`` for *msgs* every `progress_interval` while the block runs.
+
+        The first beat is a timer, not a task: blocks shorter than the interval (most
+        handlers) cost no task to start and cancel.
+        """
         loop = asyncio.get_running_loop()
         beat: asyncio.Task[None] | None = None
 
         def start() -> None:
             nonlocal beat
-            beat = loop.create_task(self._progress(msg))
+            beat = loop.create_task(self._beats(msgs))
 
         timer = loop.call_later(seconds(self.progress_interval), start)
         try:
-            return await self.handler(msg)
+            yield
         finally:
             timer.cancel()
             if beat is not None:
                 beat.cancel()
                 await asyncio.wait((beat,))  # raises only a cancellation of this task
 
-    async def _progress(self, msg: Msg) -> None:
+    async def _beats(self, msgs: Sequence[Msg]) -> None:
         interval = seconds(self.progress_interval)
         while True:
-            try:
-                await msg.in_progress()
-            except Exception as exc:  # the next beat may get through; ack_wait decides
-                logger.warning("in_progress failed for %s: %s", msg.subject, exc)
+            for msg in msgs:
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # the next beat may get through; ack_wait decides
+                    logger.warning("in_progress failed for %s: %s", msg.subject, exc)
             await asyncio.sleep(interval)
 
     async def _dead_letter(self, msg: Msg, verdict: Verdict) -> None:
