@@ -907,9 +907,7 @@ class IdempotentConsumer:
         if isinstance(ran, Verdict):
             return ran
         if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
-            return Verdict(
-                Action.ACK, Reason.PROCESSED, lease.key, attempt=lease.attempt, result=ran[0]
-            )
+            return self._settled(lease, ran[0], None)
         lease.settling = True  # an extend landing after the completion answers LeaseLost
         if lease.heartbeat is not None:  # before the completion: an extend after it is refused
             yield _execution.StopHeartbeat(lease)
@@ -1180,6 +1178,8 @@ class IdempotentConsumer:
         lease.settling = True  # an extend landing after the completion answers LeaseLost
         if lease.heartbeat is not None:  # before the completion: an extend after it is refused
             await perform(_execution.StopHeartbeat(lease))
+        if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
+            return self._verdict(self._settled(lease, value, None))
         item = (key, lease.token, _encoded(lease, value, self.codec))
         outcome = await groups.complete(_Complete(item, self._complete_many))
         return self._verdict(self._settled(lease, value, outcome))
