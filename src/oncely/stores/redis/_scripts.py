@@ -77,12 +77,12 @@ def sources() -> Mapping[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class ScriptCall:
-    """Run *script* on the record hash *record* with *args*: one round trip.
+    """Run *script* on the record *record* with *args*: one round trip.
 
     Attributes:
         script: The script's name (a key of `sources`).
         key: The caller's key, for error messages.
-        record: The name of the record's hash (``KEYS[1]``).
+        record: The name of the record's key (``KEYS[1]``).
         args: The script's ``ARGV``.
     """
 

@@ -3,7 +3,7 @@
 Every transition is one Lua script (``lua/*.lua``) run by EVALSHA: one round trip, atomic on the
 server, and judged by the server's clock (``TIME``), so workers whose clocks disagree cannot
 steal each other's leases. The ``clock`` option other stores take is accepted and ignored.
-Records expire through Redis's own TTL (``PEXPIREAT`` on each record's hash).
+Records expire through Redis's own TTL (``PXAT`` on each record's key).
 
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
@@ -633,13 +633,13 @@ def _masked(url: str) -> str:
 
 
 class RedisStore(_RedisStoreBase):
-    """Records in one Redis server (or a proxy in front of several), as one hash each.
+    """Records in one Redis server (or a proxy in front of several), as one string each.
 
     Args:
         url: ``redis://[[user]:password@]host[:port][/db]`` or ``rediss://…`` for TLS, with
             redis-py's query parameters (``?socket_timeout=2``…).
         namespace: Keeps this store's keys apart from other stores' on the same server.
-        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        prefix: Starts the name of every record's key (``oncely:`` by default).
         clock: Accepted for symmetry with other stores and ignored: the server's ``TIME``
             judges every lease and expiry.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
@@ -726,14 +726,14 @@ class RedisStore(_RedisStoreBase):
 
 
 class RedisClusterStore(_RedisStoreBase):
-    """Records in a Redis Cluster: each record is one hash, so it lives in one slot.
+    """Records in a Redis Cluster: each record is one key, so it lives in one slot.
 
     Args:
         url: ``redis+cluster://[[user]:password@]host:port[,host:port…]`` naming one or more
             startup nodes; the client discovers the others. Query parameters as for
             `RedisStore`; TLS with ``ssl=True``.
         namespace: Keeps this store's keys apart from other stores' on the same cluster.
-        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        prefix: Starts the name of every record's key (``oncely:`` by default).
         clock: Accepted and ignored: the ``TIME`` of the node owning a record judges it.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
         socket_connect_timeout: Seconds to wait for a connection.
