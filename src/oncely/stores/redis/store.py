@@ -267,14 +267,25 @@ class _RedisStoreBase:
     # -- performing a flow's script call, in each world ----------------------------------------
 
     def _run(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
-        """Run *script* on *keys* with *args*; *key* names the call in error messages."""
+        """Run *script* on *keys* with *args*; *key* names the call in error messages.
+
+        The EVALSHA goes out by ``execute_command``, not by calling redis-py's ``Script``
+        (which copies the arguments twice and checks for a pipeline on every call); only its
+        digest and text are used, to reload it after ``NOSCRIPT`` as ``Script`` would.
+        """
         try:
             if self._closed:
                 self._check_open()
             scripts = self._scripts
             if scripts is None:
                 scripts = self._sync_scripts()
-            return scripts[script](keys=keys, args=args)
+            loaded = scripts[script]
+            client = loaded.registered_client
+            try:
+                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
+            except self._redis.exceptions.NoScriptError:
+                loaded.sha = client.script_load(loaded.script)
+                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
         except self._failures as exc:
             raise self._translated(key, exc) from exc
 
@@ -290,7 +301,17 @@ class _RedisStoreBase:
             else:
                 await gate.acquire()  # at once
             try:
-                return await entry.scripts[script](keys=keys, args=args)
+                loaded = entry.scripts[script]
+                client = loaded.registered_client
+                try:
+                    return await client.execute_command(
+                        "EVALSHA", loaded.sha, len(keys), *keys, *args
+                    )
+                except self._redis.exceptions.NoScriptError:
+                    loaded.sha = await client.script_load(loaded.script)
+                    return await client.execute_command(
+                        "EVALSHA", loaded.sha, len(keys), *keys, *args
+                    )
             finally:
                 gate.release()
         except self._failures as exc:
