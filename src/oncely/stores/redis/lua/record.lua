@@ -25,10 +25,9 @@
 -- deterministic); from 5 on this is the default and the call is a no-op.
 if redis.replicate_commands then redis.replicate_commands() end
 
+-- Every run of a script runs this file again: it makes no table, only the closures below.
 local HEAD = ">BBi8I4i8i8i8i8HH"
 local HEAD_LEN = 50
-local STATUS_OF = {"in_progress", "completed", "failed", "released"}
-local CODE_OF = {in_progress = 1, completed = 2, failed = 3, released = 4}
 
 -- The server's clock, in milliseconds: the only clock that judges leases and expiry. Read once
 -- per script run: the items of a batch are judged at one instant, in their order.
@@ -46,18 +45,27 @@ local function int(n)
   return string.format("%d", n)
 end
 
+-- The status of code `code` in a packed record (nil for an unknown code), and the code of a
+-- status (a chain of comparisons: a table would be made again on every run).
+local function status_of(code)
+  return code == 1 and "in_progress" or code == 2 and "completed" or code == 3 and "failed"
+    or code == 4 and "released" or nil
+end
+local function code_of(status)
+  return status == "in_progress" and 1 or status == "completed" and 2 or status == "failed" and 3
+    or status == "released" and 4 or nil
+end
+
 -- A record of the hash layout of earlier versions (see the header), or nil and the reason it is
 -- corrupt. Its result is kept as "result".
-local OLD_FIELDS = {"status", "fp", "token", "attempt", "lease", "expires", "created", "updated",
-                    "op", "result"}
-local OLD_NUMBERS = {"token", "attempt", "lease", "expires", "created", "updated"}
 local function load_hash(key)
-  local v = redis.call("HMGET", key, unpack(OLD_FIELDS))
+  local v = redis.call("HMGET", key, "status", "fp", "token", "attempt", "lease", "expires",
+                       "created", "updated", "op", "result")
   local r = {status = v[1], fp = v[2], token = v[3], attempt = v[4], lease = v[5],
              expires = v[6], created = v[7], updated = v[8], op = v[9] or "", result = v[10]}
-  if not CODE_OF[r.status] then return nil, "unknown status " .. tostring(r.status) end
+  if not code_of(r.status) then return nil, "unknown status " .. tostring(r.status) end
   if type(r.fp) ~= "string" then return nil, "no fingerprint" end
-  for _, name in ipairs(OLD_NUMBERS) do
+  for _, name in ipairs({"token", "attempt", "lease", "expires", "created", "updated"}) do
     local text = r[name]
     if type(text) ~= "string" or not string.match(text, "^%-?%d+$") then
       return nil, "field " .. name .. " is not an integer: " .. tostring(text)
@@ -85,7 +93,7 @@ local function load(key)
   end
   local _, code, token, attempt, lease, expires, created, updated, nfp, nop, at =
     struct.unpack(HEAD, v)
-  local status = STATUS_OF[code]
+  local status = status_of(code)
   if status == nil then return nil, "unknown status " .. code end
   if #v < HEAD_LEN + nfp + nop then return nil, "truncated record (" .. #v .. " bytes)" end
   return {status = status, token = token, attempt = attempt, lease = lease, expires = expires,
@@ -95,7 +103,7 @@ end
 
 -- Record `r` packed as it is stored, with `result` (nil for none) after its fields.
 local function pack(r, result)
-  return struct.pack(HEAD, 1, CODE_OF[r.status], r.token, r.attempt, r.lease, r.expires,
+  return struct.pack(HEAD, 1, code_of(r.status), r.token, r.attempt, r.lease, r.expires,
                      r.created, r.updated, #r.fp, #r.op) .. r.fp .. r.op .. (result or "")
 end
 
