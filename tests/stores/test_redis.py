@@ -181,6 +181,63 @@ def _arun(coroutine: Any) -> Any:
 
 
 @pytest.mark.redis
+class TestSyncPool:
+    """The sync client's pool: threads past ``max_connections`` wait for a free connection (as
+    long as ``socket_timeout``), instead of failing at once like redis-py's default pool."""
+
+    def test_threads_past_max_connections_wait_for_a_free_one(
+        self, redis_url: str, namespace: str
+    ) -> None:
+        with RedisStore(redis_url, namespace=namespace, max_connections=2) as store:
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+            pool = store._client.connection_pool
+            held = [pool.get_connection(), pool.get_connection()]
+            answers: list[Any] = []
+            waiter = threading.Thread(
+                target=lambda: answers.append(store.claim(_key(), "fp", lease=LEASE, ttl=TTL))
+            )
+            waiter.start()
+            eventually(lambda: pool._waiting == 1)
+            pool.release(held.pop())
+            waiter.join(timeout=30)
+            assert [type(answer) for answer in answers] == [Acquired]
+            pool.release(held.pop())
+
+    def test_many_threads_share_few_connections(self, redis_url: str, namespace: str) -> None:
+        keys = [_key() for _ in range(200)]
+        with RedisStore(redis_url, namespace=namespace, max_connections=2) as store:
+
+            def work(mine: list[str]) -> None:
+                for key in mine:
+                    taken = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+                    assert isinstance(taken, Acquired)
+                    assert store.complete(key, taken.token, b"r", ttl=TTL) is None
+
+            threads = [threading.Thread(target=work, args=(keys[i::16],)) for i in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            replays = [store.claim(key, "fp", lease=LEASE, ttl=TTL) for key in keys]
+            assert all(isinstance(answer, Replay) for answer in replays)
+            assert len(store._client.connection_pool._in_use_connections) == 0
+
+    def test_no_free_connection_within_the_timeout_is_unavailable(
+        self, redis_url: str, namespace: str
+    ) -> None:
+        with RedisStore(
+            redis_url, namespace=namespace, max_connections=1, socket_timeout=0.2
+        ) as store:
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+            pool = store._client.connection_pool
+            held = pool.get_connection()
+            with pytest.raises(StoreUnavailableError, match="No connection available"):
+                store.claim(_key(), "fp", lease=LEASE, ttl=TTL)
+            pool.release(held)
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+
+
+@pytest.mark.redis
 class TestOpening:
     def test_open_store_builds_the_standalone_store(self, redis_url: str) -> None:
         """redis:// opens a RedisStore, accepting and ignoring a clock."""

@@ -43,6 +43,7 @@ from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
 from oncely.stores.redis._packing import use_hiredis
+from oncely.stores.redis._pool import queuing_pool
 
 __all__ = ["RedisClusterStore", "RedisStore"]
 
@@ -723,7 +724,8 @@ class RedisStore(_RedisStoreBase):
 
     def _new_client(self) -> Any:
         retry = self._retry(self._redis.retry.Retry)
-        pool = self._redis.BlockingConnectionPool.from_url(self.url, retry=retry, **self._pooled())
+        pool_class = queuing_pool(self._redis.ConnectionPool)
+        pool = pool_class.from_url(self.url, retry=retry, **self._pooled())
         return self._redis.Redis.from_pool(pool)
 
     def _new_async_client(self) -> Any:
@@ -737,7 +739,7 @@ class RedisStore(_RedisStoreBase):
         """The client options, for a sync pool that queues the threads past its size.
 
         redis-py's default pool raises at once when ``max_connections`` (100) commands are in
-        flight; a blocking pool makes the next thread wait for a free connection, for as long
+        flight; `queuing_pool` makes the next thread wait for a free connection, for as long
         as it would wait for a reply.
         """
         return {**self._options, "max_connections": self._max_connections, "timeout": self._wait}
