@@ -362,6 +362,22 @@ class TestRecordLayout:
         assert packed[HEAD.size : HEAD.size + 2] == b"fp"
         assert packed[HEAD.size + 2 + nop :] == b"\x00\xff"
 
+    def test_long_fingerprint_and_call_id_round_trip(self, shared_store: RedisStore) -> None:
+        """The packed layout's lengths hold any string Redis takes: a 70,000-character
+        fingerprint (past two bytes of length) is stored and compared whole."""
+        key, fingerprint = _key(), "f" * 70_000
+        taken = shared_store.claim(key, fingerprint, lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+        assert shared_store.complete(key, taken.token, b"result", ttl=TTL) is None
+        answer = shared_store.claim(key, fingerprint, lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        assert (answer.record.fingerprint, answer.record.result) == (fingerprint, b"result")
+        other = shared_store.claim(key, fingerprint + "g", lease=LEASE, ttl=TTL)
+        assert other == oncely.Mismatch(stored_fingerprint=fingerprint)
+        ops = ["o" * 70_000]
+        batch = shared_store.claim_many([(_key(), "fp")], lease=LEASE, ttl=TTL, ops=ops)
+        assert isinstance(batch[0], Acquired)
+
     @pytest.mark.parametrize(
         "key", ["a}b", "}", "{", "{}", "}{", "a{b}c", "%7B", "a%b", "x:y", "é{ü}"]
     )

@@ -129,7 +129,7 @@ def _unexpected(key: str, reply: Any) -> StoreError:
     )
 
 
-HEAD: Final = struct.Struct(">BBqIqqqqHH")
+HEAD: Final = struct.Struct(">BBqIqqqqII")
 """The fixed head of a packed record (``HEAD`` in ``lua/record.lua``): version, status, token,
 attempt, lease, expires, created, updated, and the lengths of the fingerprint and the call id
 that follow it; the result is the rest."""

@@ -10,7 +10,7 @@
 --   lease    8 bytes, end of the current lease
 --   expires  8 bytes, end of the record
 --   created  8 bytes, first claim          updated  8 bytes, last change
---   then the lengths of fp and op (2 bytes each), then fp (the fingerprint), op (the id of the
+--   then the lengths of fp and op (4 bytes each), then fp (the fingerprint), op (the id of the
 --   call that last wrote the record: a claim's, suffixed "+" for a takeover, so that a call
 --   re-sent after its reply was lost finds its own effect and answers as the first run did),
 --   and last the result (completed and failed records only: the rest of the string).
@@ -26,8 +26,8 @@
 if redis.replicate_commands then redis.replicate_commands() end
 
 -- Every run of a script runs this file again: it makes no table, only the closures below.
-local HEAD = ">BBi8I4i8i8i8i8HH"
-local HEAD_LEN = 50
+local HEAD = ">BBi8I4i8i8i8i8I4I4"
+local HEAD_LEN = 54
 
 -- The server's clock, in milliseconds: the only clock that judges leases and expiry. Read once
 -- per script run: the items of a batch are judged at one instant, in their order.
