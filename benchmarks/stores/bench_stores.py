@@ -788,6 +788,111 @@ def stage_table(samples: list[dict[str, float]]) -> list[str]:
     return lines
 
 
+# -- Redis server CPU per transition ------------------------------------------------------------
+
+TARGET_SERVER_US = 12.0
+"""The hot-path issue's target: µs of Redis server time per transition, at most."""
+
+
+@dataclass
+class ServerCpu:
+    """Per tree ("oncely", and "baseline" with ``--baseline``): each round's µs per call, by
+    transition and command (`server_cpu.one_round`)."""
+
+    rounds: dict[str, list[dict[str, dict[str, float]]]] = field(default_factory=dict)
+    ops: int = 0
+    version: str = ""
+
+
+def bench_server_cpu(rounds: int, ops: int, baseline: Path | None, port: int) -> ServerCpu:
+    """`server_cpu.one_round` on a private redis-server of this run's, one child process per
+    tree and round (trees alternate), so a baseline's scripts are measured in the same run."""
+    from server_cpu import private_server
+
+    trees = {"oncely": ROOT / "src"}
+    if baseline is not None:
+        trees["baseline"] = baseline / "src" if (baseline / "src").is_dir() else baseline
+    figures = ServerCpu(ops=ops)
+    _log(f"Redis server CPU: {rounds} rounds of {ops} calls per transition on port {port}")
+    with private_server(port) as url:
+        import redis
+
+        with redis.Redis.from_url(url) as client:
+            figures.version = str(client.info("server")["redis_version"])
+        for number in range(rounds):
+            for name in _rotated(list(trees), number):
+                command = [sys.executable, str(HERE / "server_cpu.py"), "--url", url]
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(trees[name]), str(ROOT)])}
+                done = subprocess.run(
+                    [*command, "--ops", str(ops)], env=env, capture_output=True, text=True
+                )
+                if done.returncode:
+                    raise BenchError(f"server_cpu.py with {trees[name]} failed:\n{done.stderr}")
+                figures.rounds.setdefault(name, []).append(json.loads(done.stdout))
+    _log("  Redis server CPU: done")
+    return figures
+
+
+def server_cpu_section(cpu: ServerCpu, verdicts: list[Verdict]) -> list[str]:
+    from server_cpu import MAIN_THREAD, TRANSITIONS
+
+    lines = [
+        "## Redis server CPU per transition",
+        "",
+        f"`usec_per_call` in `INFO commandstats` of a private `redis-server` {cpu.version} "
+        "started for the run (no other client), after `CONFIG RESETSTAT`: each round makes "
+        f"{cpu.ops:,} claims of new keys, their completes, then {cpu.ops:,} claims of the "
+        "completed keys (replays), and the raw yardsticks: redis-py's `SET … NX PX` of new keys "
+        "and `GET`s of them (`benchmarks/stores/server_cpu.py`, one process per tree and round"
+        + (", the two oncely trees alternating" if "baseline" in cpu.rounds else "")
+        + f"). Medians over {len(cpu.rounds.get('oncely', []))} rounds, with the lowest and "
+        "highest round in brackets. A script's time includes the commands it runs inside, "
+        "which the last column lists (each counted apart by Redis as well). `commandstats` "
+        "times are wall-clock time in the server's main thread: on a loaded machine they "
+        "include time the server was scheduled out, so compare rows of one run, never runs. "
+        "The main thread's CPU time per call (`INFO cpu`, user + system) is not inflated by "
+        "scheduling, but counts all of a command's work: reading the request, running it, "
+        "writing the reply.",
+        "",
+        "| subject | transition | command | server µs per call | commands inside, µs each "
+        f"| main thread CPU µs per call | target ≤ {TARGET_SERVER_US:g} µs |",
+        "|---|---|---|---:|---|---:|---|",
+    ]
+    for tree, rounds in cpu.rounds.items():
+        for transition in TRANSITIONS:
+            found = [each[transition] for each in rounds if transition in each]
+            if not found:
+                continue
+            main = "EVALSHA" if "EVALSHA" in found[0] else next(iter(found[0]))
+            values = [each.get(main, 0.0) for each in found]
+            value = statistics.median(values)
+            apart = (main, MAIN_THREAD)
+            inside = sorted({command for each in found for command in each if command not in apart})
+            thread = [each[MAIN_THREAD] for each in found if MAIN_THREAD in each]
+            thread_cell = f"{statistics.median(thread):.1f}" if thread else "-"
+            inner = ", ".join(
+                f"`{command}` {statistics.median(each.get(command, 0.0) for each in found):.1f}"
+                for command in inside
+            )
+            target = ""
+            if not transition.startswith("raw"):
+                target = f"{'met' if value <= TARGET_SERVER_US else '**MISSED**'}"
+                if tree == "oncely":
+                    verdicts.append(
+                        Verdict(
+                            f"Redis server CPU, {transition}: µs per call",
+                            value,
+                            TARGET_SERVER_US,
+                            at_most=True,
+                        )
+                    )
+            lines.append(
+                f"| {_tree_label(tree)} | {transition} | `{main}` | {value:.1f} "
+                f"({min(values):.1f}-{max(values):.1f}) | {inner} | {thread_cell} | {target} |"
+            )
+    return [*lines, ""]
+
+
 # -- the servers -------------------------------------------------------------------------------
 
 
@@ -1028,6 +1133,7 @@ class Verdict:
     what: str
     value: float
     target: float
+    at_most: bool = False  # the value must not exceed the target
 
 
 def store_table(results: Results, store: str, verdicts: list[Verdict]) -> list[str]:
@@ -1138,7 +1244,12 @@ def decorator_section(results: Results, note: str) -> list[str]:
     ]
 
 
-def render(results: Results, context: dict[str, Any], memory: MemoryFigures | None = None) -> str:
+def render(
+    results: Results,
+    context: dict[str, Any],
+    memory: MemoryFigures | None = None,
+    cpu: ServerCpu | None = None,
+) -> str:
     verdicts: list[Verdict] = []
     lines = [
         "# Store benchmark",
@@ -1197,10 +1308,16 @@ def render(results: Results, context: dict[str, Any], memory: MemoryFigures | No
         ]
     if "Redis" in context["stores"]:
         lines += [*decorator_section(results, context.get("powertools_note", "")), ""]
+    if cpu is not None:
+        lines += server_cpu_section(cpu, verdicts)
     lines += ["## Targets", ""]
     if not verdicts:
         lines.append("- nothing was measured")
     for verdict in verdicts:
+        if verdict.at_most:
+            met = "met" if verdict.value <= verdict.target else "**MISSED**"
+            lines.append(f"- {verdict.what} ≤ {verdict.target:g}: {verdict.value:.1f} ({met})")
+            continue
         unit = "x" if verdict.target == TARGET_TIERED else ""
         digits = 3 if verdict.what.startswith("memory") else 2
         lines.append(
@@ -1210,6 +1327,56 @@ def render(results: Results, context: dict[str, Any], memory: MemoryFigures | No
     for store, reason in results.failures.items():
         lines.append(f"- {store}: not measured ({reason.splitlines()[0]})")
     return "\n".join(lines) + "\n"
+
+
+def _sections(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The lines before the first ``## `` heading, and each section's lines by title."""
+    head: list[str] = []
+    sections: dict[str, list[str]] = {}
+    current = head
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = sections.setdefault(line[3:].strip(), [])
+        else:
+            current.append(line)
+    return head, sections
+
+
+def merged(earlier: str, report: str) -> str:
+    """*report*, with the sections of the *earlier* report it lacks carried over in their
+    places (and their lines of the targets), named as such in the Machine section."""
+    old_head, old = _sections(earlier)
+    head, new = _sections(report)
+    carried = [title for title in old if title not in new and title != "Targets"]
+    if not carried:
+        return report
+    measured = {line[2:].split(",")[0] for line in new.get("Targets", []) if line.startswith("- ")}
+    measured |= {title for title in new if title != "Targets"}
+    targets = [line for line in new.get("Targets", []) if line.strip()]
+    targets += [
+        line
+        for line in old.get("Targets", [])
+        if line.startswith("- ") and line[2:].split(",")[0] not in measured
+    ]
+    earlier_run = next((line for line in old_head if line.startswith("Generated by")), "")
+    note = (
+        f"- carried over from the earlier report, not measured by this run: "
+        f"{', '.join(carried)}. {earlier_run.replace('Generated by', 'That report was made by')}"
+    )
+    older = next((line for line in old.get("Machine", []) if line.startswith("- carried")), "")
+    if older:  # the earlier report carried sections of its own
+        note += f" In it, {older[2:]}"
+    machine = new.get("Machine", [])
+    while machine and not machine[-1].strip():
+        machine.pop()
+    new["Machine"] = [*machine, note, ""]
+    order = [title for title in old if title != "Targets"]
+    order += [title for title in new if title not in order and title != "Targets"]
+    lines = [*head]
+    for title in order:
+        lines += [f"## {title}", *(new[title] if title in new else old[title])]
+    lines += ["## Targets", "", *targets]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -1232,8 +1399,22 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--stores",
         nargs="+",
-        choices=["memory", "redis", "postgres", "cluster"],
-        default=["memory", "redis", "postgres", "cluster"],
+        choices=["memory", "redis", "postgres", "cluster", "cpu"],
+        default=["memory", "redis", "postgres", "cluster", "cpu"],
+        help="what to measure (cpu: Redis server time per transition, on a private "
+        "redis-server started on --cpu-port)",
+    )
+    parser.add_argument(
+        "--cpu-port",
+        type=int,
+        default=7401,
+        help="a free loopback port for the private redis-server of --stores cpu",
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the sections of the existing report that this run does not measure "
+        "(named as carried over from the earlier run)",
     )
     parser.add_argument(
         "--baseline",
@@ -1276,15 +1457,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.perf_counter()
     servers = Servers(args.redis_url, args.postgres_url, args.cluster_url)
-    status = probe(servers, [name for name in args.stores if name != "memory"])
+    status = probe(servers, [name for name in args.stores if name not in ("memory", "cpu")])
     results = Results()
     keys = Keys(run_id)
     context: dict[str, Any] = {}
     labels = {"redis": "Redis", "postgres": "PostgreSQL", "cluster": "Redis Cluster"}
     memory: MemoryFigures | None = None
+    cpu: ServerCpu | None = None
     if "memory" in args.stores:
         memory = bench_memory(args.rounds, max(args.per_round, 2000), args.baseline)
-    for name in [name for name in args.stores if name != "memory"]:
+    if "cpu" in args.stores:
+        try:
+            cpu = bench_server_cpu(
+                min(args.rounds, 7), max(args.per_round, 2000), args.baseline, args.cpu_port
+            )
+        except Exception as exc:
+            results.failures["Redis server CPU"] = f"{type(exc).__name__}: {exc}"
+            _log(f"Redis server CPU: FAILED\n{traceback.format_exc()}")
+    for name in [name for name in args.stores if name not in ("memory", "cpu")]:
         label = labels[name]
         if status.get(name):
             results.failures[label] = f"the server did not answer: {status[name]}"
@@ -1319,9 +1509,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops=args.ops,
         rounds=args.rounds,
         per_round=args.per_round,
-        stores=[labels[name] for name in args.stores if name != "memory"],
+        stores=[labels[name] for name in args.stores if name not in ("memory", "cpu")],
     )
-    report = render(results, context, memory)
+    report = render(results, context, memory, cpu)
+    if args.update and args.output.exists():
+        report = merged(args.output.read_text(), report)
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)

@@ -32,7 +32,7 @@ import redis.connection
 import redis.crc
 
 import oncely
-from oncely import Acquired, InProgress, LeaseLost, Replay, Status
+from oncely import Acquired, InProgress, LeaseLost, Record, Replay, Status
 from oncely._conformance import StoreCalls
 from oncely._core.keys import scope_key
 from oncely.cli._app import _all_records
@@ -45,7 +45,7 @@ from oncely.errors import (
 )
 from oncely.stores import open_store
 from oncely.stores.redis import RedisClusterStore, RedisStore
-from oncely.stores.redis._codec import Keyspace
+from oncely.stores.redis._codec import HEAD, Keyspace
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
 from tests.conftest import service_url
@@ -181,6 +181,63 @@ def _arun(coroutine: Any) -> Any:
 
 
 @pytest.mark.redis
+class TestSyncPool:
+    """The sync client's pool: threads past ``max_connections`` wait for a free connection (as
+    long as ``socket_timeout``), instead of failing at once like redis-py's default pool."""
+
+    def test_threads_past_max_connections_wait_for_a_free_one(
+        self, redis_url: str, namespace: str
+    ) -> None:
+        with RedisStore(redis_url, namespace=namespace, max_connections=2) as store:
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+            pool = store._client.connection_pool
+            held = [pool.get_connection(), pool.get_connection()]
+            answers: list[Any] = []
+            waiter = threading.Thread(
+                target=lambda: answers.append(store.claim(_key(), "fp", lease=LEASE, ttl=TTL))
+            )
+            waiter.start()
+            eventually(lambda: pool._waiting == 1)
+            pool.release(held.pop())
+            waiter.join(timeout=30)
+            assert [type(answer) for answer in answers] == [Acquired]
+            pool.release(held.pop())
+
+    def test_many_threads_share_few_connections(self, redis_url: str, namespace: str) -> None:
+        keys = [_key() for _ in range(200)]
+        with RedisStore(redis_url, namespace=namespace, max_connections=2) as store:
+
+            def work(mine: list[str]) -> None:
+                for key in mine:
+                    taken = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+                    assert isinstance(taken, Acquired)
+                    assert store.complete(key, taken.token, b"r", ttl=TTL) is None
+
+            threads = [threading.Thread(target=work, args=(keys[i::16],)) for i in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            replays = [store.claim(key, "fp", lease=LEASE, ttl=TTL) for key in keys]
+            assert all(isinstance(answer, Replay) for answer in replays)
+            assert len(store._client.connection_pool._in_use_connections) == 0
+
+    def test_no_free_connection_within_the_timeout_is_unavailable(
+        self, redis_url: str, namespace: str
+    ) -> None:
+        with RedisStore(
+            redis_url, namespace=namespace, max_connections=1, socket_timeout=0.2
+        ) as store:
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+            pool = store._client.connection_pool
+            held = pool.get_connection()
+            with pytest.raises(StoreUnavailableError, match="No connection available"):
+                store.claim(_key(), "fp", lease=LEASE, ttl=TTL)
+            pool.release(held)
+            assert isinstance(store.claim(_key(), "fp", lease=LEASE, ttl=TTL), Acquired)
+
+
+@pytest.mark.redis
 class TestOpening:
     def test_open_store_builds_the_standalone_store(self, redis_url: str) -> None:
         """redis:// opens a RedisStore, accepting and ignoring a clock."""
@@ -283,34 +340,43 @@ class TestOpening:
 
 @pytest.mark.redis
 class TestRecordLayout:
-    def test_record_is_one_hash_named_by_prefix_namespace_and_key(
+    def test_record_is_one_packed_string_named_by_prefix_namespace_and_key(
         self, shared_store: RedisStore, shared_admin: redis.Redis, namespace: str
     ) -> None:
-        """The record of key k in namespace n is the hash ``oncely:{n:k}`` with every field."""
+        """The record of key k in namespace n is the string ``oncely:{n:k}``: the fixed head
+        (`_codec.HEAD`), the fingerprint, the call id, then the result."""
         key = _key()
         token = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
         assert isinstance(token, Acquired)
         shared_store.complete(key, token.token, b"\x00\xff", ttl=TTL)
         name = f"oncely:{{{namespace}:{key}}}".encode()
-        assert shared_admin.type(name) == b"hash"
-        fields = shared_admin.hgetall(name)
-        assert set(fields) == {
-            b"status",
-            b"fp",
-            b"token",
-            b"attempt",
-            b"lease",
-            b"expires",
-            b"created",
-            b"updated",
-            b"op",
-            b"result",
-        }
-        assert (fields[b"status"], fields[b"token"], fields[b"result"]) == (
-            b"completed",
-            b"1",
-            b"\x00\xff",
+        assert shared_admin.type(name) == b"string"
+        packed = shared_admin.get(name)
+        assert packed is not None
+        version, status, token_, attempt, lease, expires, created, updated, nfp, nop = (
+            HEAD.unpack_from(packed)
         )
+        assert (version, status, token_, attempt, nfp, nop) == (1, 2, 1, 1, 2, 16)
+        assert lease == updated
+        assert created <= updated < expires
+        assert packed[HEAD.size : HEAD.size + 2] == b"fp"
+        assert packed[HEAD.size + 2 + nop :] == b"\x00\xff"
+
+    def test_long_fingerprint_and_call_id_round_trip(self, shared_store: RedisStore) -> None:
+        """The packed layout's lengths hold any string Redis takes: a 70,000-character
+        fingerprint (past two bytes of length) is stored and compared whole."""
+        key, fingerprint = _key(), "f" * 70_000
+        taken = shared_store.claim(key, fingerprint, lease=LEASE, ttl=TTL)
+        assert isinstance(taken, Acquired)
+        assert shared_store.complete(key, taken.token, b"result", ttl=TTL) is None
+        answer = shared_store.claim(key, fingerprint, lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        assert (answer.record.fingerprint, answer.record.result) == (fingerprint, b"result")
+        other = shared_store.claim(key, fingerprint + "g", lease=LEASE, ttl=TTL)
+        assert other == oncely.Mismatch(stored_fingerprint=fingerprint)
+        ops = ["o" * 70_000]
+        batch = shared_store.claim_many([(_key(), "fp")], lease=LEASE, ttl=TTL, ops=ops)
+        assert isinstance(batch[0], Acquired)
 
     @pytest.mark.parametrize(
         "key", ["a}b", "}", "{", "{}", "}{", "a{b}c", "%7B", "a%b", "x:y", "é{ü}"]
@@ -375,7 +441,9 @@ class TestRecordLayout:
         before = shared_admin.pexpiretime(name)
         assert shared_store.release(key, taken.token) is None
         assert shared_admin.pexpiretime(name) == before
-        assert shared_admin.hget(name, "status") == b"released"
+        record = shared_store.get(key)
+        assert record is not None
+        assert record.status is Status.RELEASED
 
     def test_scan_lists_live_records_in_key_order(self, shared_store: RedisStore) -> None:
         """scan pages through this namespace's records by key, without results."""
@@ -440,7 +508,9 @@ class TestCluster:
                 node = cluster.get_node_from_key(name)
                 direct = redis.Redis(host=node.host, port=node.port)
                 try:
-                    assert direct.hget(name, "status") == b"completed"
+                    packed = direct.get(name)
+                    assert packed is not None
+                    assert HEAD.unpack_from(packed)[1] == 2  # completed
                     assert direct.pttl(name) > 0
                 finally:
                     direct.close()
@@ -954,7 +1024,17 @@ _GOOD = {
     "created": "1",
     "updated": "1",
 }
-"""A valid completed record's fields, to spoil one at a time."""
+"""A valid completed record's fields in the hash layout of earlier versions, to spoil one at a
+time."""
+
+
+def _packed(version: int = 1, status: int = 2, fp: bytes = b"fp", nfp: int | None = None) -> bytes:
+    """A completed record in the packed layout (`HEAD`), spoilt as asked."""
+    head = HEAD.pack(
+        version, status, 1, 1, 1, 99999999999999, 1, 1, len(fp) if nfp is None else nfp, 0
+    )
+    return head + fp + b"result"
+
 
 CORRUPTIONS: dict[str, Callable[[redis.Redis, bytes], Any]] = {
     "string": lambda r, n: r.set(n, "hello"),
@@ -963,6 +1043,11 @@ CORRUPTIONS: dict[str, Callable[[redis.Redis, bytes], Any]] = {
     "no status": lambda r, n: r.hset(n, mapping={"fp": "fp", "token": "1"}),
     "token not a number": lambda r, n: r.hset(n, mapping={**_GOOD, "token": "one"}),
     "fingerprint not utf-8": lambda r, n: r.hset(n, mapping={**_GOOD, "fp": b"\xff\xfe"}),
+    "packed, unknown version": lambda r, n: r.set(n, _packed(version=2)),
+    "packed, unknown status": lambda r, n: r.set(n, _packed(status=9)),
+    "packed, truncated": lambda r, n: r.set(n, _packed(nfp=200)),
+    "packed, short head": lambda r, n: r.set(n, _packed()[:20]),
+    "packed, fingerprint not utf-8": lambda r, n: r.set(n, _packed(fp=b"\xff\xfe")),
 }
 """Foreign or damaged values at a record's name."""
 
@@ -990,7 +1075,7 @@ class TestCorruptRecords:
             for case in sorted(CORRUPTIONS)
             for verb in ("claim", "complete", "fail", "release", "extend", "get")
             # The settle verbs never read the fingerprint, so its encoding cannot hurt them.
-            if case != "fingerprint not utf-8" or verb in ("claim", "get")
+            if "fingerprint not utf-8" not in case or verb in ("claim", "get")
         ],
     )
     @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -1072,6 +1157,115 @@ class TestCorruptRecords:
                 assert (record.status, record.token) == (Status.IN_PROGRESS, taken.token)
         finally:
             server.stop()
+
+
+def _earlier_record(
+    admin: redis.Redis, key: str, name: bytes, status: str, *, lease_ms: int, result: bytes = b""
+) -> Record:
+    """Write *key*'s record at *name* as oncely wrote it before the packed layout: a hash of one
+    field each, expiring with PEXPIREAT at its ``expires`` (a minute from now); return it."""
+    seconds, microseconds = admin.time()
+    now = seconds * 1000 + microseconds // 1000
+    numbers = {"lease": now + lease_ms, "expires": now + 60_000}
+    numbers |= {"token": 3, "attempt": 2, "created": now - 5_000, "updated": now - 1_000}
+    fields: dict[str, Any] = {"status": status, "fp": "fp", "op": "0123456789abcdef", **numbers}
+    if result:
+        fields["result"] = result
+    admin.hset(name, mapping=fields)
+    admin.pexpireat(name, numbers["expires"])
+    return Record(
+        key=key,
+        status=Status(status),
+        fingerprint="fp",
+        token=3,
+        attempt=2,
+        lease_expires_at_ms=numbers["lease"],
+        expires_at_ms=numbers["expires"],
+        created_at_ms=numbers["created"],
+        updated_at_ms=numbers["updated"],
+        result=result or None,
+    )
+
+
+@pytest.mark.redis
+class TestEarlierLayout:
+    """Records written by oncely before the packed layout (one hash each) are read as they were,
+    by every verb; the first write replaces such a record by the packed string."""
+
+    @pytest.fixture
+    def name_of(self, shared_store: RedisStore) -> Callable[[str], bytes]:
+        return Keyspace("oncely:", shared_store.namespace).name
+
+    def test_completed_record_replays_and_reads_whole(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        key = _key()
+        written = _earlier_record(
+            shared_admin, key, name_of(key), "completed", lease_ms=-1_000, result=b"\x00r"
+        )
+        answer = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        assert answer.record == written
+        assert shared_store.get(key) == written
+        assert isinstance(shared_store.claim(key, "other", lease=LEASE, ttl=TTL), oncely.Mismatch)
+        assert shared_admin.type(name_of(key)) == b"hash"  # reads leave it as it is
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_lease_of_an_earlier_record_is_completed_by_its_token(
+        self,
+        shared_store: RedisStore,
+        shared_admin: redis.Redis,
+        name_of: Callable[[str], bytes],
+        mode: str,
+    ) -> None:
+        """A live lease is respected, and its holder's token completes it: the record is then
+        the packed string, with the tokens and times it had."""
+        key = _key()
+        written = _earlier_record(shared_admin, key, name_of(key), "in_progress", lease_ms=20_000)
+        store = shared_store
+        if mode == "sync":
+            busy = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+            assert store.complete(key, 2, b"stale", ttl=TTL) == LeaseLost()
+            assert store.extend(key, 3, lease=LEASE) is None
+            assert store.complete(key, 3, b"done", ttl=TTL) is None
+        else:
+            busy = _arun(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+            assert _arun(store.acomplete(key, 2, b"stale", ttl=TTL)) == LeaseLost()
+            assert _arun(store.aextend(key, 3, lease=LEASE)) is None
+            assert _arun(store.acomplete(key, 3, b"done", ttl=TTL)) is None
+        assert isinstance(busy, InProgress)
+        assert shared_admin.type(name_of(key)) == b"string"
+        answer = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        assert (answer.record.token, answer.record.attempt, answer.record.result) == (3, 2, b"done")
+        assert answer.record.created_at_ms == written.created_at_ms
+
+    def test_lapsed_lease_of_an_earlier_record_is_taken_over(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        key = _key()
+        _earlier_record(shared_admin, key, name_of(key), "in_progress", lease_ms=-1)
+        taken = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert taken == Acquired(4, recovered=True, attempt=3)
+        assert shared_store.release(key, 3) == LeaseLost()
+        assert shared_store.release(key, 4) is None
+        again = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert again == Acquired(5, recovered=False, attempt=4)
+
+    def test_earlier_record_without_a_call_id_is_forgotten(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        """Records of the first versions have no ``op`` field."""
+        key = _key()
+        name = name_of(key)
+        _earlier_record(shared_admin, key, name, "failed", lease_ms=-1_000, result=b"boom")
+        shared_admin.hdel(name, "op")
+        assert shared_store.forget(key) is Status.FAILED
+        record = shared_store.get(key)
+        assert record is not None
+        assert (record.status, record.token, record.result) == (Status.RELEASED, 3, None)
+        assert shared_admin.type(name) == b"string"
+        assert shared_admin.pexpiretime(name) == record.expires_at_ms
 
 
 class TestEventLoops:

@@ -1,14 +1,15 @@
 """Record keys and the scripts' replies, for the sync and the async client alike.
 
-One record is one Redis hash named ``<prefix>{<namespace>:<key>}``. The braces are a Redis
-Cluster hash tag: its content decides the slot. So that a key's own braces can never end the tag
-early (or leave it empty, which would hash the whole name), ``%``, ``{`` and ``}`` are
-percent-escaped in the key and the namespace, and ``:`` in the namespace too, which makes the
-name injective: two (namespace, key) pairs never share a hash.
+One record is one Redis string (packed: see `HEAD`) named ``<prefix>{<namespace>:<key>}``. The
+braces are a Redis Cluster hash tag: its content decides the slot. So that a key's own braces
+can never end the tag early (or leave it empty, which would hash the whole name), ``%``, ``{``
+and ``}`` are percent-escaped in the key and the namespace, and ``:`` in the namespace too,
+which makes the name injective: two (namespace, key) pairs never share a record.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
@@ -98,7 +99,7 @@ class Keyspace:
         object.__setattr__(self, "_head", head)
 
     def name(self, key: str) -> bytes:
-        """Return the name of the hash holding *key*'s record."""
+        """Return the name of the key holding *key*'s record."""
         return (self._head + _escape_key(key) + "}").encode()
 
     def pattern(self) -> bytes:
@@ -128,31 +129,41 @@ def _unexpected(key: str, reply: Any) -> StoreError:
     )
 
 
-def _record(key: str, fields: list[Any]) -> Record:
-    """Build a record from the fields `record.lua` replies (already checked by the script)."""
+HEAD: Final = struct.Struct(">BBqIqqqqII")
+"""The fixed head of a packed record (``HEAD`` in ``lua/record.lua``): version, status, token,
+attempt, lease, expires, created, updated, and the lengths of the fingerprint and the call id
+that follow it; the result is the rest."""
+
+_STATUSES: Final = (None, Status.IN_PROGRESS, Status.COMPLETED, Status.FAILED, Status.RELEASED)
+"""Each status by its code in a packed record."""
+
+_FINISHED: Final = frozenset({Status.COMPLETED, Status.FAILED})
+
+
+def _record(key: str, packed: Any) -> Record:
+    """Decode a record as `record.lua` stores it (the script has checked its layout)."""
     try:
-        status, fingerprint, token, attempt, lease, expires, created, updated, result = fields
+        version, code, token, attempt, lease, expires, created, updated, nfp, nop = (
+            HEAD.unpack_from(packed)
+        )
+        status = _STATUSES[code] if version == 1 else None
+        if status is None:
+            raise ValueError(f"not an oncely record (version {version}, status {code})")
+        start = HEAD.size + nfp
         return Record(
             key=key,
-            status=_STATUSES[status],
-            fingerprint=fingerprint.decode(),
-            token=int(token),
-            attempt=int(attempt),
-            lease_expires_at_ms=int(lease),
-            expires_at_ms=int(expires),
-            created_at_ms=int(created),
-            updated_at_ms=int(updated),
-            result=None if result is None else bytes(result),
+            status=status,
+            fingerprint=packed[HEAD.size : start].decode(),
+            token=token,
+            attempt=attempt,
+            lease_expires_at_ms=lease,
+            expires_at_ms=expires,
+            created_at_ms=created,
+            updated_at_ms=updated,
+            result=packed[start + nop :] if status in _FINISHED else None,
         )
-    except (TypeError, ValueError, AttributeError) as exc:  # incl. UnicodeDecodeError
+    except (TypeError, ValueError, IndexError, struct.error) as exc:  # incl. UnicodeDecodeError
         raise _corrupt(key, exc) from exc
-    except KeyError as exc:
-        raise _corrupt(key, f"unknown status {exc.args[0]!r}") from exc
-
-
-_STATUSES: Final = {status.value.encode(): status for status in Status}
-"""Each status by its stored spelling (a lookup, where ``Status(text)`` costs a call of the
-enum's metaclass)."""
 
 
 def rejected(key: str, message: str) -> StoreError:
@@ -191,8 +202,8 @@ def claim_answer(key: str, reply: Any) -> ClaimResult:
         return Acquired(int(token), recovered=bool(recovered), attempt=int(attempt))
     if tag == b"in_progress" and len(rest) == 1:
         return InProgress(retry_after=timedelta(milliseconds=int(rest[0])))
-    if tag == b"replay" and len(rest) == 10:
-        return Replay(_record(key, rest[1:]), judged_at_ms=int(rest[0]))
+    if tag == b"replay" and len(rest) == 2:
+        return Replay(_record(key, rest[1]), judged_at_ms=int(rest[0]))
     if tag == b"mismatch" and len(rest) == 1:
         try:
             return Mismatch(stored_fingerprint=rest[0].decode())
@@ -231,6 +242,6 @@ def record_or_none(key: str, reply: Any) -> Record | None:
     tag, rest = _tagged(key, reply)
     if tag == b"absent":
         return None
-    if tag == b"record" and len(rest) == 9:
-        return _record(key, rest)
+    if tag == b"record" and len(rest) == 1:
+        return _record(key, rest[0])
     raise _unexpected(key, reply)

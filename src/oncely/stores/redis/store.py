@@ -3,7 +3,7 @@
 Every transition is one Lua script (``lua/*.lua``) run by EVALSHA: one round trip, atomic on the
 server, and judged by the server's clock (``TIME``), so workers whose clocks disagree cannot
 steal each other's leases. The ``clock`` option other stores take is accepted and ignored.
-Records expire through Redis's own TTL (``PEXPIREAT`` on each record's hash).
+Records expire through Redis's own TTL (``PXAT`` on each record's key).
 
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
@@ -43,6 +43,7 @@ from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
 from oncely.stores.redis._packing import use_hiredis
+from oncely.stores.redis._pool import queuing_pool
 
 __all__ = ["RedisClusterStore", "RedisStore"]
 
@@ -267,14 +268,25 @@ class _RedisStoreBase:
     # -- performing a flow's script call, in each world ----------------------------------------
 
     def _run(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
-        """Run *script* on *keys* with *args*; *key* names the call in error messages."""
+        """Run *script* on *keys* with *args*; *key* names the call in error messages.
+
+        The EVALSHA goes out by ``execute_command``, not by calling redis-py's ``Script``
+        (which copies the arguments twice and checks for a pipeline on every call); only its
+        digest and text are used, to reload it after ``NOSCRIPT`` as ``Script`` would.
+        """
         try:
             if self._closed:
                 self._check_open()
             scripts = self._scripts
             if scripts is None:
                 scripts = self._sync_scripts()
-            return scripts[script](keys=keys, args=args)
+            loaded = scripts[script]
+            client = loaded.registered_client
+            try:
+                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
+            except self._redis.exceptions.NoScriptError:
+                loaded.sha = client.script_load(loaded.script)
+                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
         except self._failures as exc:
             raise self._translated(key, exc) from exc
 
@@ -290,7 +302,17 @@ class _RedisStoreBase:
             else:
                 await gate.acquire()  # at once
             try:
-                return await entry.scripts[script](keys=keys, args=args)
+                loaded = entry.scripts[script]
+                client = loaded.registered_client
+                try:
+                    return await client.execute_command(
+                        "EVALSHA", loaded.sha, len(keys), *keys, *args
+                    )
+                except self._redis.exceptions.NoScriptError:
+                    loaded.sha = await client.script_load(loaded.script)
+                    return await client.execute_command(
+                        "EVALSHA", loaded.sha, len(keys), *keys, *args
+                    )
             finally:
                 gate.release()
         except self._failures as exc:
@@ -633,13 +655,13 @@ def _masked(url: str) -> str:
 
 
 class RedisStore(_RedisStoreBase):
-    """Records in one Redis server (or a proxy in front of several), as one hash each.
+    """Records in one Redis server (or a proxy in front of several), as one string each.
 
     Args:
         url: ``redis://[[user]:password@]host[:port][/db]`` or ``rediss://…`` for TLS, with
             redis-py's query parameters (``?socket_timeout=2``…).
         namespace: Keeps this store's keys apart from other stores' on the same server.
-        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        prefix: Starts the name of every record's key (``oncely:`` by default).
         clock: Accepted for symmetry with other stores and ignored: the server's ``TIME``
             judges every lease and expiry.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
@@ -702,7 +724,8 @@ class RedisStore(_RedisStoreBase):
 
     def _new_client(self) -> Any:
         retry = self._retry(self._redis.retry.Retry)
-        pool = self._redis.BlockingConnectionPool.from_url(self.url, retry=retry, **self._pooled())
+        pool_class = queuing_pool(self._redis.ConnectionPool)
+        pool = pool_class.from_url(self.url, retry=retry, **self._pooled())
         return self._redis.Redis.from_pool(pool)
 
     def _new_async_client(self) -> Any:
@@ -716,7 +739,7 @@ class RedisStore(_RedisStoreBase):
         """The client options, for a sync pool that queues the threads past its size.
 
         redis-py's default pool raises at once when ``max_connections`` (100) commands are in
-        flight; a blocking pool makes the next thread wait for a free connection, for as long
+        flight; `queuing_pool` makes the next thread wait for a free connection, for as long
         as it would wait for a reply.
         """
         return {**self._options, "max_connections": self._max_connections, "timeout": self._wait}
@@ -726,14 +749,14 @@ class RedisStore(_RedisStoreBase):
 
 
 class RedisClusterStore(_RedisStoreBase):
-    """Records in a Redis Cluster: each record is one hash, so it lives in one slot.
+    """Records in a Redis Cluster: each record is one key, so it lives in one slot.
 
     Args:
         url: ``redis+cluster://[[user]:password@]host:port[,host:port…]`` naming one or more
             startup nodes; the client discovers the others. Query parameters as for
             `RedisStore`; TLS with ``ssl=True``.
         namespace: Keeps this store's keys apart from other stores' on the same cluster.
-        prefix: Starts the name of every record's hash (``oncely:`` by default).
+        prefix: Starts the name of every record's key (``oncely:`` by default).
         clock: Accepted and ignored: the ``TIME`` of the node owning a record judges it.
         socket_timeout: Seconds to wait for a reply before `StoreUnavailableError`.
         socket_connect_timeout: Seconds to wait for a connection.

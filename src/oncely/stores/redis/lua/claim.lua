@@ -1,6 +1,6 @@
 -- claim.lua: take the record at KEYS[1] for one worker, atomically, judged by the server clock.
 -- Mirrors oncely._core.machine.claim row for row.
--- KEYS[1]  the record hash, "<prefix>{<namespace>:<key>}"
+-- KEYS[1]  the record, "<prefix>{<namespace>:<key>}"
 -- ARGV[1]  fingerprint
 -- ARGV[2]  lease, milliseconds
 -- ARGV[3]  ttl of an in-progress record, milliseconds: it is kept max(ttl, lease) past the end
@@ -9,10 +9,10 @@
 --          answers as the first run did
 -- returns  {"acquired", token, attempt, recovered (0|1)}
 --          | {"in_progress", milliseconds left on the lease}
---          | {"replay", now, status, fp, token, attempt, lease, expires, created, updated, result}
+--          | {"replay", now, the record packed (see record.lua)}
 --          | {"mismatch", stored fingerprint}
 --          | {"corrupt", reason}
-local r, problem = load(KEYS[1], true)
+local r, problem = load(KEYS[1])
 if problem then return {"corrupt", problem} end
 local now = now_ms()
 local fp, lease_ms, ttl_ms, op = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
@@ -34,23 +34,18 @@ if r == nil or now >= r.expires or r.status == "released" then
       created = r.created
     end
   end
-  local expires = kept_until(now + lease_ms, margin)
-  -- Writes start with HSET: if maxmemory refuses it, nothing has changed.
-  redis.call("HSET", KEYS[1], "status", "in_progress", "fp", fp, "token", int(token),
-             "attempt", int(attempt), "lease", int(now + lease_ms), "expires", int(expires),
-             "created", int(created), "updated", int(now), "op", op)
-  if r ~= nil then redis.call("HDEL", KEYS[1], "result") end  -- left by an expired record
-  redis.call("PEXPIREAT", KEYS[1], int(expires))
+  store(KEYS[1], {status = "in_progress", fp = fp, token = token, attempt = attempt,
+                  lease = now + lease_ms, expires = kept_until(now + lease_ms, margin),
+                  created = created, updated = now, op = op})
   return {"acquired", token, attempt, 0}
 end
 if r.fp ~= fp then return {"mismatch", r.fp} end
-if r.status ~= "in_progress" then return {"replay", int(now), unpack(as_reply(r))} end
+if r.status ~= "in_progress" then return {"replay", now, as_reply(r)} end
 if now < r.lease then return {"in_progress", r.lease - now} end
 
 -- The lease expired without being settled: take it over with the next token.
-local lease = now + lease_ms
-local expires = math.max(r.expires, kept_until(lease, margin))
-redis.call("HSET", KEYS[1], "token", int(r.token + 1), "attempt", int(r.attempt + 1),
-           "lease", int(lease), "expires", int(expires), "updated", int(now), "op", op .. "+")
-redis.call("PEXPIREAT", KEYS[1], int(expires))
-return {"acquired", r.token + 1, r.attempt + 1, 1}
+r.token, r.attempt, r.lease, r.updated, r.op = r.token + 1, r.attempt + 1, now + lease_ms, now,
+                                               op .. "+"
+r.expires = math.max(r.expires, kept_until(r.lease, margin))
+store(KEYS[1], r)
+return {"acquired", r.token, r.attempt, 1}

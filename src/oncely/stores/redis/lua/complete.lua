@@ -1,5 +1,5 @@
 -- complete.lua: store the result of the operation holding the lease (machine.complete).
--- KEYS[1]  the record hash
+-- KEYS[1]  the record
 -- ARGV[1]  fencing token
 -- ARGV[2]  result bytes
 -- ARGV[3]  ttl of the completed record, milliseconds

@@ -1,17 +1,17 @@
 -- extend.lua: move the end of the lease to ARGV[2] from now (machine.extend).
--- KEYS[1]  the record hash
+-- KEYS[1]  the record
 -- ARGV[1]  fencing token
 -- ARGV[2]  lease, milliseconds
 -- returns  1 | 0 (lease lost) | {"corrupt", reason}
 -- Re-running it (a re-send after a lost reply) only moves the lease again: no call id needed.
 -- The record keeps its margin past the lease's end (at least the new lease): see kept_until.
-local r, problem = load(KEYS[1], false)
+local r, problem = load(KEYS[1])
 if problem then return {"corrupt", problem} end
 local now = now_ms()
 if not held(r, tonumber(ARGV[1]), now) then return 0 end
 local lease = now + tonumber(ARGV[2])
-local expires = math.max(r.expires,
-                         kept_until(lease, math.max(r.expires - r.lease, tonumber(ARGV[2]))))
-redis.call("HSET", KEYS[1], "lease", int(lease), "expires", int(expires), "updated", int(now))
-redis.call("PEXPIREAT", KEYS[1], int(expires))
+r.expires = math.max(r.expires,
+                     kept_until(lease, math.max(r.expires - r.lease, tonumber(ARGV[2]))))
+r.lease, r.updated = lease, now
+store(KEYS[1], r)
 return 1

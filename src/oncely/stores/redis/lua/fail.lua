@@ -1,5 +1,5 @@
 -- fail.lua: store a final error of the operation holding the lease (machine.fail).
--- KEYS[1]  the record hash
+-- KEYS[1]  the record
 -- ARGV[1]  fencing token
 -- ARGV[2]  error bytes
 -- ARGV[3]  ttl of the failed record, milliseconds

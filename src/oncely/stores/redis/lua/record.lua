@@ -1,29 +1,33 @@
 -- record.lua: helpers shared by every script; _scripts.py prepends this file to each of them.
 -- A transition's file reads KEYS[1] and ARGV only: batch.lua runs it once per item of a batch,
 -- with KEYS and ARGV rebound to that item's (see _scripts.sources).
--- One record is one hash, KEYS[1] = "<prefix>{<namespace>:<key>}" (one cluster slot), with the
--- fields below. Times are epoch milliseconds of the server clock; the hash expires (PEXPIREAT)
--- exactly when its "expires" field says, so Redis itself purges expired records. An in-progress
--- record outlives its lease (see kept_until), so its tokens survive a worker whose lease lapsed.
---   status   in_progress | completed | failed | released
---   fp       fingerprint
---   token    fencing token; only grows while the hash exists
---   attempt  executions started for this record
---   lease    end of the current lease
---   expires  end of the record
---   created  first claim     updated  last change
---   op       the id of the call that last wrote the record (a claim's, suffixed "+" for a
---            takeover): a call re-sent after its reply was lost (redis-py retries a command
---            after a connection error or, on a cluster, a timeout) finds its own effect and
---            answers as the first run did (absent in records of older versions)
---   result   the outcome (completed and failed records only)
+-- One record is one string, KEYS[1] = "<prefix>{<namespace>:<key>}" (one cluster slot), packed
+-- in a fixed layout (struct format HEAD, big-endian; _codec.HEAD reads the same):
+--   version  1 byte, 1
+--   status   1 byte: 1 in_progress, 2 completed, 3 failed, 4 released
+--   token    8 bytes, fencing token; only grows while the record exists
+--   attempt  4 bytes, executions started for this record
+--   lease    8 bytes, end of the current lease
+--   expires  8 bytes, end of the record
+--   created  8 bytes, first claim          updated  8 bytes, last change
+--   then the lengths of fp and op (4 bytes each), then fp (the fingerprint), op (the id of the
+--   call that last wrote the record: a claim's, suffixed "+" for a takeover, so that a call
+--   re-sent after its reply was lost finds its own effect and answers as the first run did),
+--   and last the result (completed and failed records only: the rest of the string).
+-- Times are epoch milliseconds of the server clock; the key expires (PXAT) exactly when its
+-- "expires" says, so Redis itself purges expired records. An in-progress record outlives its
+-- lease (see kept_until), so its tokens survive a worker whose lease lapsed. One GET reads a
+-- record and one SET writes it: every redis.call costs a script a few µs of dispatch.
+-- Records of oncely versions before the packed layout are hashes with one field each; load
+-- reads them too (load_hash), and the next write replaces them by the packed string.
 
 -- Redis < 5 replicates scripts verbatim unless told to replicate their effects (TIME is not
 -- deterministic); from 5 on this is the default and the call is a no-op.
 if redis.replicate_commands then redis.replicate_commands() end
 
-local STATUSES = {in_progress = true, completed = true, failed = true, released = true}
-local NUMBERS = {"token", "attempt", "lease", "expires", "created", "updated"}
+-- Every run of a script runs this file again: it makes no table, only the closures below.
+local HEAD = ">BBi8I4i8i8i8i8I4I4"
+local HEAD_LEN = 54
 
 -- The server's clock, in milliseconds: the only clock that judges leases and expiry. Read once
 -- per script run: the items of a batch are judged at one instant, in their order.
@@ -41,26 +45,27 @@ local function int(n)
   return string.format("%d", n)
 end
 
--- The fields of a record as load reads them ("op" stays out of replies: see as_reply); "result"
--- last, as it may be megabytes.
-local FIELDS = {"status", "fp", "token", "attempt", "lease", "expires", "created", "updated",
-                "op", "result"}
+-- The status of code `code` in a packed record (nil for an unknown code), and the code of a
+-- status (a chain of comparisons: a table would be made again on every run).
+local function status_of(code)
+  return code == 1 and "in_progress" or code == 2 and "completed" or code == 3 and "failed"
+    or code == 4 and "released" or nil
+end
+local function code_of(status)
+  return status == "in_progress" and 1 or status == "completed" and 2 or status == "failed" and 3
+    or status == "released" and 4 or nil
+end
 
--- Returns the record at `key` as a table (with its result only if `with_result`: see FIELDS),
--- nil when absent, or nil and the reason the record is corrupt. One HMGET in the common case:
--- a foreign value is its WRONGTYPE error, and only a hash without a status needs EXISTS.
-local function load(key, with_result)
-  local v = redis.pcall("HMGET", key, unpack(FIELDS, 1, with_result and 10 or 9))
-  if v.err then
-    if string.sub(v.err, 1, 9) ~= "WRONGTYPE" then error(v) end
-    return nil, "a " .. redis.call("TYPE", key)["ok"] .. " is stored at the key, not a hash"
-  end
-  if not v[1] and redis.call("EXISTS", key) == 0 then return nil end
+-- A record of the hash layout of earlier versions (see the header), or nil and the reason it is
+-- corrupt. Its result is kept as "result".
+local function load_hash(key)
+  local v = redis.call("HMGET", key, "status", "fp", "token", "attempt", "lease", "expires",
+                       "created", "updated", "op", "result")
   local r = {status = v[1], fp = v[2], token = v[3], attempt = v[4], lease = v[5],
-             expires = v[6], created = v[7], updated = v[8], op = v[9], result = v[10]}
-  if not STATUSES[r.status] then return nil, "unknown status " .. tostring(r.status) end
+             expires = v[6], created = v[7], updated = v[8], op = v[9] or "", result = v[10]}
+  if not code_of(r.status) then return nil, "unknown status " .. tostring(r.status) end
   if type(r.fp) ~= "string" then return nil, "no fingerprint" end
-  for _, name in ipairs(NUMBERS) do
+  for _, name in ipairs({"token", "attempt", "lease", "expires", "created", "updated"}) do
     local text = r[name]
     if type(text) ~= "string" or not string.match(text, "^%-?%d+$") then
       return nil, "field " .. name .. " is not an integer: " .. tostring(text)
@@ -70,11 +75,55 @@ local function load(key, with_result)
   return r
 end
 
--- Record `r`, loaded with its result, as a reply: the FIELDS in order (result false, a nil
--- reply, when there is none).
+-- Returns the record at `key` as a table, nil when absent, or nil and the reason the record is
+-- corrupt. `r.packed` is the stored string, `r.rest` where its result starts (a record of the
+-- hash layout has `r.result` instead). One GET in the common case: a foreign value is its
+-- WRONGTYPE error, and only then does TYPE tell a hash of the earlier layout from the rest.
+local function load(key)
+  local v = redis.pcall("GET", key)
+  if not v then return nil end
+  if type(v) == "table" then
+    if string.sub(v.err, 1, 9) ~= "WRONGTYPE" then error(v) end
+    local kind = redis.call("TYPE", key)["ok"]
+    if kind == "hash" then return load_hash(key) end
+    return nil, "a " .. kind .. " is stored at the key, not a record"
+  end
+  if #v < HEAD_LEN or string.byte(v, 1) ~= 1 then
+    return nil, "not an oncely record (" .. #v .. " bytes)"
+  end
+  local _, code, token, attempt, lease, expires, created, updated, nfp, nop, at =
+    struct.unpack(HEAD, v)
+  local status = status_of(code)
+  if status == nil then return nil, "unknown status " .. code end
+  if #v < HEAD_LEN + nfp + nop then return nil, "truncated record (" .. #v .. " bytes)" end
+  return {status = status, token = token, attempt = attempt, lease = lease, expires = expires,
+          created = created, updated = updated, fp = string.sub(v, at, at + nfp - 1),
+          op = string.sub(v, at + nfp, at + nfp + nop - 1), packed = v, rest = at + nfp + nop}
+end
+
+-- Record `r` packed as it is stored, with `result` (nil for none) after its fields.
+local function pack(r, result)
+  return struct.pack(HEAD, 1, code_of(r.status), r.token, r.attempt, r.lease, r.expires,
+                     r.created, r.updated, #r.fp, #r.op) .. r.fp .. r.op .. (result or "")
+end
+
+-- Record `r`, loaded with its result, as one reply: the packed string (a record of the hash
+-- layout packed now), which _codec.record decodes.
 local function as_reply(r)
-  return {r.status, r.fp, r.token, r.attempt, r.lease, r.expires, r.created, r.updated,
-          r.result or false}
+  return r.packed or pack(r, r.result)
+end
+
+-- Write record `r` (with `result`) at `key`, expiring when it does. One SET with PXAT (Redis
+-- 6.2); a server that does not know PXAT answers a syntax error and gets SET then PEXPIREAT.
+-- If maxmemory refuses the write, nothing has changed.
+local function store(key, r, result)
+  local value, at = pack(r, result), int(r.expires)
+  local ok = redis.pcall("SET", key, value, "PXAT", at)
+  if type(ok) == "table" and ok.err then
+    if not string.find(ok.err, "syntax", 1, true) then error(ok) end
+    redis.call("SET", key, value)
+    redis.call("PEXPIREAT", key, at)
+  end
 end
 
 -- Whether `token` holds the lease of record `r` at `now` (machine._held).
@@ -99,7 +148,7 @@ end
 -- at `key`. argv[2] outcome bytes, argv[3] ttl in milliseconds, argv[4] the call's id. Returns
 -- 1 (also when this call already did it), 0 (lease lost) or corrupt.
 local function finish(status, key, argv)
-  local r, problem = load(key, false)
+  local r, problem = load(key)
   if problem then return {"corrupt", problem} end
   local now = now_ms()
   local token = tonumber(argv[1])
@@ -107,9 +156,7 @@ local function finish(status, key, argv)
     if settled_by(r, argv[4], status, token, now) then return 1 end
     return 0
   end
-  local expires = now + tonumber(argv[3])
-  redis.call("HSET", key, "status", status, "result", argv[2], "lease", int(now),
-             "expires", int(expires), "updated", int(now), "op", argv[4])
-  redis.call("PEXPIREAT", key, int(expires))
+  r.status, r.lease, r.expires, r.updated, r.op = status, now, now + tonumber(argv[3]), now, argv[4]
+  store(key, r, argv[2])
   return 1
 end
