@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from oncely import _execution
 from oncely._core.protocols import AsyncStore, BatchStore
+from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
@@ -93,7 +94,9 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self._calls: AsyncStore = store
-        if coalesce and isinstance(store, BatchStore):
+        # A store whose verbs never suspend (memory://) has nothing in flight to group.
+        inline = getattr(type(store), "_inline_async", None) is type(store)
+        if coalesce and not inline and isinstance(store, BatchStore):
             # Two calls at once keep a request's wait short (a 50 ms handler loses nothing);
             # past two, the waiting calls go together, which is what lets a busy server keep up.
             self._calls = CoalescingStore(store, max_in_flight=2)
@@ -150,8 +153,27 @@ class IdempotencyMiddleware:
         )
         plan = _semantics.plan(request, decision, policy)
         receive = _BufferedReceive(messages, receive)
+        # The straight line: a claim that acquires (run, complete) or replays. Any other answer
+        # or error goes on in `_flow.begin` from the point reached.
+        calls, core = self._calls, policy.core
+        answer: ClaimResult | Exception
+        try:
+            answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
+        except Exception as exc:
+            answer = exc
+        kind = type(answer)
+        if kind is Acquired:
+            lease = _execution.acquired(plan.key, answer, core)  # type: ignore[arg-type]
+            if core.heartbeat:
+                _execution._start_async_heartbeat(calls, lease)
+            await self._run(lease, policy, _app_scope(scope), receive, send)
+            return
+        if kind is Replay:
+            _execution.suppressed(plan.key, answer)  # type: ignore[arg-type]
+            await _send_response(send, _flow.replay(answer, policy))  # type: ignore[arg-type]
+            return
         outcome = await _execution.arun(
-            _flow.begin(plan, policy, method=method, path=path), self._calls
+            _flow.begin(plan, policy, method=method, path=path, first=answer), calls
         )
         if outcome is _flow.PASS_THROUGH:
             await self.app(scope, receive, send)
@@ -170,6 +192,7 @@ class IdempotencyMiddleware:
     ) -> None:
         # The lease's heartbeat was started by `begin` (`oncely._execution`'s: a timer that
         # becomes a task only if the request outlives a third of its lease); settling stops it.
+        calls = self._calls
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message
@@ -192,15 +215,13 @@ class IdempotencyMiddleware:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _flow.asettle(
-                            partial(_flow.finish, lease, capture, policy), lease, self._calls
-                        )
+                        await _flow.afinish(lease, capture, policy, calls)
                 elif kind == "http.response.trailers" and not message.get("more_trailers"):
                     settled = True
                     await _flow.asettle(
                         partial(_flow.finish_with_trailers, lease, capture, policy),
                         lease,
-                        self._calls,
+                        calls,
                     )
             if held is not None:
                 start, held = held, None
@@ -208,31 +229,25 @@ class IdempotencyMiddleware:
             await send(message)
 
         try:
-            await _execution.arun(
-                _flow.invoke(lease), self._calls, lambda: self.app(scope, receive, capture_send)
-            )
+            await _execution.ainvoke_under(lease, self.app, scope, receive, capture_send)
         except BaseException as exc:
             if not settled:
                 settled = True
                 if capture.started:  # the handler ran and started answering: never again
                     cause = f"{type(exc).__name__} while it was sent"
                     await _flow.asettle(
-                        partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
+                        partial(_flow.cut, lease, capture, cause, policy), lease, calls
                     )
                 else:
-                    await _flow.asettle(
-                        partial(_flow.abort, lease, exc, policy), lease, self._calls
-                    )
+                    await _flow.asettle(partial(_flow.abort, lease, exc, policy), lease, calls)
             raise
         if not settled:
             settled = True
             if capture.started:
                 cause = "the app returned before completing it"
-                await _flow.asettle(
-                    partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
-                )
+                await _flow.asettle(partial(_flow.cut, lease, capture, cause, policy), lease, calls)
             else:
-                await _flow.asettle(partial(_flow.abort, lease, None, policy), lease, self._calls)
+                await _flow.asettle(partial(_flow.abort, lease, None, policy), lease, calls)
 
 
 class _BufferedReceive:
