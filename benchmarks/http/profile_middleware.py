@@ -151,7 +151,6 @@ async def main(args: argparse.Namespace) -> None:
 STAGES = {
     "route": "the route and its policy (`RouteTable.select`, the framework's routing)",
     "key": "the `Idempotency-Key` header read and checked (`decide`)",
-    "body": "the request body read for the fingerprint (`_read_body`)",
     "plan": "the key's scope and the fingerprint of method, path, query and body (`plan`)",
     "claim": "the store's claim (a new key: the lease; a replay: the record)",
     "lease": "the lease, its heartbeat started and stopped",
@@ -160,7 +159,7 @@ STAGES = {
     "complete": "the store's complete",
     "replay": "the duplicate logged, the stored response decoded (`replay`)",
     "answer": "the replayed response sent (`_send_response`)",
-    "middleware": "the middleware's own code between the stages above",
+    "middleware": "the middleware's own code between the stages above (the body read with it)",
 }
 """Every stage timed, in the order of a request: the rows of the table."""
 
@@ -213,7 +212,6 @@ def _instrument(middleware: IdempotencyMiddleware, clock: _Clock) -> Callable[[]
 
     patches: list[tuple[Any, str, Any]] = [
         (_semantics, "decide", clock.sync("key", _semantics.decide)),
-        (asgi, "_read_body", clock.coro("body", asgi._read_body)),
         (_semantics, "plan", clock.sync("plan", _semantics.plan)),
         (_execution, "acquired", clock.sync("lease", _execution.acquired)),
         (

@@ -33,8 +33,7 @@ How a protected request travels:
 from __future__ import annotations
 
 import enum
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
@@ -44,7 +43,7 @@ from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
-from oncely.http._routes import RouteResolver, RouteTable, resolve_asgi
+from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
 from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
 from oncely.stores._coalesce import CoalescingStore
@@ -101,7 +100,10 @@ class IdempotencyMiddleware:
             # past two, the waiting calls go together, which is what lets a busy server keep up.
             self._calls = CoalescingStore(store, max_in_flight=2)
         self.routes = RouteTable(policy, routes, resolver)
-        self._resolve: RouteResolver = resolver or (lambda scope: resolve_asgi(scope, app))
+        # Only a Django app needs itself to be resolved (see resolve_asgi): decided once.
+        self._resolve: RouteResolver = resolver or (
+            partial(resolve_asgi, app=app) if is_django(app) else resolve_asgi
+        )
 
     @property
     def policy(self) -> HttpPolicy:
@@ -121,9 +123,15 @@ class IdempotencyMiddleware:
             return
         headers = scope.get("headers") or ()
         name = policy.header_name
-        decision = _semantics.decide(
-            method, [value for key, value in headers if key.lower() == name], policy
-        )
+        keys: list[bytes] = []
+        length: bytes | None = None
+        for key, value in headers:  # one pass: the key header(s) and the first Content-Length
+            key = key.lower()
+            if key == name:
+                keys.append(value)
+            if key == b"content-length" and length is None:
+                length = value
+        decision = _semantics.decide(method, keys, policy)
         if decision is None:
             await self.app(scope, receive, send)
             return
@@ -131,16 +139,26 @@ class IdempotencyMiddleware:
             await _send_response(send, decision)
             return
         limit = policy.max_request_bytes
-        if _declared_length(headers) > limit:  # refused before a byte of the body is read
+        if length is not None and _declared_length(length) > limit:  # before the body is read
             await _send_response(send, _semantics.request_too_large(policy))
             return
-        buffered = await _read_body(receive, limit)
-        if buffered is None:  # the client left before its request was complete: run nothing
-            return
-        if buffered is _TOO_LARGE:
-            await _send_response(send, _semantics.request_too_large(policy))
-            return
-        messages, body = buffered
+        message = await receive()
+        body = message.get("body", b"")
+        if (
+            message["type"] == "http.request"
+            and not message.get("more_body", False)
+            and len(body) <= limit
+        ):  # the usual request: its whole body in one message
+            messages = [message]
+        else:
+            buffered = await _read_body(receive, limit, message)
+            if buffered is None:  # the client left before its request was complete: run nothing
+                return
+            if buffered is _TOO_LARGE:
+                await _send_response(send, _semantics.request_too_large(policy))
+                return
+            messages, body = buffered
+        user = scope.get("user")  # set by Starlette's AuthenticationMiddleware run before this
         request = HttpRequest(
             method,
             path,
@@ -148,8 +166,7 @@ class IdempotencyMiddleware:
             scope.get("query_string", b""),
             tuple(headers),
             body,
-            # Set by Starlette's AuthenticationMiddleware when it runs before this one.
-            _semantics.user_principal(scope.get("user")),
+            None if user is None else _semantics.user_principal(user),
         )
         plan = _semantics.plan(request, decision, policy)
         receive = _BufferedReceive(messages, receive)
@@ -229,7 +246,11 @@ class IdempotencyMiddleware:
             await send(message)
 
         try:
-            await _execution.ainvoke_under(lease, self.app, scope, receive, capture_send)
+            reset = _execution._CURRENT.set(lease)  # `oncely.current_lease()` in the handler
+            try:
+                await self.app(scope, receive, capture_send)
+            finally:
+                _execution._CURRENT.reset(reset)
         except BaseException as exc:
             if not settled:
                 settled = True
@@ -256,12 +277,12 @@ class _BufferedReceive:
     __slots__ = ("_messages", "_receive")
 
     def __init__(self, messages: list[Message], receive: Receive) -> None:
-        self._messages = deque(messages)
+        self._messages = messages[::-1]  # popped from the end: most requests are one message
         self._receive = receive
 
     async def __call__(self) -> Message:
         if self._messages:
-            return self._messages.popleft()
+            return self._messages.pop()
         return await self._receive()
 
 
@@ -272,28 +293,27 @@ class _TooLarge(enum.Enum):
 _TOO_LARGE: Final = _TooLarge.TOO_LARGE
 
 
-def _declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
-    """The ``Content-Length`` the client announced (0 if none or unreadable: the server
-    rejects those, and the reading loop bounds the body anyway)."""
-    for name, value in headers:
-        if name.lower() == b"content-length":
-            value = value.strip()
-            if not value.isdigit():
-                return 0
-            return int(value) if len(value) <= 20 else 10**20
-    return 0
+def _declared_length(value: bytes) -> int:
+    """The length a ``Content-Length`` *value* announces (0 if unreadable: the server rejects
+    those, and the reading loop bounds the body anyway)."""
+    value = value.strip()
+    if not value.isdigit():
+        return 0
+    return int(value) if len(value) <= 20 else 10**20
 
 
 async def _read_body(
-    receive: Receive, limit: int
+    receive: Receive, limit: int, first: Message
 ) -> tuple[list[Message], bytes] | _TooLarge | None:
-    """Read the whole request; ``None`` if the client disconnected first, `_TOO_LARGE` as
-    soon as the body grows past *limit* bytes (the rest is never read)."""
+    """Read the whole request from its *first* message on; ``None`` if the client disconnected
+    first, `_TOO_LARGE` as soon as the body grows past *limit* bytes (the rest is never read)."""
     messages: list[Message] = []
     chunks: list[bytes] = []
     size = 0
+    message: Message | None = first
     while True:
-        message = await receive()
+        if message is None:
+            message = await receive()
         kind = message["type"]
         if kind == "http.disconnect":
             return None
@@ -306,6 +326,7 @@ async def _read_body(
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return messages, b"".join(chunks)
+        message = None
 
 
 def _app_scope(scope: Scope) -> Scope:
