@@ -178,16 +178,15 @@ class IdempotencyMiddleware:
             answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
         except Exception as exc:
             answer = exc
-        kind = type(answer)
-        if kind is Acquired:
-            lease = _execution.acquired(plan.key, answer, core)  # type: ignore[arg-type]
+        if isinstance(answer, Acquired):
+            lease = _execution.acquired(plan.key, answer, core)
             if core.heartbeat:
                 _execution._start_async_heartbeat(calls, lease)
             await self._run(lease, policy, _app_scope(scope), receive, send)
             return
-        if kind is Replay:
-            _execution.suppressed(plan.key, answer)  # type: ignore[arg-type]
-            await _send_response(send, _flow.replay(answer, policy))  # type: ignore[arg-type]
+        if isinstance(answer, Replay):
+            _execution.suppressed(plan.key, answer)
+            await _send_response(send, _flow.replay(answer, policy))
             return
         outcome = await _execution.arun(
             _flow.begin(plan, policy, method=method, path=path, first=answer), calls
@@ -207,8 +206,8 @@ class IdempotencyMiddleware:
         receive: Receive,
         send: Send,
     ) -> None:
-        # The lease's heartbeat was started by `begin` (`oncely._execution`'s: a timer that
-        # becomes a task only if the request outlives a third of its lease); settling stops it.
+        # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
+        # a task only if the request outlives a third of its lease); settling stops it.
         calls = self._calls
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
