@@ -338,6 +338,7 @@ async def stages(args: argparse.Namespace) -> str:
             "",
             "## Machine",
             "",
+            f"- run: `{command}`, {now}",
             f"- {platform.system()} {platform.release()} {platform.machine()}, "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
             f"- load average at start: {load}; at the end: "

@@ -199,6 +199,7 @@ def report(results: dict[tuple[str, float], Result], args: argparse.Namespace, s
         "",
         "## Machine",
         "",
+        f"- run: `{command}`, {started}",
         *[f"- {line}" for line in args.machine],
         f"- load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
         f"- project venv: {versions(sys.executable, OURS)}",
