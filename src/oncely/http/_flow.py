@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, Final
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore
-from oncely._core.records import Replay, Status
+from oncely._core.records import ClaimResult, LeaseLost, Replay, Status
 from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
@@ -48,6 +49,7 @@ from oncely.http._semantics import Plan, Response, ResponseCapture
 __all__ = [
     "PASS_THROUGH",
     "abort",
+    "afinish",
     "asettle",
     "begin",
     "cut",
@@ -55,6 +57,7 @@ __all__ = [
     "finish_with_trailers",
     "invoke",
     "settle_again",
+    "stored_outcome",
 ]
 
 logger = get_logger("oncely.http")
@@ -69,12 +72,23 @@ PASS_THROUGH: Final = _PassThrough.PASS_THROUGH
 
 
 def begin(
-    plan: Plan, policy: HttpPolicy, *, method: str, path: str
+    plan: Plan,
+    policy: HttpPolicy,
+    *,
+    method: str,
+    path: str,
+    first: ClaimResult | Exception | None = None,
 ) -> Flow[_execution.Lease | Response | _PassThrough]:
     """Claim the request's key; return the lease (heartbeat started), the answer to send, or
-    `PASS_THROUGH`."""
+    `PASS_THROUGH`.
+
+    *first* is the answer to (or the error of) a first claim already sent: the flow goes on
+    from it (see `asgi.py`'s straight line).
+    """
     try:
-        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, policy.core)
+        if isinstance(first, Exception):
+            raise first
+        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, policy.core, first)
     except InProgressError:
         return _semantics.in_progress()
     except FingerprintMismatchError:
@@ -115,6 +129,10 @@ def replay(outcome: Replay, policy: HttpPolicy) -> Response:
     """The answer to a repeat of a finished request (fail closed on anything unreadable)."""
     record = outcome.record
     try:
+        if record.status is Status.COMPLETED:
+            body = _codec.value_body(record.result)
+            if body is not None:  # the common case, without decoding the outcome's frame
+                return _semantics.replayed(body, policy)
         stored = _codec.decode_outcome(record.result)
         if stored.kind == "unavailable":
             return _semantics.not_replayable(stored.reason)
@@ -141,9 +159,21 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
 
     Store failures are logged, not raised: the handler has run, so its response is delivered.
     """
-    if not capture.keep:
+    payload = stored_outcome(lease, capture, policy)
+    if payload is None:
         yield from _settle(lease, "release", None, policy)
-    elif capture.overflowed:
+    else:
+        yield from _settle(lease, "complete", payload, policy)
+
+
+def stored_outcome(
+    lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
+) -> bytes | None:
+    """What the record of a complete response is completed with (the framed snapshot, or the
+    not-replayable marker of a response over the size limit); ``None``: release it."""
+    if not capture.keep:
+        return None
+    if capture.overflowed:
         reason = f"the response body is over the {policy.max_response_bytes}-byte limit"
         logger.warning(
             "response of key=%s not stored: %s",
@@ -151,10 +181,41 @@ def finish(lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy
             reason,
             extra=fields(key=lease.key, token=lease.token, outcome="not_stored"),
         )
-        yield from _settle(lease, "complete", _codec.encode_unavailable(reason), policy)
-    else:
-        payload = _codec.encode_value(capture.snapshot(policy))
-        yield from _settle(lease, "complete", payload, policy)
+        return _codec.encode_unavailable(reason)
+    return _codec.encode_value(capture.snapshot(policy))
+
+
+async def afinish(
+    lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy, store: AsyncStore
+) -> None:
+    """``asettle(partial(finish, lease, capture, policy), lease, store)``, with no flow on the
+    common path: one complete that lands, then the heartbeat stopped. Any other answer or error
+    goes on in `_settle`'s flow from the point reached, and a cancellation as `asettle` says.
+    """
+    payload = stored_outcome(lease, capture, policy)
+    if payload is None:
+        await asettle(partial(_settle, lease, "release", None, policy), lease, store)
+        return
+    lease.settling = True
+    try:
+        lost = await store.acomplete(lease.key, lease.token, payload, ttl=policy.core.ttl)
+    except asyncio.CancelledError:
+        flow = _settle(lease, "complete", payload, policy)
+        await _shielded(_execution.arun(settle_again(lease, flow), store))
+        raise
+    except BaseException as exc:  # the flow decides: retry, log, or raise it again
+        await asettle(
+            partial(_settle, lease, "complete", payload, policy, (None, exc)), lease, store
+        )
+        return
+    if lost is not None:
+        await asettle(
+            partial(_settle, lease, "complete", payload, policy, (lost, None)), lease, store
+        )
+    elif lease.heartbeat is not None:
+        started = _execution._stop_async_heartbeat(lease)
+        if started is not None:
+            await asyncio.wait((started,))
 
 
 def cut(
@@ -233,10 +294,14 @@ def settle_again(lease: _execution.Lease, flow: Flow[None]) -> Flow[None]:
 
 
 def _settle(
-    lease: _execution.Lease, verb: str, payload: bytes | None, policy: HttpPolicy
+    lease: _execution.Lease,
+    verb: str,
+    payload: bytes | None,
+    policy: HttpPolicy,
+    first: tuple[LeaseLost | None, BaseException | None] | None = None,
 ) -> Flow[None]:
     try:
-        yield from _execution.settle(lease, verb, payload, policy.core)
+        yield from _execution.settle(lease, verb, payload, policy.core, first)
     except (StoreError, LeaseLostError) as exc:
         # The handler ran; the response still goes out. The key recovers after its lease.
         logger.error(

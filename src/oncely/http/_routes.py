@@ -11,6 +11,7 @@ framework can pass a ``resolver`` callable.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping
@@ -28,6 +29,7 @@ __all__ = [
     "RouteResolver",
     "RouteTable",
     "idempotent_route",
+    "is_django",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -151,6 +153,13 @@ _PATH_SAFE = "/:@!$&'()*+,;="
 """Characters a path segment may hold unencoded (RFC 3986 pchar, besides unreserved ones)."""
 
 
+@functools.lru_cache(maxsize=1024)
+def _quoted(path: str) -> str:
+    """*path* percent-encoded as a client would send it (the same few paths come again and
+    again: cached)."""
+    return quote(path, safe=_PATH_SAFE)
+
+
 # -- path patterns --------------------------------------------------------------------------
 
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z]+))?\}|\*\*|\*")
@@ -232,7 +241,7 @@ class RouteTable:
                     policy = self._with(policy, options)
         # An unresolved route is named by its path, percent-encoded as a client would send it:
         # the decoded path may hold control characters, and the route becomes part of the key.
-        return policy, template or quote(path, safe=_PATH_SAFE)
+        return policy, template or _quoted(path)
 
     def _with(self, policy: HttpPolicy, options: RouteOptions) -> HttpPolicy:
         cache_key = (id(policy), id(options))
@@ -249,7 +258,7 @@ class RouteTable:
 def resolve_asgi(scope: Mapping[str, Any], app: Any = None) -> RouteMatch | None:
     """The route an ASGI request reaches in Litestar, Starlette, FastAPI, or Django's ASGI
     handler when it is *app*; else ``None``."""
-    if app is not None and _is_django(app):
+    if app is not None and is_django(app):
         path = str(scope.get("path", "/") or "/")
         root = str(scope.get("root_path", "") or "")
         if root and path.startswith(root):  # Django's ASGIHandler takes the root path off too
@@ -324,13 +333,13 @@ def resolve_wsgi(app: Any, environ: Mapping[str, Any]) -> RouteMatch | None:
         except Exception:  # not found, method not allowed, redirect: the app answers
             return None
         return RouteMatch(_flask_template(str(rule.rule)), views.get(rule.endpoint))
-    if _is_django(target):
+    if is_django(target):
         raw = str(environ.get("PATH_INFO", "/") or "/")
         return resolve_django(raw.encode("latin-1").decode("utf-8", "replace"))
     return None
 
 
-def _is_django(app: Any) -> bool:
+def is_django(app: Any) -> bool:
     return type(app).__module__.startswith("django.core.handlers")
 
 

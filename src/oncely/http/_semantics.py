@@ -154,8 +154,11 @@ class HttpRequest:
     @property
     def content_type(self) -> str:
         """The media type of the body, lower-case and without parameters (``""`` if none)."""
-        value = self.header("content-type") or ""
-        return value.partition(";")[0].strip().lower()
+        return _media_type(self.header("content-type") or "")
+
+
+def _media_type(content_type: str) -> str:
+    return content_type.partition(";")[0].strip().lower()
 
 
 def default_scope(request: HttpRequest) -> str:
@@ -171,25 +174,40 @@ def default_scope(request: HttpRequest) -> str:
 
     .. versionadded:: 0.1.0
     """
+    authorization, _, cookies = _read_headers(request.headers)
+    return _scope_text(request, authorization, cookies)
+
+
+def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None, list[bytes]]:
+    """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
+    *headers*, in one pass (names as `HttpRequest.header` and `_scope_text` compare them)."""
+    authorization = content_type = None
+    cookies = []
+    for name, value in headers:
+        if name == b"authorization":
+            if authorization is None:
+                authorization = value
+        elif name == b"content-type":
+            if content_type is None:
+                content_type = value
+        elif name.lower() == b"cookie":
+            cookies.append(value)
+    return authorization, content_type, cookies
+
+
+def _scope_text(request: HttpRequest, authorization: bytes | None, cookies: list[bytes]) -> str:
     scope = f"{request.method} {request.route}"
-    principal = _principal_digest(request)
-    if principal is not None:
-        scope = f"{scope} @{principal}"
-    return scope
-
-
-def _principal_digest(request: HttpRequest) -> str | None:
     # Each kind is tagged in the scope itself ("u:", "c:"), so no header can forge another
     # kind's digest; Authorization stays untagged, so the scopes of existing keys do not change.
     if request.principal is not None:
-        return "u:" + _digest(request.principal.encode("utf-8", "surrogatepass"))
-    authorization = request.header("authorization")
-    if authorization is not None:
-        return _digest(authorization.encode("latin-1"))
-    cookies = [value for name, value in request.headers if name.lower() == b"cookie"]
-    if cookies:
-        return "c:" + _digest(b"; ".join(cookies))  # HTTP/2 sends each cookie on its own
-    return None
+        principal = "u:" + _digest(request.principal.encode("utf-8", "surrogatepass"))
+    elif authorization is not None:
+        principal = _digest(authorization)
+    elif cookies:
+        principal = "c:" + _digest(b"; ".join(cookies))  # HTTP/2 sends each cookie on its own
+    else:
+        return scope
+    return f"{scope} @{principal}"
 
 
 def _digest(material: bytes) -> str:
@@ -247,9 +265,11 @@ _PLAIN: Final = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 """Compact ASCII JSON, as ``json.dumps(value, ensure_ascii=True, separators=(",", ":"))``."""
 
 
-def _body_digest(request: HttpRequest) -> str:
+def _body_digest(request: HttpRequest, media: str | None = None) -> str:
+    """The digest of the request body; *media* is `HttpRequest.content_type` if known."""
     body = request.body
-    media = request.content_type
+    if media is None:
+        media = request.content_type
     if body and (media == "application/json" or media.endswith("+json")):
         text = canonical_body(body)
         if text is not None:  # else labelled JSON but it is not: the raw bytes define it
@@ -323,17 +343,25 @@ class Plan:
 
 def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
     """Scope *key* and fingerprint *request* as *policy* says."""
+    if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
+        # The usual policy: the headers both read in one pass.
+        authorization, content_type, cookies = _read_headers(request.headers)
+        media = "" if content_type is None else _media_type(content_type.decode("latin-1"))
+        return Plan(
+            scope_key(_scope_text(request, authorization, cookies), key),
+            _default_digest(request, media),
+        )
     scope = policy.scope(request)
     if not isinstance(scope, str):
         raise TypeError(f"the scope callable returned {type(scope).__name__}, not str")
     if policy.fingerprint is default_fingerprint:
-        fingerprint = _default_digest(request)
+        fingerprint = _default_digest(request, request.content_type)
     else:
         fingerprint = digest([policy.fingerprint(request)])
     return Plan(scope_key(scope, key), fingerprint)
 
 
-def _default_digest(request: HttpRequest) -> str:
+def _default_digest(request: HttpRequest, media: str) -> str:
     # The digest of `default_fingerprint`'s parts, spelt as
     # ``json.dumps(parts, ensure_ascii=True, separators=(",", ":"))`` without building the
     # list: this runs on every protected request. The body digest is hex behind an ASCII tag,
@@ -341,7 +369,7 @@ def _default_digest(request: HttpRequest) -> str:
     query = _PLAIN.encode(_sorted_query(request)) if request.query_string else "[]"
     text = (
         f"[{_ascii_string(request.method)},{_ascii_string(request.path)},{query},"
-        f'"{_body_digest(request)}"]'
+        f'"{_body_digest(request, media)}"]'
     )
     return "h1:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
@@ -582,16 +610,18 @@ def encode_snapshot(response: Response) -> bytes:
     Raises:
         ValueError: A field is out of range (status, a reason over 255 bytes...).
     """
-    if not 100 <= response.status <= 999:
-        raise ValueError(f"status {response.status} is out of range")
-    reason = response.reason
+    return _encode(response.status, response.headers, response.body, response.reason)
+
+
+def _encode(status: int, headers: Sequence[Header], body: bytes, reason: bytes) -> bytes:
+    if not 100 <= status <= 999:
+        raise ValueError(f"status {status} is out of range")
     if len(reason) > 255:
         reason = b""
-    parts = [_HEAD.pack(_MAGIC, _VERSION, response.status, len(reason), len(response.headers))]
-    parts.append(reason)
-    for name, value in response.headers:
+    parts = [_HEAD.pack(_MAGIC, _VERSION, status, len(reason), len(headers)), reason]
+    for name, value in headers:
         parts += [_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value]
-    parts += [_BODY.pack(len(response.body)), response.body]
+    parts += [_BODY.pack(len(body)), body]
     return b"".join(parts)
 
 
@@ -613,11 +643,22 @@ def decode_snapshot(data: bytes) -> Response:
     offset = _HEAD.size + reason_length
     reason = data[_HEAD.size : offset]
     headers = []
-    for _ in range(count):
-        name, offset = _take(data, offset, _NAME)
-        value, offset = _take(data, offset, _VALUE)
-        headers.append((name, value))
-    body, offset = _take(data, offset, _BODY)
+    # Each field is its length, then its bytes. A length read past the end raises
+    # struct.error; a field cut short leaves the offset past the end, for the check below.
+    name_length, value_length = _NAME.unpack_from, _VALUE.unpack_from
+    try:
+        for _ in range(count):
+            start = offset + _NAME.size
+            end = start + name_length(data, offset)[0]
+            offset = end + _VALUE.size
+            following = offset + value_length(data, end)[0]
+            headers.append((data[start:end], data[offset:following]))
+            offset = following
+        start = offset + _BODY.size
+        offset = start + _BODY.unpack_from(data, offset)[0]
+    except struct.error:
+        raise ValueError("the stored response is truncated") from None
+    body = data[start:offset]
     if offset != size:  # past the end when the reason or the last field is truncated
         raise ValueError(
             "the stored response has trailing bytes"
@@ -625,18 +666,6 @@ def decode_snapshot(data: bytes) -> Response:
             else "the stored response is truncated"
         )
     return Response(status, tuple(headers), body, reason)
-
-
-def _take(data: bytes, offset: int, length: struct.Struct) -> tuple[bytes, int]:
-    """The field at *offset* (its length, then its bytes) and the offset after it."""
-    start = offset + length.size
-    if start > len(data):
-        raise ValueError("the stored response is truncated")
-    (count,) = length.unpack_from(data, offset)
-    end = start + count
-    if end > len(data):
-        raise ValueError("the stored response is truncated")
-    return data[start:end], end
 
 
 # -- capturing the app's response ---------------------------------------------------------------
@@ -681,7 +710,7 @@ class ResponseCapture:
         self.status = status
         self.reason = reason
         self.headers = tuple(headers)
-        self.keep = policy.stores(status)
+        self.keep = status in policy.stored_statuses  # `HttpPolicy.stores`, one call less
         self.chunks.clear()
         self.size = 0
         self.overflowed = False
@@ -700,11 +729,6 @@ class ResponseCapture:
 
     def snapshot(self, policy: HttpPolicy) -> bytes:
         """The stored form of the captured response (headers filtered for storage)."""
-        return encode_snapshot(
-            Response(
-                self.status,
-                storable_headers(self.headers, policy),
-                b"".join(self.chunks),
-                self.reason,
-            )
+        return _encode(
+            self.status, storable_headers(self.headers, policy), b"".join(self.chunks), self.reason
         )

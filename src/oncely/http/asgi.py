@@ -33,17 +33,17 @@ How a protected request travels:
 from __future__ import annotations
 
 import enum
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
 from oncely import _execution
 from oncely._core.protocols import AsyncStore, BatchStore
+from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
-from oncely.http._routes import RouteResolver, RouteTable, resolve_asgi
+from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
 from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
 from oncely.stores._coalesce import CoalescingStore
@@ -93,12 +93,17 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self._calls: AsyncStore = store
-        if coalesce and isinstance(store, BatchStore):
+        # A store whose verbs never suspend (memory://) has nothing in flight to group.
+        inline = getattr(type(store), "_inline_async", None) is type(store)
+        if coalesce and not inline and isinstance(store, BatchStore):
             # Two calls at once keep a request's wait short (a 50 ms handler loses nothing);
             # past two, the waiting calls go together, which is what lets a busy server keep up.
             self._calls = CoalescingStore(store, max_in_flight=2)
         self.routes = RouteTable(policy, routes, resolver)
-        self._resolve: RouteResolver = resolver or (lambda scope: resolve_asgi(scope, app))
+        # Only a Django app needs itself to be resolved (see resolve_asgi): decided once.
+        self._resolve: RouteResolver = resolver or (
+            partial(resolve_asgi, app=app) if is_django(app) else resolve_asgi
+        )
 
     @property
     def policy(self) -> HttpPolicy:
@@ -118,9 +123,15 @@ class IdempotencyMiddleware:
             return
         headers = scope.get("headers") or ()
         name = policy.header_name
-        decision = _semantics.decide(
-            method, [value for key, value in headers if key.lower() == name], policy
-        )
+        keys: list[bytes] = []
+        length: bytes | None = None
+        for key, value in headers:  # one pass: the key header(s) and the first Content-Length
+            key = key.lower()
+            if key == name:
+                keys.append(value)
+            if key == b"content-length" and length is None:
+                length = value
+        decision = _semantics.decide(method, keys, policy)
         if decision is None:
             await self.app(scope, receive, send)
             return
@@ -128,16 +139,26 @@ class IdempotencyMiddleware:
             await _send_response(send, decision)
             return
         limit = policy.max_request_bytes
-        if _declared_length(headers) > limit:  # refused before a byte of the body is read
+        if length is not None and _declared_length(length) > limit:  # before the body is read
             await _send_response(send, _semantics.request_too_large(policy))
             return
-        buffered = await _read_body(receive, limit)
-        if buffered is None:  # the client left before its request was complete: run nothing
-            return
-        if buffered is _TOO_LARGE:
-            await _send_response(send, _semantics.request_too_large(policy))
-            return
-        messages, body = buffered
+        message = await receive()
+        body = message.get("body", b"")
+        if (
+            message["type"] == "http.request"
+            and not message.get("more_body", False)
+            and len(body) <= limit
+        ):  # the usual request: its whole body in one message
+            messages = [message]
+        else:
+            buffered = await _read_body(receive, limit, message)
+            if buffered is None:  # the client left before its request was complete: run nothing
+                return
+            if buffered is _TOO_LARGE:
+                await _send_response(send, _semantics.request_too_large(policy))
+                return
+            messages, body = buffered
+        user = scope.get("user")  # set by Starlette's AuthenticationMiddleware run before this
         request = HttpRequest(
             method,
             path,
@@ -145,13 +166,30 @@ class IdempotencyMiddleware:
             scope.get("query_string", b""),
             tuple(headers),
             body,
-            # Set by Starlette's AuthenticationMiddleware when it runs before this one.
-            _semantics.user_principal(scope.get("user")),
+            None if user is None else _semantics.user_principal(user),
         )
         plan = _semantics.plan(request, decision, policy)
         receive = _BufferedReceive(messages, receive)
+        # The straight line: a claim that acquires (run, complete) or replays. Any other answer
+        # or error goes on in `_flow.begin` from the point reached.
+        calls, core = self._calls, policy.core
+        answer: ClaimResult | Exception
+        try:
+            answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
+        except Exception as exc:
+            answer = exc
+        if isinstance(answer, Acquired):
+            lease = _execution.acquired(plan.key, answer, core)
+            if core.heartbeat:
+                _execution._start_async_heartbeat(calls, lease)
+            await self._run(lease, policy, _app_scope(scope), receive, send)
+            return
+        if isinstance(answer, Replay):
+            _execution.suppressed(plan.key, answer)
+            await _send_response(send, _flow.replay(answer, policy))
+            return
         outcome = await _execution.arun(
-            _flow.begin(plan, policy, method=method, path=path), self._calls
+            _flow.begin(plan, policy, method=method, path=path, first=answer), calls
         )
         if outcome is _flow.PASS_THROUGH:
             await self.app(scope, receive, send)
@@ -168,8 +206,9 @@ class IdempotencyMiddleware:
         receive: Receive,
         send: Send,
     ) -> None:
-        # The lease's heartbeat was started by `begin` (`oncely._execution`'s: a timer that
-        # becomes a task only if the request outlives a third of its lease); settling stops it.
+        # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
+        # a task only if the request outlives a third of its lease); settling stops it.
+        calls = self._calls
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message
@@ -192,15 +231,13 @@ class IdempotencyMiddleware:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _flow.asettle(
-                            partial(_flow.finish, lease, capture, policy), lease, self._calls
-                        )
+                        await _flow.afinish(lease, capture, policy, calls)
                 elif kind == "http.response.trailers" and not message.get("more_trailers"):
                     settled = True
                     await _flow.asettle(
                         partial(_flow.finish_with_trailers, lease, capture, policy),
                         lease,
-                        self._calls,
+                        calls,
                     )
             if held is not None:
                 start, held = held, None
@@ -208,31 +245,29 @@ class IdempotencyMiddleware:
             await send(message)
 
         try:
-            await _execution.arun(
-                _flow.invoke(lease), self._calls, lambda: self.app(scope, receive, capture_send)
-            )
+            reset = _execution._CURRENT.set(lease)  # `oncely.current_lease()` in the handler
+            try:
+                await self.app(scope, receive, capture_send)
+            finally:
+                _execution._CURRENT.reset(reset)
         except BaseException as exc:
             if not settled:
                 settled = True
                 if capture.started:  # the handler ran and started answering: never again
                     cause = f"{type(exc).__name__} while it was sent"
                     await _flow.asettle(
-                        partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
+                        partial(_flow.cut, lease, capture, cause, policy), lease, calls
                     )
                 else:
-                    await _flow.asettle(
-                        partial(_flow.abort, lease, exc, policy), lease, self._calls
-                    )
+                    await _flow.asettle(partial(_flow.abort, lease, exc, policy), lease, calls)
             raise
         if not settled:
             settled = True
             if capture.started:
                 cause = "the app returned before completing it"
-                await _flow.asettle(
-                    partial(_flow.cut, lease, capture, cause, policy), lease, self._calls
-                )
+                await _flow.asettle(partial(_flow.cut, lease, capture, cause, policy), lease, calls)
             else:
-                await _flow.asettle(partial(_flow.abort, lease, None, policy), lease, self._calls)
+                await _flow.asettle(partial(_flow.abort, lease, None, policy), lease, calls)
 
 
 class _BufferedReceive:
@@ -241,12 +276,12 @@ class _BufferedReceive:
     __slots__ = ("_messages", "_receive")
 
     def __init__(self, messages: list[Message], receive: Receive) -> None:
-        self._messages = deque(messages)
+        self._messages = messages[::-1]  # popped from the end: most requests are one message
         self._receive = receive
 
     async def __call__(self) -> Message:
         if self._messages:
-            return self._messages.popleft()
+            return self._messages.pop()
         return await self._receive()
 
 
@@ -257,28 +292,27 @@ class _TooLarge(enum.Enum):
 _TOO_LARGE: Final = _TooLarge.TOO_LARGE
 
 
-def _declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
-    """The ``Content-Length`` the client announced (0 if none or unreadable: the server
-    rejects those, and the reading loop bounds the body anyway)."""
-    for name, value in headers:
-        if name.lower() == b"content-length":
-            value = value.strip()
-            if not value.isdigit():
-                return 0
-            return int(value) if len(value) <= 20 else 10**20
-    return 0
+def _declared_length(value: bytes) -> int:
+    """The length a ``Content-Length`` *value* announces (0 if unreadable: the server rejects
+    those, and the reading loop bounds the body anyway)."""
+    value = value.strip()
+    if not value.isdigit():
+        return 0
+    return int(value) if len(value) <= 20 else 10**20
 
 
 async def _read_body(
-    receive: Receive, limit: int
+    receive: Receive, limit: int, first: Message
 ) -> tuple[list[Message], bytes] | _TooLarge | None:
-    """Read the whole request; ``None`` if the client disconnected first, `_TOO_LARGE` as
-    soon as the body grows past *limit* bytes (the rest is never read)."""
+    """Read the whole request from its *first* message on; ``None`` if the client disconnected
+    first, `_TOO_LARGE` as soon as the body grows past *limit* bytes (the rest is never read)."""
     messages: list[Message] = []
     chunks: list[bytes] = []
     size = 0
+    message: Message | None = first
     while True:
-        message = await receive()
+        if message is None:
+            message = await receive()
         kind = message["type"]
         if kind == "http.disconnect":
             return None
@@ -291,6 +325,7 @@ async def _read_body(
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return messages, b"".join(chunks)
+        message = None
 
 
 def _app_scope(scope: Scope) -> Scope:
