@@ -642,8 +642,8 @@ class _PostgresScripts:
         params = {
             "key": store._stored_key(op.key),
             "fingerprint": op.fingerprint,
-            "lease_ms": sql._ms(op.lease),
-            "ttl_ms": sql._ms(op.ttl),
+            "lease_ms": sql.ms(op.lease),
+            "ttl_ms": sql.ms(op.ttl),
             "op": sql.call_id(),
             "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
         }
@@ -660,7 +660,7 @@ class _PostgresScripts:
     def finish(self, op: _Finish) -> _Script:
         """Write the outcome and release the savepoint; a final error first undoes the block."""
         store = self.store
-        statement = self.sql._finish_statement(
+        statement = self.sql.finish_statement(
             store._queries,
             store._stored_key(op.key),
             op.key,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import secrets
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -47,13 +47,16 @@ __all__ = [
     "Queries",
     "Reply",
     "Statement",
-    "claim",
     "claim_many",
+    "claim_statement",
+    "decode_claim",
     "extend_many",
-    "finish",
     "finish_many",
+    "finish_statement",
     "get",
+    "held",
     "migrate",
+    "ms",
     "purge",
     "release",
     "scan",
@@ -92,23 +95,22 @@ VERSION: Final = "SELECT version FROM {schema}.oncely_schema WHERE id = 1"
 
 CLAIM: Final = f"""
 SELECT outcome, judged_at, {_COLUMNS}, result
-  FROM {{schema}}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint, %(ttl_ms)s::bigint,
-                               %(op)s::text)
+  FROM {{schema}}.oncely_claim(%s, %s, %s::bigint, %s::bigint, %s::text)
 """
-"""Parameters: key, fingerprint, lease_ms, ttl_ms, op. One row: the outcome, the server time it
-was judged at, and the record as it stands afterwards (its result only for a replay)."""
+"""Parameters, in order (positional: the hot path skips psycopg's reordering of named ones):
+key, fingerprint, lease_ms, ttl_ms, op. One row: the outcome, the server time it was judged at,
+and the record as it stands afterwards (its result only for a replay)."""
 
 COMPLETE: Final = """
 UPDATE {schema}.oncely_records
-   SET status = %(status)s, result = %(result)s, expires_at = statement_timestamp() + %(ttl)s,
-       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp(),
-       op = %(op)s
- WHERE key = %(key)s AND token = %(token)s AND expires_at > statement_timestamp()
-   AND (status = 'in_progress' OR (status = %(status)s AND op = %(op)s))
+   SET status = %s, result = %s, expires_at = statement_timestamp() + %s,
+       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp(), op = %s
+ WHERE key = %s AND token = %s AND expires_at > statement_timestamp()
+   AND (status = 'in_progress' OR (status = %s AND op = %s))
 """
-"""Parameters: key, token, status ('completed' or 'failed'), result, ttl, op. One affected row
-means done (by this statement, or by this very call before: op); none means the lease was
-lost."""
+"""Parameters, in order (positional, as `CLAIM`'s): status ('completed' or 'failed'), result,
+ttl, op, key, token, status, op. One affected row means done (by this statement, or by this
+very call before: op); none means the lease was lost."""
 
 RELEASE: Final = """
 UPDATE {schema}.oncely_records
@@ -242,7 +244,7 @@ def _schema_script() -> str:
 # -- operations and replies ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Statement:
     """Execute one statement on a pooled connection in autocommit mode: one round trip.
 
@@ -255,7 +257,7 @@ class Statement:
     """
 
     sql: str
-    params: Mapping[str, Any] | None
+    params: Mapping[str, Any] | Sequence[Any] | None
     key: str = ""
     resend: bool = False
 
@@ -301,7 +303,7 @@ class Batch:
         return f"a batch of {len(keys)} keys ({shown}{', …' if len(keys) > 3 else ''})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reply:
     """What a `Statement` answered.
 
@@ -319,26 +321,19 @@ class Reply:
 
 def call_id() -> str:
     """A new id for one call: unique across calls, processes and hosts (64 random bits)."""
-    return secrets.token_hex(8)
+    return os.urandom(8).hex()
 
 
-def _ms(duration: timedelta) -> int:
-    return max(1, duration // timedelta(milliseconds=1))
+def ms(duration: timedelta) -> int:
+    """*duration* in whole milliseconds, at least one."""
+    return max(1, duration // _ONE_MS)
 
 
 def _interval(duration: timedelta) -> timedelta:
-    return timedelta(milliseconds=_ms(duration))
+    return timedelta(milliseconds=ms(duration))
 
 
-def claim(
-    queries: Queries, stored: str, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
-) -> Flow[ClaimResult]:
-    """Claim *stored* (the namespaced key); records come back named *key*."""
-    reply: Reply = yield _claim_statement(queries, stored, key, fingerprint, _ms(lease), _ms(ttl))
-    return decode_claim(key, reply)
-
-
-def _claim_statement(
+def claim_statement(
     queries: Queries,
     stored: str,
     key: str,
@@ -347,13 +342,9 @@ def _claim_statement(
     ttl_ms: int,
     op: str | None = None,
 ) -> Statement:
-    params = {
-        "key": stored,
-        "fingerprint": fingerprint,
-        "lease_ms": lease_ms,
-        "ttl_ms": ttl_ms,
-        "op": op or call_id(),
-    }
+    """The claim of *stored* (the namespaced key), whose record comes back named *key*; its
+    reply goes to `decode_claim`. One statement: the store runs it without a flow."""
+    params = (stored, fingerprint, lease_ms, ttl_ms, op or call_id())
     return Statement(queries.claim, params, key, resend=True)
 
 
@@ -368,10 +359,10 @@ def claim_many(
 
     *ops*, one per request, are the claims' call ids (new ones when omitted): a caller that
     sends the batch again with them, after its reply was lost, gets its own claims back."""
-    lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+    lease_ms, ttl_ms = ms(lease), ms(ttl)
     return _batch(
         [
-            (stored, _claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms, op))
+            (stored, claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms, op))
             for (stored, key, fingerprint), op in zip(
                 requests, call_ids(requests, ops), strict=True
             )
@@ -380,21 +371,7 @@ def claim_many(
     )
 
 
-def finish(
-    queries: Queries,
-    stored: str,
-    key: str,
-    token: int,
-    status: Status,
-    result: bytes,
-    ttl: timedelta,
-) -> Flow[LeaseLost | None]:
-    """Store *result* as the final outcome (``status`` completed or failed) if *token* holds."""
-    reply: Reply = yield _finish_statement(queries, stored, key, token, status, result, ttl)
-    return _held(reply)
-
-
-def _finish_statement(
+def finish_statement(
     queries: Queries,
     stored: str,
     key: str,
@@ -403,14 +380,10 @@ def _finish_statement(
     result: bytes,
     ttl: timedelta,
 ) -> Statement:
-    params = {
-        "key": stored,
-        "token": token,
-        "status": status.value,
-        "result": bytes(result),
-        "ttl": _interval(ttl),
-        "op": call_id(),
-    }
+    """Store *result* as the final outcome (``status`` completed or failed) if *token* holds;
+    its reply goes to `held`."""
+    op, value = call_id(), status.value
+    params = (value, bytes(result), _interval(ttl), op, stored, token, value, op)
     return Statement(queries.complete, params, key, resend=True)
 
 
@@ -423,10 +396,10 @@ def finish_many(
     """`finish` for each ``(stored, key, token, result)`` in one `Batch`, answered in order."""
     return _batch(
         [
-            (stored, _finish_statement(queries, stored, key, token, status, result, ttl))
+            (stored, finish_statement(queries, stored, key, token, status, result, ttl))
             for stored, key, token, result in items
         ],
-        lambda key, reply: _held(reply),
+        lambda key, reply: held(reply),
     )
 
 
@@ -459,7 +432,7 @@ def release(queries: Queries, stored: str, key: str, token: int) -> Flow[LeaseLo
     """Give up the lease *token* holds, keeping the record as a tombstone."""
     params = {"key": stored, "token": token, "op": call_id()}
     reply: Reply = yield Statement(queries.release, params, key, resend=True)
-    return _held(reply)
+    return held(reply)
 
 
 def _extend_statement(
@@ -480,11 +453,12 @@ def extend_many(
             (stored, _extend_statement(queries, stored, key, token, lease))
             for stored, key, token in items
         ],
-        lambda key, reply: _held(reply),
+        lambda key, reply: held(reply),
     )
 
 
-def _held(reply: Reply) -> LeaseLost | None:
+def held(reply: Reply) -> LeaseLost | None:
+    """What a finishing statement's *reply* means: ``None`` done, or `LeaseLost`."""
     # The statements change the row only while the token holds the lease.
     return None if reply.rowcount == 1 else LeaseLost()
 
@@ -548,10 +522,13 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS: Final = timedelta(milliseconds=1)
 
 
+_STATUSES: Final = {status.value: status for status in Status}
+
+
 def _epoch_ms(moment: Any) -> int:
-    if not isinstance(moment, datetime) or moment.tzinfo is None:
-        raise TypeError(f"{moment!r} is not a timestamp with a time zone")
-    return (moment - _EPOCH) // _ONE_MS
+    # A naive datetime, or anything but a datetime, raises TypeError here: no isinstance tests
+    # on the hot path (a timestamptz column always loads as an aware datetime).
+    return (moment - _EPOCH) // _ONE_MS  # type: ignore[no-any-return]
 
 
 def decode_record(key: str, row: Sequence[Any]) -> Record:
@@ -562,16 +539,18 @@ def decode_record(key: str, row: Sequence[Any]) -> Record:
     """
     try:
         (status, fingerprint, token, attempt, lease_end, expires, created, updated, result) = row
-        for number in (token, attempt):
-            if type(number) is not int:
-                raise TypeError(f"{number!r} is not an integer")
-        if not isinstance(fingerprint, str):
+        if type(token) is not int or type(attempt) is not int:
+            raise TypeError(f"{token!r} or {attempt!r} is not an integer")
+        if type(fingerprint) is not str:
             raise TypeError(f"fingerprint {fingerprint!r} is not text")
-        if result is not None and not isinstance(result, bytes):
+        if result is not None and type(result) is not bytes:
             raise TypeError(f"result of type {type(result).__name__} is not bytea")
+        known = _STATUSES.get(status)
+        if known is None:
+            raise ValueError(f"{status!r} is not a valid Status")
         return Record(
             key=key,
-            status=Status(status),
+            status=known,
             fingerprint=fingerprint,
             token=token,
             attempt=attempt,
