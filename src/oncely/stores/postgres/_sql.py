@@ -600,14 +600,20 @@ def decode_claim(key: str, reply: Reply) -> ClaimResult:
         raise CorruptRecordError(
             f"oncely_claim returned {len(reply.rows)} rows", backend=BACKEND, key=key
         )
-    outcome, judged_at, *columns = reply.rows[0]
+    row = reply.rows[0]
+    outcome, judged_at, columns = row[0], row[1], row[2:]
     if outcome == "corrupt":
         raise CorruptRecordError(f"unknown status {columns[0]!r}", backend=BACKEND, key=key)
+    if outcome == "acquired" or outcome == "recovered":
+        # The lease this very statement wrote: its token and attempt are all the caller needs,
+        # so the rest of the row is not decoded (a record, four timestamps) on every new key.
+        token, attempt = row[4], row[5]
+        if type(token) is not int or type(attempt) is not int:
+            raise CorruptRecordError(
+                f"{token!r} or {attempt!r} is not an integer", backend=BACKEND, key=key
+            )
+        return Acquired(token, recovered=outcome == "recovered", attempt=attempt)
     record = decode_record(key, columns)
-    if outcome == "acquired":
-        return Acquired(record.token, recovered=False, attempt=record.attempt)
-    if outcome == "recovered":
-        return Acquired(record.token, recovered=True, attempt=record.attempt)
     if outcome == "replay":
         return Replay(record, judged_at_ms=_epoch_ms(judged_at))
     if outcome == "mismatch":
