@@ -51,7 +51,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from oncely.stores._machine import MachineStore, Step, _ms
+from oncely.stores._machine import MachineStore, Step
 from oncely.stores._namespace import namespace_range, stored_key
 from oncely.stores.sqlite import _sql
 
@@ -134,7 +134,7 @@ class SQLiteStore(MachineStore):
         # contended transition would cost. Other processes still meet the busy handler.
         self._write_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+        self._forks = _forks
         self._closed = False
         # An in-memory database is private to its one connection: every use of it holds
         # `_write_lock` (see `_exclusive`).
@@ -222,9 +222,10 @@ class SQLiteStore(MachineStore):
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
             raise StoreError("the store is closed", backend=self.backend)
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             # A forked child must not use its parent's connections: forget them, never close.
-            self._pid = os.getpid()
+            # (A counter bumped at fork, rather than os.getpid(), a system call, on every call.)
+            self._forks = _forks
             self._local = threading.local()
             self._connections = []
             self._connections_lock = threading.Lock()
@@ -423,7 +424,7 @@ class SQLiteStore(MachineStore):
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`."""
-        answer = self._answer_read(key, fingerprint, lease, ttl)
+        answer = self._answer_read(key, fingerprint)
         if answer is None:
             return super().claim(key, fingerprint, lease=lease, ttl=ttl)
         return answer
@@ -436,7 +437,7 @@ class SQLiteStore(MachineStore):
         if not self._closed:
             self._local.inline = True
             try:
-                answer = self._answer_read(key, fingerprint, lease, ttl)
+                answer = self._answer_read(key, fingerprint)
             except _Busy:
                 pass  # a lock met on the way: read again, and decide, in a worker thread
             finally:
@@ -452,18 +453,16 @@ class SQLiteStore(MachineStore):
             return self._prefix + key
         return super()._stored_key(key)
 
-    def _answer_read(
-        self, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
-    ) -> ClaimResult | None:
+    def _answer_read(self, key: str, fingerprint: str) -> ClaimResult | None:
         """The claim's answer if the record as read now needs no write, else ``None``."""
         row = self._fetch(self._stored_key(key))
         if row is None:
             return None  # a new key: the claim writes
         record = self._decode(key, row)  # named by the caller's key: no copy to unscope it
         now_ms = self.clock.now_ms()
-        new, answer = machine.claim(
-            key, record, fingerprint, now_ms=now_ms, lease_ms=_ms(lease), ttl_ms=_ms(ttl)
-        )
+        # The lease and ttl shape only a record to write, and a claim that writes is not
+        # answered here: zero spares converting them on every replay.
+        new, answer = machine.claim(key, record, fingerprint, now_ms=now_ms, lease_ms=0, ttl_ms=0)
         if new is not None:
             return None
         if isinstance(answer, Replay):
@@ -575,6 +574,19 @@ class SQLiteStore(MachineStore):
     async def aclose(self) -> None:
         """Close every connection and the async worker threads."""
         self.close()
+
+
+_forks = 0
+"""How many times this process is a forked child of the one that imported this module."""
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:
