@@ -817,8 +817,8 @@ class _PostgresScripts:
         params = {
             "key": store._stored_key(op.key),
             "fingerprint": op.fingerprint,
-            "lease_ms": sql._ms(op.lease),
-            "ttl_ms": sql._ms(op.ttl),
+            "lease_ms": sql.ms(op.lease),
+            "ttl_ms": sql.ms(op.ttl),
             "op": sql.call_id(),
             "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
         }
@@ -836,7 +836,7 @@ class _PostgresScripts:
         """The guarded update that writes *op*'s outcome (see `_guarded`)."""
         store = self.store
         status = op.status if type(op) is _Finish else Status.COMPLETED
-        statement = self.sql._finish_statement(
+        statement = self.sql.finish_statement(
             store._queries, store._stored_key(op.key), op.key, op.token, status, op.result, op.ttl
         )
         return self._complete, statement.params

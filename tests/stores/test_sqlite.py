@@ -24,6 +24,7 @@ from oncely import (
     CorruptRecordError,
     InProgress,
     InProgressError,
+    Mismatch,
     Replay,
     SchemaMissingError,
     StoreError,
@@ -204,6 +205,57 @@ def test_batch_in_a_locked_database_is_unavailable(tmp_path: Path) -> None:
     assert store.claim_many([("a", "fp")], lease=LEASE, ttl=TTL) == [
         Acquired(1, recovered=False, attempt=1)
     ]
+    store.close()
+
+
+def test_claims_that_write_nothing_are_answered_while_another_writer_holds_the_lock(
+    tmp_path: Path,
+) -> None:
+    """A replay, a mismatch and a live lease need no write lock: they are answered from a read
+    (WAL) while another connection holds it, sync and async; a claim that writes still waits
+    for the lock, and fails closed when it does not get it in time."""
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, timeout=0.05)
+    done = store.claim("done", "fp", lease=LEASE, ttl=TTL)
+    assert isinstance(done, Acquired)
+    assert store.complete("done", done.token, b"result", ttl=TTL) is None
+    assert isinstance(store.claim("held", "fp", lease=LEASE, ttl=TTL), Acquired)
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        replay = store.claim("done", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(replay, Replay)
+        assert replay.record.result == b"result"
+        assert replay.record.key == "done"
+        assert isinstance(store.claim("done", "other", lease=LEASE, ttl=TTL), Mismatch)
+        assert isinstance(store.claim("held", "fp", lease=LEASE, ttl=TTL), InProgress)
+
+        async def main() -> None:
+            answer = await store.aclaim("done", "fp", lease=LEASE, ttl=TTL)
+            assert isinstance(answer, Replay)
+            assert isinstance(await store.aclaim("held", "fp", lease=LEASE, ttl=TTL), InProgress)
+            with pytest.raises(StoreUnavailableError):
+                await store.aclaim("new", "fp", lease=LEASE, ttl=TTL)
+
+        asyncio.run(main())
+        with pytest.raises(StoreUnavailableError):
+            store.claim("new", "fp", lease=LEASE, ttl=TTL)
+    finally:
+        blocker.execute("COMMIT")
+        blocker.close()
+    assert store.claim("new", "fp", lease=LEASE, ttl=TTL) == Acquired(1, False, 1)
+    store.close()
+
+
+def test_a_namespaced_replay_carries_the_callers_key(tmp_path: Path) -> None:
+    """The read that answers a replay names the record by the caller's key, not the stored one."""
+    store = SQLiteStore(tmp_path / "oncely.db", namespace="billing")
+    claim = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+    assert isinstance(claim, Acquired)
+    assert store.complete("k", claim.token, b"r", ttl=TTL) is None
+    replay = store.claim("k", "fp", lease=LEASE, ttl=TTL)
+    assert isinstance(replay, Replay)
+    assert replay.record.key == "k"
     store.close()
 
 

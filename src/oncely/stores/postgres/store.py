@@ -68,6 +68,15 @@ _PIPELINE = psycopg.Pipeline.is_supported()
 """Whether libpq has pipeline mode (14 and later; psycopg's binary wheels bundle one)."""
 
 
+_SCHEMA_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.InvalidSchemaName,
+)
+"""What the server says when the oncely schema is missing or older than this code."""
+
+
 def _has_rows(cursor: Any) -> bool:
     # Cheaper than `cursor.description`, which builds a Column object per column on each call.
     result = cursor.pgresult
@@ -273,6 +282,7 @@ class PostgresStore:
         except (ValueError, psycopg.Error) as exc:
             raise ConfigurationError(f"bad PostgreSQL store settings: {exc}") from exc
         self.namespace = namespace
+        self._prefix = _namespace.stored_key(namespace, "") if namespace else None
         self.schema = schema
         self._conninfo = conninfo
         self._kwargs: dict[str, Any] = {"autocommit": True}
@@ -424,80 +434,106 @@ class PostgresStore:
         return entry
 
     @contextlib.contextmanager
-    def _errors(self, op: _sql.Statement | _sql.Batch) -> Iterator[None]:
-        """The one place where psycopg's exceptions become oncely's (*op* failed)."""
+    def _errors(self, op: Any) -> Iterator[None]:
+        """psycopg's exceptions as oncely's (*op* failed), for callers outside the verbs."""
         try:
             yield
-        except psycopg_pool.PoolClosed as exc:
-            raise StoreError("the store is closed", backend=self.backend) from exc
-        except psycopg_pool.PoolTimeout as exc:
-            raise StoreUnavailableError(
+        except Exception as exc:
+            translated = self._translated(exc, op)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    def _translated(self, exc: Exception, op: Any) -> Exception | None:
+        """The one place where psycopg's exceptions become oncely's (``None``: not psycopg's)."""
+        if isinstance(exc, psycopg_pool.PoolClosed):
+            return StoreError("the store is closed", backend=self.backend)
+        if isinstance(exc, psycopg_pool.PoolTimeout):
+            return StoreUnavailableError(
                 f"no connection to PostgreSQL at {self._where} within {self._pool_timeout}s "
                 f"for {op.subject}",
                 backend=self.backend,
-            ) from exc
-        except (
-            psycopg.errors.UndefinedTable,
-            psycopg.errors.UndefinedFunction,
-            psycopg.errors.UndefinedColumn,
-            psycopg.errors.InvalidSchemaName,
-        ) as exc:
-            raise SchemaMissingError(
+            )
+        if isinstance(exc, _SCHEMA_MISSING):
+            return SchemaMissingError(
                 f"the oncely schema is missing or out of date in schema {self.schema!r} at "
                 f"{self._where}: run store.migrate() or `oncely migrate` ({_first_line(exc)})",
                 backend=self.backend,
-            ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailableError(
+            )
+        if isinstance(exc, psycopg.OperationalError):
+            return StoreUnavailableError(
                 f"PostgreSQL at {self._where} could not serve {op.subject}: {_first_line(exc)}",
                 backend=self.backend,
-            ) from exc
-        except psycopg.Error as exc:
-            raise StoreError(
+            )
+        if isinstance(exc, psycopg.Error):
+            return StoreError(
                 f"PostgreSQL at {self._where} failed on {op.subject}: {_first_line(exc)}",
                 backend=self.backend,
-            ) from exc
+            )
+        return None
+
+    # The verbs' path: a plain try (free in CPython 3.11 until something raises) rather than
+    # the context managers of `_errors` and ``pool.connection()``, and `getconn`/`putconn`
+    # rather than ``pool.connection()``, whose ``with connection:`` adds a commit call (a no-op
+    # in autocommit mode) to every statement. What `putconn` does with a connection left in a
+    # transaction or broken is the same either way.
 
     def _execute(self, op: _sql.Statement | _sql.Batch) -> Any:
         """Run a `Statement` (a `Reply`) or a `Batch` (a list of them) on a pooled connection."""
-        with self._errors(op):
-            pool = self._sync_pool()
-            for sends_left in range(_RESENDS if op.resend else 0, -1, -1):
-                with pool.connection() as connection:
-                    try:
-                        if isinstance(op, _sql.Batch):
-                            return self._run_batch(connection, op)
+        try:
+            pool = self._pool or self._sync_pool()
+            sends_left = _RESENDS if op.resend else 0
+            while True:
+                connection = pool.getconn()
+                try:
+                    if type(op) is _sql.Statement:
                         return self._run(connection, op)
-                    except psycopg.OperationalError:
-                        if not connection.broken:
-                            raise
-                        # A session that died usually did not die alone (a restart, a
-                        # failover, a kill): weed out the pool's other dead sessions now, so
-                        # that the next attempt gets a live one rather than the next dead one.
-                        pool.check()
-                        if not sends_left:
-                            raise
-                # The session died, perhaps after the server applied op but before its reply
-                # came back: op recognises its own effect (see _sql), so send it once more.
-            raise AssertionError("unreachable")  # pragma: no cover
+                    return self._run_batch(connection, op)  # type: ignore[arg-type]
+                except psycopg.OperationalError:
+                    if not connection.broken:
+                        raise
+                    # A session that died usually did not die alone (a restart, a failover, a
+                    # kill): weed out the pool's other dead sessions now, so that the next
+                    # attempt gets a live one rather than the next dead one.
+                    pool.check()
+                    if not sends_left:
+                        raise
+                    # The session died, perhaps after the server applied op but before its
+                    # reply came back: op recognises its own effect (see _sql): send it again.
+                    sends_left -= 1
+                finally:
+                    pool.putconn(connection)
+        except Exception as exc:
+            translated = self._translated(exc, op)
+            if translated is None:
+                raise
+            raise translated from exc
 
     async def _aexecute(self, op: _sql.Statement | _sql.Batch) -> Any:
         """Async `_execute`."""
-        with self._errors(op):
+        try:
             pool = await self._async_pool()
-            for sends_left in range(_RESENDS if op.resend else 0, -1, -1):
-                async with pool.connection() as connection:
-                    try:
-                        if isinstance(op, _sql.Batch):
-                            return await self._arun_batch(connection, op)
+            sends_left = _RESENDS if op.resend else 0
+            while True:
+                connection = await pool.getconn()
+                try:
+                    if type(op) is _sql.Statement:
                         return await self._arun(connection, op)
-                    except psycopg.OperationalError:
-                        if not connection.broken:
-                            raise
-                        await pool.check()  # as in _execute
-                        if not sends_left:
-                            raise
-            raise AssertionError("unreachable")  # pragma: no cover
+                    return await self._arun_batch(connection, op)  # type: ignore[arg-type]
+                except psycopg.OperationalError:
+                    if not connection.broken:
+                        raise
+                    await pool.check()  # as in _execute
+                    if not sends_left:
+                        raise
+                    sends_left -= 1
+                finally:
+                    await pool.putconn(connection)
+        except Exception as exc:
+            translated = self._translated(exc, op)
+            if translated is None:
+                raise
+            raise translated from exc
 
     def _run(self, connection: psycopg.Connection[Any], op: _sql.Statement) -> _sql.Reply:
         script = op.params is None
@@ -551,28 +587,40 @@ class PostgresStore:
         ]
 
     def _stored_key(self, key: str) -> str:
-        return _namespace.stored_key(self.namespace, key)
+        if self._prefix is not None:  # a named namespace: its escaped name, once
+            return self._prefix + key
+        return _namespace.stored_key("", key)
 
     # -- sync verbs ----------------------------------------------------------------------------
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`. One statement, judged by the server's clock."""
-        flow = _sql.claim(self._queries, self._stored_key(key), key, fingerprint, lease, ttl)
-        return drive(flow, self._execute)
+        return _sql.decode_claim(key, self._execute(self._claim(key, fingerprint, lease, ttl)))
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
-        flow = _sql.finish(
-            self._queries, self._stored_key(key), key, token, Status.COMPLETED, result, ttl
-        )
-        return drive(flow, self._execute)
+        return _sql.held(self._execute(self._finish(key, token, Status.COMPLETED, result, ttl)))
 
     def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.fail`."""
-        flow = _sql.finish(
-            self._queries, self._stored_key(key), key, token, Status.FAILED, error, ttl
+        return _sql.held(self._execute(self._finish(key, token, Status.FAILED, error, ttl)))
+
+    # The claim and the finishes are one statement each: run without a flow (`drive` and a
+    # generator per call), their statements built and their replies decoded by _sql alike.
+
+    def _claim(
+        self, key: str, fingerprint: str, lease: timedelta, ttl: timedelta
+    ) -> _sql.Statement:
+        stored = self._stored_key(key)
+        return _sql.claim_statement(
+            self._queries, stored, key, fingerprint, _sql.ms(lease), _sql.ms(ttl)
         )
-        return drive(flow, self._execute)
+
+    def _finish(
+        self, key: str, token: int, status: Status, result: bytes, ttl: timedelta
+    ) -> _sql.Statement:
+        stored = self._stored_key(key)
+        return _sql.finish_statement(self._queries, stored, key, token, status, result, ttl)
 
     def release(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.SyncStore.release`."""
@@ -634,26 +682,22 @@ class PostgresStore:
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        flow = _sql.claim(self._queries, self._stored_key(key), key, fingerprint, lease, ttl)
-        return await adrive(flow, self._aexecute)
+        reply = await self._aexecute(self._claim(key, fingerprint, lease, ttl))
+        return _sql.decode_claim(key, reply)
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.acomplete`."""
-        flow = _sql.finish(
-            self._queries, self._stored_key(key), key, token, Status.COMPLETED, result, ttl
+        return _sql.held(
+            await self._aexecute(self._finish(key, token, Status.COMPLETED, result, ttl))
         )
-        return await adrive(flow, self._aexecute)
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.afail`."""
-        flow = _sql.finish(
-            self._queries, self._stored_key(key), key, token, Status.FAILED, error, ttl
-        )
-        return await adrive(flow, self._aexecute)
+        return _sql.held(await self._aexecute(self._finish(key, token, Status.FAILED, error, ttl)))
 
     async def arelease(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.AsyncStore.arelease`."""

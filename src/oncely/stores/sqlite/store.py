@@ -6,6 +6,13 @@ machine decide, write), so concurrent claimers in any number of threads and proc
 serialised by SQLite's write lock. All processes of one host share its clock, which judges
 leases and expiry.
 
+A claim reads first without the write lock (WAL gives the read a consistent snapshot), and
+answers a replay, a mismatch or a live lease from that read, as PostgreSQL's claim does: those
+write nothing, and the answer is the one the state machine gives on the record as it stood at
+the snapshot. Only a claim that writes (a new key, an expired or released record, a lapsed
+lease) takes ``BEGIN IMMEDIATE`` and decides again on the record as it stands then. Async
+callers make that first read on the event loop's thread: it never waits for the disk.
+
 Sync callers use a connection per thread. Async callers hop to a small pool of threads owned by
 the store (never a thread per call), each with its own connection; except that when commits do
 not wait for the disk (``synchronous="normal"`` or ``"off"`` in WAL mode, or an in-memory
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import sqlite3
@@ -27,13 +35,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
+from oncely._core import machine
 from oncely._core.clock import Clock
-from oncely._core.records import Record, Status
+from oncely._core.records import ClaimResult, Record, Replay, Status
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -42,7 +52,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.stores._machine import MachineStore, Step
-from oncely.stores._namespace import namespace_range
+from oncely.stores._namespace import namespace_range, stored_key
 from oncely.stores.sqlite import _sql
 
 __all__ = ["SQLiteStore"]
@@ -50,6 +60,9 @@ __all__ = ["SQLiteStore"]
 T = TypeVar("T")
 
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
+
+_STATUSES = {status.value: status for status in Status}
+"""Statuses by their stored text: a dict lookup, where ``Status(text)`` goes through EnumMeta."""
 
 
 class _Busy(Exception):
@@ -92,6 +105,7 @@ class SQLiteStore(MachineStore):
         async_workers: int = 4,
     ) -> None:
         super().__init__(namespace=namespace, clock=clock)
+        self._prefix = stored_key(namespace, "") if namespace else None
         if synchronous.lower() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
         if (
@@ -120,7 +134,7 @@ class SQLiteStore(MachineStore):
         # contended transition would cost. Other processes still meet the busy handler.
         self._write_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+        self._forks = _forks
         self._closed = False
         # An in-memory database is private to its one connection: every use of it holds
         # `_write_lock` (see `_exclusive`).
@@ -208,9 +222,10 @@ class SQLiteStore(MachineStore):
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
             raise StoreError("the store is closed", backend=self.backend)
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             # A forked child must not use its parent's connections: forget them, never close.
-            self._pid = os.getpid()
+            # (A counter bumped at fork, rather than os.getpid(), a system call, on every call.)
+            self._forks = _forks
             self._local = threading.local()
             self._connections = []
             self._connections_lock = threading.Lock()
@@ -232,22 +247,31 @@ class SQLiteStore(MachineStore):
     def _translate_errors(self, key: str) -> Iterator[None]:
         try:
             yield
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
+            translated = self._translated(exc, key)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    def _translated(self, exc: Exception, key: str) -> StoreError | None:
+        """The one place where sqlite3's exceptions become oncely's (``None``: not one)."""
+        if isinstance(exc, sqlite3.OperationalError):
             message = str(exc)
             if "no such table" in message:
-                raise SchemaMissingError(
+                return SchemaMissingError(
                     "the oncely tables are missing from the SQLite database: run "
                     "store.migrate() or `oncely migrate`",
                     backend=self.backend,
-                ) from exc
+                )
             if _is_busy(exc) or "unable to open" in message:
-                raise StoreUnavailableError(
+                return StoreUnavailableError(
                     f"SQLite database {self.path!r} could not serve {key!r}: {message}",
                     backend=self.backend,
-                ) from exc
-            raise StoreError(f"SQLite failed on {key!r}: {message}", backend=self.backend) from exc
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"SQLite failed on {key!r}: {exc}", backend=self.backend) from exc
+                )
+            return StoreError(f"SQLite failed on {key!r}: {message}", backend=self.backend)
+        if isinstance(exc, sqlite3.DatabaseError):
+            return StoreError(f"SQLite failed on {key!r}: {exc}", backend=self.backend)
+        return None
 
     # -- schema --------------------------------------------------------------------------------
 
@@ -312,7 +336,15 @@ class SQLiteStore(MachineStore):
     @contextlib.contextmanager
     def _exclusive(self, key: str) -> Iterator[None]:
         """Hold this process's write lock (an inline caller never waits for it: `_Busy`)."""
-        if getattr(self._local, "inline", False):
+        self._lock_writes(key, getattr(self._local, "inline", False))
+        try:
+            yield
+        finally:
+            self._write_lock.release()
+
+    def _lock_writes(self, key: str, inline: bool) -> None:
+        """Take this process's write lock (an inline caller never waits for it: `_Busy`)."""
+        if inline:
             if not self._write_lock.acquire(blocking=False):
                 raise _Busy
         elif not self._write_lock.acquire(timeout=self._timeout):
@@ -321,10 +353,6 @@ class SQLiteStore(MachineStore):
                 f"writers held it for over {self._timeout} s",
                 backend=self.backend,
             )
-        try:
-            yield
-        finally:
-            self._write_lock.release()
 
     def _guarded(self, key: str) -> contextlib.AbstractContextManager[None]:
         """Reads of a file need no lock (WAL); the one connection of an in-memory one does."""
@@ -332,9 +360,13 @@ class SQLiteStore(MachineStore):
 
     @contextlib.contextmanager
     def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction under this process's write lock, sqlite3's errors
+        as oncely's. One context manager with plain try blocks inside (rather than one each for
+        the lock and the errors): this runs once per transition."""
         inline = getattr(self._local, "inline", False)
         connection = self._connection()
-        with self._exclusive(key), self._translate_errors(key):
+        self._lock_writes(key, inline)
+        try:
             try:
                 connection.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
@@ -347,6 +379,13 @@ class SQLiteStore(MachineStore):
                 connection.execute("ROLLBACK")
                 raise
             connection.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            translated = self._translated(exc, key)
+            if translated is None:
+                raise
+            raise translated from exc
+        finally:
+            self._write_lock.release()
 
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
         row = connection.execute(_sql.SELECT, (key,)).fetchone()
@@ -358,9 +397,77 @@ class SQLiteStore(MachineStore):
         return answer
 
     def _read(self, key: str) -> Record | None:
-        with self._guarded(key), self._translate_errors(key):
-            row = self._connection().execute(_sql.SELECT, (key,)).fetchone()
-        return self._decode(key, row)
+        return self._decode(key, self._fetch(key))
+
+    def _fetch(self, key: str) -> tuple[Any, ...] | None:
+        """The row of stored *key*, read without a transaction (an inline caller that meets a
+        lock gets `_Busy`)."""
+        connection = self._connection()
+        if self._memory:
+            with self._exclusive(key):
+                return self._fetch_on(connection, key)
+        return self._fetch_on(connection, key)  # WAL: a read needs no lock of this process
+
+    def _fetch_on(self, connection: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
+        try:
+            row: tuple[Any, ...] | None = connection.execute(_sql.SELECT, (key,)).fetchone()
+        except sqlite3.Error as exc:
+            if getattr(self._local, "inline", False) and _is_busy(exc):
+                raise _Busy from exc
+            translated = self._translated(exc, key)
+            if translated is None:
+                raise
+            raise translated from exc
+        return row
+
+    # -- claims: a read without the write lock first (see the module's docstring) --------------
+
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`."""
+        answer = self._answer_read(key, fingerprint)
+        if answer is None:
+            return super().claim(key, fingerprint, lease=lease, ttl=ttl)
+        return answer
+
+    async def aclaim(
+        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+    ) -> ClaimResult:
+        """See `oncely.AsyncStore.aclaim`."""
+        answer: ClaimResult | None = None
+        if not self._closed:
+            self._local.inline = True
+            try:
+                answer = self._answer_read(key, fingerprint)
+            except _Busy:
+                pass  # a lock met on the way: read again, and decide, in a worker thread
+            finally:
+                self._local.inline = False
+        if answer is None:
+            return await self._run_async(
+                functools.partial(super().claim, key, fingerprint, lease=lease, ttl=ttl)
+            )
+        return answer
+
+    def _stored_key(self, key: str) -> str:
+        if self._prefix is not None:  # a named namespace: its escaped name, once
+            return self._prefix + key
+        return super()._stored_key(key)
+
+    def _answer_read(self, key: str, fingerprint: str) -> ClaimResult | None:
+        """The claim's answer if the record as read now needs no write, else ``None``."""
+        row = self._fetch(self._stored_key(key))
+        if row is None:
+            return None  # a new key: the claim writes
+        record = self._decode(key, row)  # named by the caller's key: no copy to unscope it
+        now_ms = self.clock.now_ms()
+        # The lease and ttl shape only a record to write, and a claim that writes is not
+        # answered here: zero spares converting them on every replay.
+        new, answer = machine.claim(key, record, fingerprint, now_ms=now_ms, lease_ms=0, ttl_ms=0)
+        if new is not None:
+            return None
+        if isinstance(answer, Replay):
+            return Replay(answer.record, judged_at_ms=now_ms)
+        return answer
 
     def _decode(self, key: str, row: tuple[Any, ...] | None) -> Record | None:
         if row is None:
@@ -378,16 +485,19 @@ class SQLiteStore(MachineStore):
                 updated,
                 result,
             ) = row[:10]
-            for number in (token, attempt, lease_end, expires, created, updated):
-                if type(number) is not int:
-                    raise TypeError(f"{number!r} is not an integer")
+            numbers = {type(token), type(attempt), type(lease_end), type(expires), type(created)}
+            if type(updated) is not int or numbers != {int}:
+                raise TypeError(f"{row[3:9]!r} are not all integers")
             if not isinstance(fingerprint, str):
                 raise TypeError(f"fingerprint {fingerprint!r} is not text")
             if result is not None and not isinstance(result, bytes):
                 raise TypeError(f"result of type {type(result).__name__} is not a blob")
+            known = _STATUSES.get(status)
+            if known is None:
+                raise ValueError(f"{status!r} is not a valid Status")
             return Record(
                 key=key,
-                status=Status(status),
+                status=known,
                 fingerprint=fingerprint,
                 token=token,
                 attempt=attempt,
@@ -466,7 +576,20 @@ class SQLiteStore(MachineStore):
         self.close()
 
 
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
+_forks = 0
+"""How many times this process is a forked child of the one that imported this module."""
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
     """Whether SQLite answered "not now" (another connection holds a lock)."""
     message = str(exc)
     return "locked" in message or "busy" in message
