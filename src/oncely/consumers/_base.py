@@ -696,10 +696,9 @@ class IdempotentConsumer:
         get their answers."""
         options: dict[str, Any] = {"lease": self._policy.lease, "ttl": self._policy.ttl}
         ops: list[str] | None = None
-        if self._takes_ops is None:
-            store = self.store
-            verb = getattr(store, "claim_many", None) or getattr(store, "aclaim_many", None)
-            self._takes_ops = takes_ops(verb)
+        if self._takes_ops is None:  # both twins: a subclass may override one without ids
+            verbs = (getattr(self.store, name, None) for name in ("claim_many", "aclaim_many"))
+            self._takes_ops = all(takes_ops(verb) for verb in verbs if verb is not None)
         if self._takes_ops:  # the same ids if sent again; unique: a random prefix per call
             prefix = secrets.token_hex(8)
             ops = [f"{prefix}.{i}" for i in range(len(requests))]
