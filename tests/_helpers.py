@@ -61,3 +61,30 @@ class Counter:
     @property
     def count(self) -> int:
         return len(self.calls)
+
+
+DJANGO_SQLITE = """
+import sys
+from contextlib import contextmanager
+
+import django
+from django.conf import settings
+
+settings.configure(
+    DATABASES={
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sys.argv[1],
+            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
+        }
+    },
+    INSTALLED_APPS=[],
+)
+django.setup()
+from django.db import connection, transaction
+
+import oncely
+"""
+"""The start of a Django script run in a subprocess (Django is configured once per process):
+settings for the SQLite file named by its first argument, in ``IMMEDIATE`` transactions, then
+``connection``, ``transaction``, ``contextmanager`` and ``oncely`` imported."""

@@ -20,6 +20,7 @@ import pytest
 
 import oncely
 from oncely.inbox import Inbox
+from tests._helpers import DJANGO_SQLITE
 from tests.conftest import service_url
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -365,25 +366,9 @@ def test_inbox_needs_a_sql_store() -> None:
         Inbox(oncely.open_store("memory://"))
 
 
-DJANGO_APP = """
-import sys
-import django
-from django.conf import settings
-
-settings.configure(
-    DATABASES={
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": sys.argv[1],
-            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
-        }
-    },
-    INSTALLED_APPS=[],
-)
-django.setup()
-from django.db import connection, transaction
-
-import oncely
+DJANGO_APP = (
+    DJANGO_SQLITE
+    + """
 
 store = oncely.open_store("sqlite:///" + sys.argv[1])
 inbox = oncely.Inbox(store)
@@ -409,6 +394,7 @@ with connection.cursor() as cursor:
     cursor.execute("SELECT count(*) FROM orders")
     print(cursor.fetchone()[0])
 """
+)
 
 
 def test_django_connection_inside_atomic(sqlite_path: Path, tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from oncely.consumers import (
 from oncely.errors import ConfigurationError
 from oncely.inbox import Inbox, current_transaction
 from oncely.testing import disabled
+from tests._helpers import DJANGO_SQLITE
 from tests.conftest import service_url
 
 POLICY = ConsumerPolicy(
@@ -288,27 +289,9 @@ def test_sqlalchemy_engine_begin(pg: tuple[str, str], pg_store: Any, scope: str)
     engine.dispose()
 
 
-DJANGO_CONSUMER = """
-import sys
-from contextlib import contextmanager
-
-import django
-from django.conf import settings
-
-settings.configure(
-    DATABASES={
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": sys.argv[1],
-            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
-        }
-    },
-    INSTALLED_APPS=[],
-)
-django.setup()
-from django.db import connection, transaction
-
-import oncely
+DJANGO_CONSUMER = (
+    DJANGO_SQLITE
+    + """
 from oncely.consumers import Delivery, IdempotentConsumer
 
 store = oncely.open_store("sqlite:///" + sys.argv[1])
@@ -333,6 +316,7 @@ with connection.cursor() as cursor:
     cursor.execute("SELECT count(*) FROM charges")
     print(cursor.fetchone()[0], store.get("billing|c-1").status)
 """
+)
 
 
 def test_django_atomic(tmp_path: Path) -> None:

@@ -161,6 +161,17 @@ class _Client:
         finally:
             self.event("end", op, key)
 
+    def protected(self, function: Callable[..., Any]) -> Any:
+        """*function* under `oncely.idempotent`, as every entry but the guards runs it."""
+        return oncely.idempotent(
+            store=self.store,
+            key="key",
+            scope="faults",
+            fingerprint=None,
+            lease=self.lease,
+            ttl=self.ttl,
+        )(function)
+
     def txn_function(self, hold: float) -> Any:
         """The ``txn`` entry: the effect is written in a transaction that commits with the
         key's record (`oncely.Inbox.transactional` under `oncely.idempotent`), so it stands
@@ -192,14 +203,7 @@ class _Client:
             finally:
                 self.event("end", op, key)
 
-        return oncely.idempotent(
-            store=self.store,
-            key="key",
-            scope="faults",
-            fingerprint=None,
-            lease=self.lease,
-            ttl=self.ttl,
-        )(run)
+        return self.protected(run)
 
     def run_all(self) -> None:
         ops = self.config["ops"]
@@ -219,14 +223,7 @@ class _Client:
         if self.config["entry"] == "txn":
             function = self.txn_function(hold)
         elif not guard:
-            function = oncely.idempotent(
-                store=self.store,
-                key="key",
-                scope="faults",
-                fingerprint=None,
-                lease=self.lease,
-                ttl=self.ttl,
-            )(lambda key, op: self.body(op, key, _token(), hold))
+            function = self.protected(lambda key, op: self.body(op, key, _token(), hold))
         attempts = self.attempts(spec)
         op = next(attempts)
         while True:
@@ -292,14 +289,7 @@ class _Client:
             async def handler(key: str, op: str) -> Any:
                 return await self.abody(conn, op, key, _token(), hold)
 
-            function = oncely.idempotent(
-                store=self.store,
-                key="key",
-                scope="faults",
-                fingerprint=None,
-                lease=self.lease,
-                ttl=self.ttl,
-            )(handler)
+            function = self.protected(handler)
             attempts = self.attempts(spec)
             op = next(attempts)
             while True:

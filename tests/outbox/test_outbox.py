@@ -16,6 +16,7 @@ import pytest
 
 import oncely
 from oncely.outbox import Outbox, Relay
+from tests._helpers import DJANGO_SQLITE
 from tests.outbox._publisher import FilePublisher
 from tests.outbox._relaying import add_events, close, drain, relay_for, until
 from tests.outbox.conftest import Db
@@ -408,25 +409,9 @@ def test_relay_run_stops_when_asked(db: Db, tmp_path: Path) -> None:
         close(relay)
 
 
-DJANGO_APP = """
-import sys
-import django
-from django.conf import settings
-
-settings.configure(
-    DATABASES={
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": sys.argv[1],
-            "OPTIONS": {"transaction_mode": "IMMEDIATE"},
-        }
-    },
-    INSTALLED_APPS=[],
-)
-django.setup()
-from django.db import connection, transaction
-
-import oncely
+DJANGO_APP = (
+    DJANGO_SQLITE
+    + """
 
 outbox = oncely.Outbox(oncely.open_store("sqlite:///" + sys.argv[1]))
 with transaction.atomic():
@@ -442,6 +427,7 @@ try:
 except oncely.ConfigurationError as exc:
     print("outside atomic:", "atomic" in str(exc))
 """
+)
 
 
 def test_django_connection_inside_atomic(lite: Db, tmp_path: Path) -> None:
