@@ -615,8 +615,14 @@ class Pipeline:
         if pending:
             return False
         with contextlib.closing(sqlite3.connect(self.config.broker, timeout=60)) as broker:
-            (unacked,) = broker.execute("SELECT COUNT(*) FROM queue WHERE acked = 0").fetchone()
-        return bool(unacked == 0)
+            unacked, delivered = broker.execute(
+                "SELECT TOTAL(acked = 0), TOTAL(deliveries) FROM queue"
+            ).fetchone()
+        if unacked or self.args.unsafe:
+            return not unacked
+        # Every delivery received is reported too: a copy taken while its first delivery was
+        # being acked elsewhere is still on its way to being deduplicated (and counted).
+        return bool(delivered == self.args.orders + sum(self.tally.deduplicated.values()))
 
     def _receive(self, slot: Slot) -> None:
         try:
