@@ -754,7 +754,15 @@ _MAX_IN_FLIGHT = 2
 
 
 def _interval(lease: Lease) -> float:
-    return max(lease.lease.total_seconds() / 3, 0.001)
+    interval = _INTERVALS.get(lease.lease)
+    if interval is None:
+        interval = _INTERVALS[lease.lease] = max(lease.lease.total_seconds() / 3, 0.001)
+        if len(_INTERVALS) > 64:  # a program uses a handful of leases: never many for long
+            _INTERVALS.clear()
+    return interval
+
+
+_INTERVALS: dict[timedelta, float] = {}
 
 
 def _beat_timeout(interval: float, expires: float, now: float) -> float:

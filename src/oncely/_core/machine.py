@@ -90,7 +90,7 @@ def claim(
     if record.fingerprint != fingerprint:
         return None, Mismatch(stored_fingerprint=record.fingerprint)
     if record.status is not Status.IN_PROGRESS:
-        return None, Replay(record)
+        return None, Replay(record, judged_at_ms=now_ms)
     if now_ms < record.lease_expires_at_ms:
         return None, InProgress(
             retry_after=timedelta(milliseconds=record.lease_expires_at_ms - now_ms)
@@ -147,7 +147,12 @@ def fail(
 def _finish(
     record: Record | None, token: int, result: bytes, status: Status, *, now_ms: int, ttl_ms: int
 ) -> Transition:
-    if record is None or not _held(record, token, now_ms):
+    if (
+        record is None
+        or now_ms >= record.expires_at_ms
+        or record.status is not Status.IN_PROGRESS
+        or record.token != token
+    ):  # `_held`, written out: every complete and fail comes here
         return None, LeaseLost()
     done = Record(  # as `dataclasses.replace` would, at a fraction of its cost (every call)
         key=record.key,

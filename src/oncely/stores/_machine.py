@@ -47,7 +47,15 @@ _MILLISECOND = timedelta(milliseconds=1)
 
 
 def _ms(duration: timedelta) -> int:
-    return max(1, duration // _MILLISECOND)
+    ms = _MS.get(duration)
+    if ms is None:
+        ms = _MS[duration] = max(1, duration // _MILLISECOND)
+        if len(_MS) > 64:  # a program uses a handful of leases and ttls: never many for long
+            _MS.clear()
+    return ms
+
+
+_MS: dict[timedelta, int] = {}
 
 
 def _claim_step(
@@ -77,8 +85,6 @@ def _claim_step(
         )
         if isinstance(answer, Acquired):
             return new, None if op is None else op + ("+" if answer.recovered else ""), answer
-        if isinstance(answer, Replay):
-            answer = Replay(answer.record, judged_at_ms=now_ms)
         return new, found, answer
 
     return step

@@ -9,11 +9,12 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
+from oncely._core import machine
 from oncely._core.clock import Clock
-from oncely._core.records import ClaimResult, LeaseLost, Record
+from oncely._core.records import Acquired, ClaimResult, LeaseLost, Record, Replay
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _namespace
-from oncely.stores._machine import MachineStore, Step
+from oncely.stores._machine import MachineStore, Step, _ms
 
 __all__ = ["MemoryStore"]
 
@@ -57,13 +58,47 @@ class MemoryStore(MachineStore):
             )
         return cls(**options)
 
+    def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
+        """See `oncely.SyncStore.claim`: the machine's claim under the lock, with no step."""
+        stored = self._stored_key(key)
+        lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+        with self._lock:
+            now_ms = self.clock.now_ms()
+            record, answer = machine.claim(
+                stored,
+                self._records.get(stored),
+                fingerprint,
+                now_ms=now_ms,
+                lease_ms=lease_ms,
+                ttl_ms=ttl_ms,
+            )
+            if record is not None:
+                self._write(stored, record, now_ms)
+                if type(answer) is Acquired:  # a lease taken without a call id keeps none
+                    self._ops.pop(stored, None)
+        if type(answer) is Replay:
+            answer = self._unscoped(answer)
+        return answer
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`: the machine's complete under the lock, with no step."""
+        stored = self._stored_key(key)
+        ttl_ms = _ms(ttl)
+        if type(result) is not bytes:
+            result = bytes(result)
+        with self._lock:
+            now_ms = self.clock.now_ms()
+            record, lost = machine.complete(
+                self._records.get(stored), token, result, now_ms=now_ms, ttl_ms=ttl_ms
+            )
+            if record is not None:
+                self._write(stored, record, now_ms)
+        return lost
+
     def _atomic(self, key: str, step: Step[T]) -> T:
         with self._lock:
             now_ms = self.clock.now_ms()
-            answer = self._apply(key, step, now_ms)
-            if self._expiries[0][0] <= now_ms if self._expiries else False:
-                self._purge_locked(now_ms, limit=8)
-            return answer
+            return self._apply(key, step, now_ms)
 
     def _atomic_many(self, steps: Sequence[tuple[str, Step[T]]]) -> list[T | StoreError]:
         with self._lock:
@@ -75,13 +110,20 @@ class MemoryStore(MachineStore):
     def _apply(self, key: str, step: Step[T], now_ms: int) -> T:
         record, op, answer = step(self._records.get(key), self._ops.get(key), now_ms)
         if record is not None:
-            self._records[key] = record
             if op is None:
                 self._ops.pop(key, None)
             else:
                 self._ops[key] = op
-            heapq.heappush(self._expiries, (record.expires_at_ms, key))
+            self._write(key, record, now_ms)
         return answer
+
+    def _write(self, key: str, record: Record, now_ms: int) -> None:
+        """Keep *record* (the lock held), and purge a few expired records if any is due."""
+        self._records[key] = record
+        expiries = self._expiries
+        heapq.heappush(expiries, (record.expires_at_ms, key))
+        if expiries[0][0] <= now_ms:
+            self._purge_locked(now_ms, limit=8)
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
