@@ -677,6 +677,11 @@ def call(
     except BaseException as exc:
         run(settle_error(lease, exc, policy), store)
         raise
+    if lease.committed:  # completed in its own transaction: `settle` only stops the heartbeat
+        run(settle(lease, "complete", None, policy), store)
+        if lease.unstorable is not None:
+            raise_if_unstorable(lease)
+        return value
     payload = outcome_of(lease, value, codec)
     lease.settling = True
     try:
@@ -718,6 +723,11 @@ async def acall(
     except BaseException as exc:
         await arun(settle_error(lease, exc, policy), store)
         raise
+    if lease.committed:  # completed in its own transaction: `settle` only stops the heartbeat
+        await arun(settle(lease, "complete", None, policy), store)
+        if lease.unstorable is not None:
+            raise_if_unstorable(lease)
+        return value
     payload = outcome_of(lease, value, codec)
     lease.settling = True
     try:  # the operation ran: a cancelled caller still records its outcome

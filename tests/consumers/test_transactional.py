@@ -34,7 +34,7 @@ from oncely.consumers import (
     IdempotentConsumer,
     Reason,
 )
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, ResultUnavailableError
 from oncely.inbox import Inbox, current_transaction
 from oncely.testing import disabled
 from tests._helpers import DJANGO_SQLITE
@@ -260,9 +260,73 @@ def test_under_the_decorator_a_repeat_replays_what_the_transaction_committed(
         current_transaction().execute("INSERT INTO charges (key) VALUES (%s)", (order,))
         return {"order": order}
 
+    completes = _count_completes(pg_store)
     assert place(f"{scope}-1") == {"order": f"{scope}-1"}
     assert place(f"{scope}-1") == {"order": f"{scope}-1"}
     assert charges(pg, scope) == [f"{scope}-1"]
+    assert completes == []  # committed with the write: no second round trip to complete it
+
+
+def test_under_the_decorator_an_unstorable_value_is_still_reported(
+    pg: tuple[str, str], pg_store: Any, scope: str
+) -> None:
+    @oncely.idempotent(store=pg_store, key="order", scope=scope)
+    @Inbox(pg_store).transactional(pg_begin(pg))
+    def place(order: str) -> Any:
+        current_transaction().execute("INSERT INTO charges (key) VALUES (%s)", (order,))
+        return object()
+
+    for _ in range(2):  # the first call, then its replay
+        with pytest.raises(ResultUnavailableError):
+            place(f"{scope}-1")
+    assert charges(pg, scope) == [f"{scope}-1"]
+
+
+def test_under_the_decorator_an_async_function_commits_once(
+    pg: tuple[str, str], pg_store: Any, scope: str
+) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    async def main() -> None:
+        pool = AsyncConnectionPool(
+            pg[0], min_size=1, max_size=2, open=False, kwargs={"options": f"-c search_path={pg[1]}"}
+        )
+        await pool.open()
+        try:
+
+            @oncely.idempotent(store=pg_store, key="order", scope=scope)
+            @Inbox(pg_store).transactional(pool.connection)
+            async def place(order: str) -> dict[str, str]:
+                sql = "INSERT INTO charges (key) VALUES (%s)"
+                await current_transaction().execute(sql, (order,))
+                return {"order": order}
+
+            assert await place(f"{scope}-1") == {"order": f"{scope}-1"}
+            assert await place(f"{scope}-1") == {"order": f"{scope}-1"}
+        finally:
+            await pool.close()
+
+    completes = _count_completes(pg_store)
+    asyncio.run(main())
+    assert charges(pg, scope) == [f"{scope}-1"]
+    assert completes == []
+
+
+def _count_completes(store: Any) -> list[str]:
+    """The keys of the store's complete calls from now on (sync and async verbs)."""
+    calls: list[str] = []
+    complete, acomplete = store.complete, store.acomplete
+
+    def counted(key: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(key)
+        return complete(key, *args, **kwargs)
+
+    async def acounted(key: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(key)
+        return await acomplete(key, *args, **kwargs)
+
+    store.complete, store.acomplete = counted, acounted
+    return calls
 
 
 def test_sqlalchemy_engine_begin(pg: tuple[str, str], pg_store: Any, scope: str) -> None:
