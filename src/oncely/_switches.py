@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from oncely._log import fields, get_logger
+
 DISABLED_VARIABLE = "ONCELY_DISABLED"
 
 disabled: bool = os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in (
@@ -18,3 +20,13 @@ disabled: bool = os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in (
 
 store: Any = None
 """When set, every decorated function uses this store instead of its own."""
+
+
+def warn_unprotected(name: str, **extra: Any) -> None:
+    """Say that *name* (a scope, a key) runs unprotected because oncely is disabled."""
+    get_logger("oncely").warning(
+        "oncely is DISABLED (%s): %s runs UNPROTECTED",
+        DISABLED_VARIABLE,
+        name,
+        extra=fields(outcome="unprotected", **extra),
+    )

@@ -29,7 +29,6 @@ from oncely._core.fingerprint import arguments_digest, digest
 from oncely._core.keys import MAX_KEY_LENGTH, code_scope, name_key, scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError
 from oncely.stores import open_store
 
@@ -43,8 +42,6 @@ KeyFunc = Callable[..., str]
 """A callable over the function's arguments that returns the idempotency key."""
 
 _IMPLICIT = frozenset({"self", "cls"})
-
-logger = get_logger("oncely")
 
 
 class _AllArguments(enum.Enum):
@@ -331,12 +328,7 @@ def _check_result_type(fn: Callable[..., Any], codec: Codec) -> None:
 
 
 def _unprotected(plan: _CallPlan) -> None:
-    logger.warning(
-        "oncely is DISABLED (%s): %s runs UNPROTECTED",
-        _switches.DISABLED_VARIABLE,
-        plan.scope,
-        extra=fields(scope=plan.scope, outcome="unprotected"),
-    )
+    _switches.warn_unprotected(plan.scope, scope=plan.scope)
 
 
 def _sync_wrapper(plan: _CallPlan) -> Any:

@@ -633,12 +633,7 @@ class _EntryState:
         is read or written, and a warning says so."""
         if not _switches.disabled:
             return False
-        logger.warning(
-            "oncely is DISABLED (%s): %s runs UNPROTECTED",
-            _switches.DISABLED_VARIABLE,
-            self._plan.key,
-            extra=fields(key=self._plan.key, outcome="unprotected"),
-        )
+        _switches.warn_unprotected(self._plan.key, key=self._plan.key)
         self._acquired = _UNPROTECTED
         return True
 
