@@ -33,6 +33,8 @@ Send = Callable[[Event], None]
 
 _STORES: dict[str, Any] = {}
 _RESUMED = threading.Event()
+_GO = threading.Event()
+"""Set by SIGUSR1: a worker started ahead with ``wait_go`` begins its ops."""
 _STORES_LOCK = threading.Lock()
 
 
@@ -48,6 +50,7 @@ def main(configs: list[dict[str, Any]], pipe: Any) -> None:
     if skew:
         _skew_clock(skew)
     signal.signal(signal.SIGCONT, lambda signum, frame: _RESUMED.set())
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _GO.set())
     threads = [threading.Thread(target=_run, args=(config, send)) for config in configs]
     for thread in threads:
         thread.start()
@@ -76,6 +79,9 @@ def _store(config: dict[str, Any]) -> Any:
 
 def _run(config: dict[str, Any], send: Send) -> None:
     client = _Client(config, send)
+    if config.get("wait_go"):  # started ahead (imports made, store open): begin when told
+        send({"ev": "ready", "worker": config["worker"], "t": now()})
+        _GO.wait()
     if config["entry"] in ("async", "guard_async"):
         asyncio.run(client.arun_all())
     else:
