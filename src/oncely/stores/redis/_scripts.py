@@ -239,17 +239,30 @@ def call_id() -> str:
     return f"{getrandbits(64):016x}"
 
 
+@functools.lru_cache(maxsize=256)
+def _millis(duration: timedelta) -> int:
+    """`_ms`, cached: a program passes the same few leases and ttls on every call."""
+    return _ms(duration)
+
+
+@functools.lru_cache(maxsize=256)
+def _claim_times(lease: timedelta, ttl: timedelta) -> tuple[int, int]:
+    """The lease, and how long `claim.lua` keeps a record past it (max(ttl, lease)), in ms."""
+    lease_ms = _ms(lease)
+    return lease_ms, max(_ms(ttl), lease_ms)
+
+
 def claim_args(fingerprint: str, lease: timedelta, ttl: timedelta) -> tuple[str, int, int, str]:
     """The ``ARGV`` of `claim.lua`, whose reply `_codec.claim_answer` reads. The store runs
     its claim (and its complete and fail) without a flow: they are every call's."""
-    lease_ms = _ms(lease)
-    return (fingerprint, lease_ms, max(_ms(ttl), lease_ms), call_id())
+    lease_ms, margin_ms = _claim_times(lease, ttl)
+    return (fingerprint, lease_ms, margin_ms, call_id())
 
 
 def finish_args(token: int, outcome: bytes, ttl: timedelta) -> tuple[int, bytes, int, str]:
     """The ``ARGV`` of `complete.lua` and `fail.lua`, whose reply `_codec.settle_answer`
     reads."""
-    return (token, bytes(outcome), _ms(ttl), call_id())
+    return (token, bytes(outcome), _millis(ttl), call_id())
 
 
 def release(space: Keyspace, key: str, token: int) -> Flow[LeaseLost | None]:
@@ -372,8 +385,7 @@ def claim_many(
     sends a batch again with the same ids gets its own applied claims back as `Acquired`.
     """
     ops = call_ids(requests, ops)
-    lease_ms = _ms(lease)
-    margin_ms = max(_ms(ttl), lease_ms)  # how long claim.lua keeps a record past its lease
+    lease_ms, margin_ms = _claim_times(lease, ttl)
     items = tuple(
         ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, margin_ms, str(op)))
         for (key, fingerprint), op in zip(requests, ops, strict=True)
