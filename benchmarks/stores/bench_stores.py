@@ -851,7 +851,8 @@ def server_cpu_section(cpu: ServerCpu, verdicts: list[Verdict]) -> list[str]:
         "and `GET`s of them (`benchmarks/stores/server_cpu.py`, one process per tree and round"
         + (", the two oncely trees alternating" if "baseline" in cpu.rounds else "")
         + f"). Medians over {len(cpu.rounds.get('oncely', []))} rounds, with the lowest and "
-        "highest round in brackets. A script's time includes the commands it runs inside, "
+        "highest round in brackets. A function's (or script's) time includes the commands it runs "
+        "inside, "
         "which the last column lists (each counted apart by Redis as well). `commandstats` "
         "times are wall-clock time in the server's main thread: on a loaded machine they "
         "include time the server was scheduled out, so compare rows of one run, never runs. "
@@ -868,7 +869,8 @@ def server_cpu_section(cpu: ServerCpu, verdicts: list[Verdict]) -> list[str]:
             found = [each[transition] for each in rounds if transition in each]
             if not found:
                 continue
-            main = "EVALSHA" if "EVALSHA" in found[0] else next(iter(found[0]))
+            calls = [command for command in ("FCALL", "EVALSHA") if command in found[0]]
+            main = calls[0] if calls else next(iter(found[0]))
             values = [each.get(main, 0.0) for each in found]
             value = statistics.median(values)
             apart = (main, MAIN_THREAD)

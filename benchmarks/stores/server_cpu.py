@@ -4,7 +4,8 @@
 
 runs one round on the server at *url* with the oncely found on ``PYTHONPATH`` and prints, as
 JSON, the server's microseconds per call of each command a transition sent or ran inside its
-script (``EVALSHA`` includes the commands its script runs; they are also counted apart), for:
+function (``FCALL``, or ``EVALSHA`` for an oncely of before functions, includes the commands it
+runs; they are also counted apart), for:
 
 - ``claim``: the claim of a new key; ``complete``: its complete; ``replay``: a second claim of
   the completed key;
@@ -151,7 +152,7 @@ def one_round(url: str, ops: int) -> dict[str, dict[str, float]]:
             admin.get(key)
 
     try:
-        store.claim(f"{run}-warm", FINGERPRINT, lease=LEASE, ttl=TTL)  # loads the scripts
+        store.claim(f"{run}-warm", FINGERPRINT, lease=LEASE, ttl=TTL)  # loads the library
         # The raw SETs write the keys the raw GETs read.
         for name, work in zip(
             TRANSITIONS, (claims, completes, replays, raw_sets, raw_gets), strict=True

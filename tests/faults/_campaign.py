@@ -9,7 +9,6 @@ anomalies (`tests.faults._checker`) and the faults injected, by kind.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import multiprocessing
 import os
@@ -379,9 +378,9 @@ def _patterns(store: str, verb: str) -> bytes:
             "complete": b"SET status = $1, result = $2",
             "claim": b"oncely_claim(",
         }[verb]
-    from oncely.stores.redis._scripts import sources
+    from oncely.stores.redis._scripts import library
 
-    return hashlib.sha1(sources()[verb].encode()).hexdigest().encode()
+    return library()[1][verb].encode() + b"\r\n"  # FCALL's function name, in full
 
 
 def run_http_history(plan: Plan, services: Services) -> Result:

@@ -69,15 +69,14 @@ class OwnRedis:
             raise
 
     def _load_scripts(self) -> None:
-        """Load oncely's scripts, as a server in service has them: a reply cut by a fault
-        proxy then hits the script's run, not a NOSCRIPT answer."""
+        """Load oncely's function library, as a server in service has it: a reply cut by a
+        fault proxy then hits the function's run, not a "function not found" answer."""
         import redis
 
-        from oncely.stores.redis._scripts import sources
+        from oncely.stores.redis._scripts import library
 
         with redis.Redis(port=self.port) as client:
-            for text in sources().values():
-                client.script_load(text)
+            client.function_load(library()[0], replace=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 10

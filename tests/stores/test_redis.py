@@ -44,7 +44,7 @@ from oncely.errors import (
     StoreUnavailableError,
 )
 from oncely.stores import open_store
-from oncely.stores.redis import RedisClusterStore, RedisStore
+from oncely.stores.redis import RedisClusterStore, RedisStore, _scripts
 from oncely.stores.redis._codec import HEAD, Keyspace
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
@@ -656,55 +656,110 @@ def _each_verb_once(store: Any, mode: str, counter: Sent) -> dict[str, list[str]
 class TestRoundTrips:
     @pytest.mark.redis
     @pytest.mark.parametrize("mode", ["sync", "async"])
-    def test_every_verb_is_one_evalsha(
+    def test_every_verb_is_one_fcall(
         self, monkeypatch: pytest.MonkeyPatch, redis_url: str, namespace: str, mode: str
     ) -> None:
-        """claim, complete, replay, release, extend, get and fail each send exactly one EVALSHA."""
+        """claim, complete, replay, release, extend, get and fail each send exactly one FCALL."""
         counter = Sent(monkeypatch)
         with RedisStore(redis_url, namespace=namespace) as store:
             sent = _each_verb_once(store, mode, counter)
-        assert sent == {name: ["EVALSHA"] for name in sent}, sent
+        assert sent == {name: ["FCALL"] for name in sent}, sent
 
     @pytest.mark.redis_cluster
     @pytest.mark.parametrize("mode", ["sync", "async"])
-    def test_every_verb_is_one_evalsha_on_the_cluster(
+    def test_every_verb_is_one_fcall_on_the_cluster(
         self, monkeypatch: pytest.MonkeyPatch, cluster_url: str, namespace: str, mode: str
     ) -> None:
-        """On a cluster too each verb is one EVALSHA, sent straight to the slot's node."""
+        """On a cluster too each verb is one FCALL, sent straight to the slot's node (redis-py
+        alone would ask a node for the FCALL's keys first: COMMAND GETKEYS)."""
         counter = Sent(monkeypatch)
         with RedisClusterStore(cluster_url, namespace=namespace) as store:
             sent = _each_verb_once(store, mode, counter)
-        assert sent == {name: ["EVALSHA"] for name in sent}, sent
+        assert sent == {name: ["FCALL"] for name in sent}, sent
 
     @pytest.mark.parametrize("mode", ["sync", "async"])
-    def test_script_flush_costs_one_reload_then_one_round_trip(
+    def test_function_flush_costs_one_reload_then_one_round_trip(
         self, monkeypatch: pytest.MonkeyPatch, own_server: OwnRedis, mode: str
     ) -> None:
-        """After SCRIPT FLUSH the next call reloads its script (NOSCRIPT, SCRIPT LOAD, EVALSHA)
-        transparently and the calls after it are one EVALSHA again.
+        """After FUNCTION FLUSH the next call loads the library (FCALL, FUNCTION LOAD, FCALL)
+        transparently and the calls after it are one FCALL again; SCRIPT FLUSH costs nothing.
         """
         counter = Sent(monkeypatch)
-        store = RedisStore(own_server.url, namespace="flush")
-        loop = asyncio.new_event_loop()
-
-        def claim(key: str) -> Any:
-            if mode == "sync":
-                return store.claim(key, "fp", lease=LEASE, ttl=TTL)
-            return loop.run_until_complete(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
-
-        try:
+        with _Calls(RedisStore(own_server.url, namespace="flush"), mode) as claim:
             assert isinstance(claim("warm-up"), Acquired)
+            with own_server.admin() as admin:
+                admin.function_flush()
+            counter.take()
+            assert isinstance(claim("after-flush"), Acquired)
+            assert counter.take() == ["FCALL", "FUNCTION", "FCALL"]
+            assert isinstance(claim("after-flush"), InProgress)
+            assert counter.take() == ["FCALL"]
             with own_server.admin() as admin:
                 admin.script_flush()
             counter.take()
-            assert isinstance(claim("after-flush"), Acquired)
-            assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]
             assert isinstance(claim("after-flush"), InProgress)
-            assert counter.take() == ["EVALSHA"]
+            assert counter.take() == ["FCALL"]
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_a_server_without_functions_gets_scripts(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str
+    ) -> None:
+        """A server that knows no FCALL (Redis < 7, here one that renamed it away) gets
+        EVALSHA from the first call on, which reloads its script after SCRIPT FLUSH."""
+        server = OwnRedis(tmp_path, "--rename-command", "FCALL", "")
+        server.start()
+        counter = Sent(monkeypatch)
+        try:
+            with _Calls(RedisStore(server.url, namespace="old"), mode) as claim:
+                assert isinstance(claim("a"), Acquired)
+                sent = counter.take()  # after the connection's handshake
+                assert sent[sent.index("FCALL") :] == ["FCALL", "EVALSHA", "SCRIPT", "EVALSHA"]
+                assert isinstance(claim("a"), InProgress)
+                assert counter.take() == ["EVALSHA"]
+                with server.admin() as admin:
+                    admin.script_flush()
+                counter.take()
+                assert isinstance(claim("b"), Acquired)
+                assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]
         finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-            store.close()
+            server.stop()
+
+    @pytest.mark.parametrize("denied", ["+@all -fcall", "+@all -function"])
+    def test_an_acl_that_refuses_functions_gets_scripts(
+        self, monkeypatch: pytest.MonkeyPatch, own_server: OwnRedis, denied: str
+    ) -> None:
+        """A user that may not run FCALL, or may not load a library, gets EVALSHA."""
+        with own_server.admin() as admin:
+            admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", *denied.split())
+        url = own_server.url.replace("redis://", "redis://app:pw@")
+        counter = Sent(monkeypatch)
+        with RedisStore(url, namespace="acl") as store:
+            assert isinstance(store.claim("a", "fp", lease=LEASE, ttl=TTL), Acquired)
+            assert counter.take()[-1] == "EVALSHA"
+            assert isinstance(store.claim("a", "fp", lease=LEASE, ttl=TTL), InProgress)
+            assert counter.take() == ["EVALSHA"]
+
+
+class _Calls:
+    """A store's claim, sync or async (in a loop of its own), as one function of the key."""
+
+    def __init__(self, store: RedisStore, mode: str) -> None:
+        self.store, self.mode = store, mode
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, key: str) -> Any:
+        if self.mode == "sync":
+            return self.store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        coroutine = self.store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+        return self.loop.run_until_complete(coroutine)
+
+    def __enter__(self) -> _Calls:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        self.store.close()
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -713,16 +768,19 @@ class TestRoundTrips:
 class TestScriptsSurviveTheServer:
     @pytest.mark.parametrize("mode", ["sync", "async"])
     def test_calls_work_after_script_flush(self, own_server: OwnRedis, mode: str) -> None:
-        """SCRIPT FLUSH between claim and complete: complete and the replay still work."""
+        """FUNCTION FLUSH and SCRIPT FLUSH between claim and complete: complete and the replay
+        still work."""
         store = RedisStore(own_server.url, namespace="flush")
 
         async def scenario() -> None:
             taken = await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
             assert isinstance(taken, Acquired)
             with own_server.admin() as admin:
+                admin.function_flush()
                 admin.script_flush()
             assert await store.acomplete("k", taken.token, b"ok", ttl=TTL) is None
             with own_server.admin() as admin:
+                admin.function_flush()
                 admin.script_flush()
             replay = await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
             assert isinstance(replay, Replay)
@@ -735,9 +793,11 @@ class TestScriptsSurviveTheServer:
                 taken = store.claim("k", "fp", lease=LEASE, ttl=TTL)
                 assert isinstance(taken, Acquired)
                 with own_server.admin() as admin:
+                    admin.function_flush()
                     admin.script_flush()
                 assert store.complete("k", taken.token, b"ok", ttl=TTL) is None
                 with own_server.admin() as admin:
+                    admin.function_flush()
                     admin.script_flush()
                 replay = store.claim("k", "fp", lease=LEASE, ttl=TTL)
                 assert isinstance(replay, Replay)
@@ -1266,6 +1326,111 @@ class TestEarlierLayout:
         assert (record.status, record.token, record.result) == (Status.RELEASED, 3, None)
         assert shared_admin.type(name) == b"string"
         assert shared_admin.pexpiretime(name) == record.expires_at_ms
+
+
+def _packed_record(
+    admin: redis.Redis, name: bytes, status: int, *, token: int, lease_ms: int, op: str
+) -> tuple[int, int]:
+    """Write a record at *name* byte for byte as the scripts of oncely before its function
+    library packed it (`HEAD`, fingerprint ``fp``, call id *op*, result ``r`` when finished),
+    expiring a minute from now; return its (created, expires)."""
+    seconds, microseconds = admin.time()
+    now = seconds * 1000 + microseconds // 1000
+    created, expires = now - 5_000, now + 60_000
+    head = HEAD.pack(1, status, token, 2, now + lease_ms, expires, created, now - 1_000, 2, len(op))
+    admin.set(name, head + b"fp" + op.encode() + (b"r" if status in (2, 3) else b""))
+    admin.pexpireat(name, expires)
+    return created, expires
+
+
+def _as_scripts(store: RedisStore) -> RedisStore:
+    """*store*, made to run the code as scripts (EVALSHA), as on a server without functions."""
+    store._sync_scripts().heads = _scripts._evalsha_heads()
+    return store
+
+
+@pytest.mark.redis
+class TestRollingUpgrade:
+    """Records written by the scripts of earlier versions (the same packed layout) are read and
+    moved on by the function library, and the two take turns on one record."""
+
+    @pytest.fixture
+    def name_of(self, shared_store: RedisStore) -> Callable[[str], bytes]:
+        return Keyspace("oncely:", shared_store.namespace).name
+
+    def test_a_completed_record_replays(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        key = _key()
+        created, expires = _packed_record(
+            shared_admin, name_of(key), 2, token=3, lease_ms=-1_000, op="0123456789abcdef"
+        )
+        answer = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        record = answer.record
+        assert (record.status, record.token, record.attempt, record.result) == (
+            Status.COMPLETED,
+            3,
+            2,
+            b"r",
+        )
+        assert (record.created_at_ms, record.expires_at_ms) == (created, expires)
+        assert shared_store.get(key) == record
+
+    def test_a_lease_is_found_again_by_its_own_call_and_completed(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        """The call id an earlier version stored is compared whole: the claim re-sent with it
+        gets its own lease back, another call finds it busy, and its token completes it."""
+        key, op = _key(), "f" * 16
+        _packed_record(shared_admin, name_of(key), 1, token=3, lease_ms=20_000, op=op)
+        again = shared_store.claim_many([(key, "fp")], lease=LEASE, ttl=TTL, ops=[op])
+        assert again == [Acquired(3, attempt=2)]
+        assert isinstance(shared_store.claim(key, "fp", lease=LEASE, ttl=TTL), InProgress)
+        assert shared_store.complete(key, 2, b"stale", ttl=TTL) == LeaseLost()
+        assert shared_store.extend(key, 3, lease=LEASE) is None
+        assert shared_store.complete(key, 3, b"done", ttl=TTL) is None
+        answer = shared_store.claim(key, "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Replay)
+        assert (answer.record.token, answer.record.result) == (3, b"done")
+
+    def test_a_lapsed_lease_is_taken_over(
+        self, shared_store: RedisStore, shared_admin: redis.Redis, name_of: Callable[[str], bytes]
+    ) -> None:
+        key = _key()
+        _packed_record(shared_admin, name_of(key), 1, token=3, lease_ms=-1, op="o")
+        assert shared_store.claim(key, "fp", lease=LEASE, ttl=TTL) == Acquired(
+            4, recovered=True, attempt=3
+        )
+        assert shared_store.release(key, 3) == LeaseLost()
+        assert shared_store.release(key, 4) is None
+
+    def test_functions_and_scripts_take_turns_on_a_record(
+        self, redis_url: str, namespace: str
+    ) -> None:
+        """Workers of two versions side by side: each transition is judged the same, whichever
+        of them wrote the record last."""
+        with (
+            RedisStore(redis_url, namespace=namespace) as new,
+            _as_scripts(RedisStore(redis_url, namespace=namespace)) as old,
+        ):
+            key = _key()
+            taken = old.claim(key, "fp", lease=LEASE, ttl=TTL)
+            assert taken == Acquired(1)
+            assert isinstance(new.claim(key, "fp", lease=LEASE, ttl=TTL), InProgress)
+            assert new.extend(key, 1, lease=LEASE) is None
+            assert old.release(key, 1) is None
+            assert new.claim(key, "fp", lease=LEASE, ttl=TTL) == Acquired(2, attempt=2)
+            assert old.complete(key, 1, b"stale", ttl=TTL) == LeaseLost()
+            assert old.complete(key, 2, b"done", ttl=TTL) is None
+            replays = [store.claim(key, "fp", lease=LEASE, ttl=TTL) for store in (new, old)]
+            assert all(isinstance(answer, Replay) for answer in replays)
+            assert [answer.record for answer in replays if isinstance(answer, Replay)] == [
+                new.get(key),
+                old.get(key),
+            ]
+            assert old.forget(key) is Status.COMPLETED
+            assert new.claim(key, "fp", lease=LEASE, ttl=TTL) == Acquired(3, attempt=3)
 
 
 class TestEventLoops:

@@ -85,27 +85,27 @@ def cluster(mode: str, namespace: str) -> Iterator[Calls]:
 
 @pytest.mark.redis
 class TestOneRoundTrip:
-    def test_each_batch_is_one_evalsha_and_nothing_for_an_empty_one(
+    def test_each_batch_is_one_fcall_and_nothing_for_an_empty_one(
         self, monkeypatch: pytest.MonkeyPatch, shared: Calls
     ) -> None:
-        """claim_many and complete_many of 50 keys send one EVALSHA each; [] sends nothing."""
+        """claim_many and complete_many of 50 keys send one FCALL each; [] sends nothing."""
         keys = [_key() for _ in range(50)]
         shared("get", "warm-up")  # connects
         counter = Sent(monkeypatch)
         claimed = shared("claim_many", [(k, "fp") for k in keys], lease=LEASE, ttl=TTL)
-        assert counter.take() == ["EVALSHA"]
+        assert counter.take() == ["FCALL"]
         items = [(k, answer.token, b"r") for k, answer in zip(keys, claimed, strict=True)]
         assert shared("complete_many", items, ttl=TTL) == [None] * 50
-        assert counter.take() == ["EVALSHA"]
+        assert counter.take() == ["FCALL"]
         assert shared("claim_many", [], lease=LEASE, ttl=TTL) == []
         assert shared("complete_many", [], ttl=TTL) == []
         assert counter.take() == []
 
-    def test_script_flush_reloads_the_batch_scripts(
+    def test_function_flush_reloads_the_library(
         self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str
     ) -> None:
-        """After SCRIPT FLUSH a batch reloads its script (NOSCRIPT, SCRIPT LOAD, EVALSHA) and
-        the next batch is one EVALSHA again.
+        """After FUNCTION FLUSH a batch loads the library again (FCALL, FUNCTION LOAD, FCALL)
+        and the next batch is one FCALL again.
         """
         server = OwnRedis(tmp_path)
         server.start()
@@ -114,22 +114,22 @@ class TestOneRoundTrip:
             claimed = calls("claim_many", [("a", "fp")], lease=LEASE, ttl=TTL)
             assert claimed == [Acquired(1)]
             with server.admin() as admin:
-                admin.script_flush()
+                admin.function_flush()
             counter = Sent(monkeypatch)
             counter.take()
             assert calls("complete_many", [("a", 1, b"r")], ttl=TTL) == [None]
-            assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]
+            assert counter.take() == ["FCALL", "FUNCTION", "FCALL"]
             with server.admin() as admin:
-                admin.script_flush()
+                admin.function_flush()
             counter.take()
             replay = calls("claim_many", [("a", "fp"), ("b", "fp")], lease=LEASE, ttl=TTL)
-            assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]
+            assert counter.take() == ["FCALL", "FUNCTION", "FCALL"]
             assert isinstance(replay[0], Replay)
             assert replay[1] == Acquired(1)
             assert calls("complete_many", [("b", 1, b"r")], ttl=TTL) == [None]
-            assert counter.take() == ["EVALSHA", "SCRIPT", "EVALSHA"]  # flushed too
+            assert counter.take() == ["FCALL"]  # one library: loaded for the claims
             assert calls("complete_many", [("b", 1, b"r")], ttl=TTL) == [LeaseLost()]
-            assert counter.take() == ["EVALSHA"]
+            assert counter.take() == ["FCALL"]
         finally:
             calls.close()
             server.stop()
@@ -236,7 +236,7 @@ class TestCluster:
         self, monkeypatch: pytest.MonkeyPatch, cluster: Calls, namespace: str
     ) -> None:
         """200 keys over many slots (every node), a key repeated, a mismatch: every answer in
-        its input place, one EVALSHA per slot.
+        its input place, one FCALL per slot.
         """
         keys = [_key() for _ in range(200)]
         slot = _slot_of(namespace)
@@ -248,7 +248,7 @@ class TestCluster:
         answers = cluster("claim_many", requests, lease=LEASE, ttl=TTL)
         slots = {slot(k) for k in keys}
         # (plus the handshakes of the connections the concurrent calls open)
-        assert [name for name in counter.take() if name == "EVALSHA"] == ["EVALSHA"] * len(slots)
+        assert [name for name in counter.take() if name == "FCALL"] == ["FCALL"] * len(slots)
         assert answers[:200] == [Acquired(1)] * 200
         assert isinstance(answers[200], InProgress)
         assert answers[201] == Mismatch(stored_fingerprint="fp")
@@ -260,7 +260,7 @@ class TestCluster:
     def test_keys_of_one_slot_share_one_call(
         self, monkeypatch: pytest.MonkeyPatch, cluster: Calls, namespace: str
     ) -> None:
-        """Keys that hash to one slot travel in one EVALSHA, in order."""
+        """Keys that hash to one slot travel in one FCALL, in order."""
         slot = _slot_of(namespace)
         first = _key()
         same = [first] + [k for k in (_key() for _ in range(200_000)) if slot(k) == slot(first)]
@@ -270,7 +270,7 @@ class TestCluster:
         counter = Sent(monkeypatch)
         requests = [(same[0], "fp"), (same[1], "fp"), (same[0], "fp"), (same[2], "x")]
         answers = cluster("claim_many", requests, lease=LEASE, ttl=TTL)
-        assert [name for name in counter.take() if name in ("EVALSHA", "SCRIPT")] == ["EVALSHA"]
+        assert [name for name in counter.take() if name in ("FCALL", "FUNCTION")] == ["FCALL"]
         assert answers[0] == answers[1] == answers[3] == Acquired(1)
         assert isinstance(answers[2], InProgress)
 

@@ -1,13 +1,14 @@
-"""The Lua scripts, one per transition, and the flows that call them.
+"""The Lua code, one function per transition, and the flows that call them.
 
-Each script is ``lua/record.lua`` (shared helpers) followed by the transition's own file. A flow
-(`oncely._core.flow`) yields one `ScriptCall` and decodes the reply, so every store operation is
-written once for both worlds and costs exactly one round trip: the store registers the scripts
-once per client (``register_script``: EVALSHA, loading the script again on NOSCRIPT).
+``lua/record.lua`` holds the shared helpers; each transition's own file is the body of one Lua
+function. They run as one function library (`library`: ``FCALL``), or, on a server without
+functions, as one script per transition (`sources`: ``EVALSHA``); `Scripts` loads what a server
+lacks. A flow (`oncely._core.flow`) yields one `ScriptCall` and decodes the reply, so every store
+operation is written once for both worlds and costs exactly one round trip.
 
-The batch verbs run ``claim_many`` and ``complete_many``: the same transition files, each
-wrapped in a function that ``lua/batch.lua`` calls once per item. Their flows yield one
-`BatchCall`, which the store performs as one EVALSHA (one per slot on a cluster: `BatchCall.split`).
+The batch verbs run ``claim_many`` and ``complete_many``: the same transition functions, which
+``lua/batch.lua`` calls once per item. Their flows yield one `BatchCall`, which the store
+performs as one call (one per slot on a cluster: `BatchCall.split`).
 
 The store has redis-py re-send a command after a connection error or a timeout, so a script
 may run twice for one call whose first reply was lost. Every claim, complete,
@@ -20,6 +21,7 @@ moves the lease again.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,9 +39,11 @@ from oncely.stores.redis._codec import Keyspace
 
 __all__ = [
     "BATCHES",
+    "ENTRIES",
     "NAMES",
     "BatchCall",
     "ScriptCall",
+    "Scripts",
     "call_id",
     "claim_args",
     "claim_many",
@@ -47,6 +51,7 @@ __all__ = [
     "extend",
     "finish_args",
     "get",
+    "library",
     "release",
     "sources",
 ]
@@ -60,19 +65,152 @@ BATCHES: Final = {"claim_many": "claim", "complete_many": "complete"}
 """Every batch script, with the transition it runs for each item."""
 
 
+ENTRIES: Final = (*NAMES, *BATCHES)
+"""Every entry point: the single-item transitions and the batches."""
+
+_SCRIPT_HEAD: Final = """\
+-- Redis < 5 replicates scripts verbatim unless told to replicate their effects (TIME is not
+-- deterministic); from 5 on this is the default and the call is a no-op.
+if redis.replicate_commands then redis.replicate_commands() end
+"""
+
+
+@functools.cache
+def _read(name: str) -> str:
+    folder = resources.files("oncely.stores.redis").joinpath("lua")
+    return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+@functools.cache
+def _definitions() -> Mapping[str, str]:
+    """Each entry point as a Lua ``local function <name>(KEYS, ARGV)``, by name."""
+    texts = {name: f"local function {name}(KEYS, ARGV)\n{_read(name)}\nend\n" for name in NAMES}
+    for batch, name in BATCHES.items():
+        loop = _read("batch")
+        texts[batch] = f"local function {batch}(KEYS, ARGV)\nlocal one = {name}\n{loop}\nend\n"
+    return texts
+
+
 @functools.cache
 def sources() -> Mapping[str, str]:
-    """Return the full text of every script, single-item and batch, by name."""
-    folder = resources.files("oncely.stores.redis").joinpath("lua")
-
-    def read(name: str) -> str:
-        return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-
-    shared, loop = read("record"), read("batch")
-    texts = {name: f"{shared}\n{read(name)}" for name in NAMES}
-    for batch, name in BATCHES.items():
-        texts[batch] = f"{shared}\nlocal function one(KEYS, ARGV)\n{read(name)}\nend\n\n{loop}"
+    """Return the full text of every entry point as a script of its own (EVALSHA), by name."""
+    shared, functions = _read("record"), _definitions()
+    texts = {}
+    for name in ENTRIES:
+        needed = [functions[name]] if name in NAMES else [functions[BATCHES[name]], functions[name]]
+        texts[name] = "\n".join([_SCRIPT_HEAD, shared, *needed, f"return {name}(KEYS, ARGV)\n"])
     return texts
+
+
+@functools.cache
+def library() -> tuple[str, Mapping[str, str]]:
+    """Return every entry point as one function library: its code (for ``FUNCTION LOAD``), and
+    each entry point's function name (for ``FCALL``).
+
+    The library's name holds a digest of its code, so that the libraries of two oncely versions
+    live side by side on one server (a rolling upgrade). Each function forgets the clock of the
+    call before it (record.lua's ``clock``, read once per call) and runs its entry point.
+    """
+    body = "\n".join([_read("record"), *_definitions().values()])
+    name = f"oncely_{hashlib.sha1(body.encode()).hexdigest()[:16]}"
+    functions = {entry: f"{name}_{entry}" for entry in ENTRIES}
+    register = "".join(
+        f"redis.register_function('{function}', "
+        f"function(KEYS, ARGV) clock = nil return {entry}(KEYS, ARGV) end)\n"
+        for entry, function in functions.items()
+    )
+    return f"#!lua name={name}\n{body}\n{register}", functions
+
+
+class Scripts:
+    """oncely's scripts on one redis-py client, and how to run them.
+
+    Each call is one ``FCALL`` of a function of `library`: its helpers are made once, when the
+    library is loaded, where a script (``EVALSHA``) makes them again on every call. A call
+    that finds the library missing (a new server, ``FUNCTION FLUSH``, a restart without
+    persistence) loads it (on every primary of a cluster) and runs again: see `recover`. A
+    server that has no functions (Redis < 7, or a proxy or an ACL that refuses them) gets
+    ``EVALSHA`` from then on, which reloads a script after ``NOSCRIPT``.
+
+    Attributes:
+        client: The redis-py client (sync or async) that runs the calls.
+        heads: The command, and the function name or script digest, of each entry point.
+    """
+
+    __slots__ = ("_errors", "client", "heads")
+
+    def __init__(self, client: Any, errors: Any) -> None:
+        self.client = client
+        self._errors = errors  # redis.exceptions
+        functions = library()[1]
+        self.heads: Mapping[str, tuple[str, str]] = {
+            entry: ("FCALL", function) for entry, function in functions.items()
+        }
+
+    @property
+    def functions(self) -> bool:
+        """Whether the calls go as ``FCALL`` (``EVALSHA`` once the server refused functions)."""
+        return self.heads is not _evalsha_heads()
+
+    def command(self, entry: str, keys: Sequence[bytes], args: Sequence[Any]) -> tuple[Any, ...]:
+        """The command that runs *entry* on *keys* with *args*."""
+        return (*self.heads[entry], len(keys), *keys, *args)
+
+    def recover(
+        self, entry: str, keys: Sequence[bytes], args: Sequence[Any], error: BaseException
+    ) -> Flow[Any]:
+        """After the command of *entry* failed with *error*: load what the server lacks and run
+        it again, or run it as a script, or raise *error*. Yields commands, returns the reply.
+
+        Each error handled here is one the server answers before it runs anything, so running
+        the call again cannot apply it twice.
+        """
+        errors = self._errors
+        if self.functions:
+            message = str(error)
+            if message.startswith("Function not found"):
+                try:
+                    yield ("FUNCTION", "LOAD", "REPLACE", library()[0])
+                except errors.ResponseError as exc:
+                    if not _refuses_functions(str(exc)):
+                        raise
+                    self.heads = _evalsha_heads()
+                else:
+                    return (yield self.command(entry, keys, args))
+            elif _refuses_functions(message):
+                self.heads = _evalsha_heads()
+            elif "command not allowed when used memory" not in message:
+                raise error
+            # Past maxmemory, a function that may write is refused before it runs; a script
+            # runs and has only its writes refused, so a replay is still answered: this call
+            # runs as a script.
+        elif isinstance(error, errors.NoScriptError):
+            yield ("SCRIPT", "LOAD", sources()[entry])
+            return (yield self.command(entry, keys, args))
+        else:
+            raise error
+        command = (*_evalsha_heads()[entry], len(keys), *keys, *args)
+        try:
+            return (yield command)
+        except errors.NoScriptError:
+            yield ("SCRIPT", "LOAD", sources()[entry])
+            return (yield command)
+
+
+def _refuses_functions(message: str) -> bool:
+    """Whether the error *message* says that functions cannot run here (not that one failed)."""
+    text = message.lower()
+    if "unknown command" in text or "unsupported command" in text:
+        return True
+    return "no permissions" in text and ("'fcall'" in text or "'function" in text)
+
+
+@functools.cache
+def _evalsha_heads() -> Mapping[str, tuple[str, str]]:
+    return {
+        entry: ("EVALSHA", hashlib.sha1(text.encode()).hexdigest())
+        for entry, text in sources().items()
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,16 +239,30 @@ def call_id() -> str:
     return f"{getrandbits(64):016x}"
 
 
+@functools.lru_cache(maxsize=256)
+def _millis(duration: timedelta) -> int:
+    """`_ms`, cached: a program passes the same few leases and ttls on every call."""
+    return _ms(duration)
+
+
+@functools.lru_cache(maxsize=256)
+def _claim_times(lease: timedelta, ttl: timedelta) -> tuple[int, int]:
+    """The lease, and how long `claim.lua` keeps a record past it (max(ttl, lease)), in ms."""
+    lease_ms = _ms(lease)
+    return lease_ms, max(_ms(ttl), lease_ms)
+
+
 def claim_args(fingerprint: str, lease: timedelta, ttl: timedelta) -> tuple[str, int, int, str]:
     """The ``ARGV`` of `claim.lua`, whose reply `_codec.claim_answer` reads. The store runs
     its claim (and its complete and fail) without a flow: they are every call's."""
-    return (fingerprint, _ms(lease), _ms(ttl), call_id())
+    lease_ms, margin_ms = _claim_times(lease, ttl)
+    return (fingerprint, lease_ms, margin_ms, call_id())
 
 
 def finish_args(token: int, outcome: bytes, ttl: timedelta) -> tuple[int, bytes, int, str]:
     """The ``ARGV`` of `complete.lua` and `fail.lua`, whose reply `_codec.settle_answer`
     reads."""
-    return (token, bytes(outcome), _ms(ttl), call_id())
+    return (token, bytes(outcome), _millis(ttl), call_id())
 
 
 def release(space: Keyspace, key: str, token: int) -> Flow[LeaseLost | None]:
@@ -233,9 +385,9 @@ def claim_many(
     sends a batch again with the same ids gets its own applied claims back as `Acquired`.
     """
     ops = call_ids(requests, ops)
-    lease_ms, ttl_ms = _ms(lease), _ms(ttl)
+    lease_ms, margin_ms = _claim_times(lease, ttl)
     items = tuple(
-        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, ttl_ms, str(op)))
+        ScriptCall("claim", key, space.name(key), (fingerprint, lease_ms, margin_ms, str(op)))
         for (key, fingerprint), op in zip(requests, ops, strict=True)
     )
     if not items:

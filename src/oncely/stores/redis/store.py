@@ -1,25 +1,27 @@
 """`redis://`, `rediss://` and `redis+cluster://`: the lowest-latency stores.
 
-Every transition is one Lua script (``lua/*.lua``) run by EVALSHA: one round trip, atomic on the
-server, and judged by the server's clock (``TIME``), so workers whose clocks disagree cannot
-steal each other's leases. The ``clock`` option other stores take is accepted and ignored.
-Records expire through Redis's own TTL (``PXAT`` on each record's key).
+Every transition is one Lua function (``lua/*.lua``) run by FCALL (EVALSHA on servers without
+functions): one round trip, atomic on the server, and judged by the server's clock (``TIME``),
+so workers whose clocks disagree cannot steal each other's leases. The ``clock`` option other
+stores take is accepted and ignored. Records expire through Redis's own TTL (``PXAT`` on each
+record's key).
 
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
 the same flows (`oncely.stores.redis._scripts`); the ``_run`` methods below are the only code that
 differs. Every redis-py exception is translated in `_RedisStoreBase._translated`.
 
-The batch verbs (`oncely.BatchStore`) run one script over every item: one EVALSHA on a single
+The batch verbs (`oncely.BatchStore`) run one function over every item: one call on a single
 server; on a cluster, one per slot the items fall in (sequential in sync code, concurrent in
-async code), since a script's keys must share a slot and redis-py's cluster pipelines refuse
-EVALSHA.
+async code), since a function's keys must share a slot and redis-py's cluster pipelines refuse
+EVALSHA and FCALL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -62,9 +64,9 @@ class _LoopClient:
     """The async client of one event loop, with its scripts."""
 
     client: Any
-    scripts: Mapping[str, Any]
+    scripts: _scripts.Scripts
     gate: asyncio.Semaphore  # bounds the commands in flight: see _arun
-    ready: asyncio.Task[None] | None = None  # the client's start: see _async_scripts
+    ready: asyncio.Task[None] | None = None  # the client's start: see _async_entry
     guard: AsyncGenerator[None, None] | None = None  # see _close_with_loop
     closed: bool = False
 
@@ -134,7 +136,7 @@ class _RedisStoreBase:
         self._max_connections: int = client_options.get("max_connections") or 100
         self._lock = threading.Lock()
         self._client: Any = None
-        self._scripts: Mapping[str, Any] | None = None
+        self._scripts: _scripts.Scripts | None = None
         self._loops: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
         self._closed = False
 
@@ -159,10 +161,10 @@ class _RedisStoreBase:
         errors = (self._redis.ConnectionError, self._redis.TimeoutError)
         return retry_class(backoff, self._retries, supported_errors=errors)
 
-    def _register(self, client: Any) -> dict[str, Any]:
-        return {name: client.register_script(text) for name, text in _scripts.sources().items()}
+    def _register(self, client: Any) -> _scripts.Scripts:
+        return _scripts.Scripts(client, self._redis.exceptions)
 
-    def _sync_scripts(self) -> Mapping[str, Any]:
+    def _sync_scripts(self) -> _scripts.Scripts:
         scripts = self._scripts
         if scripts is None:
             with self._lock:
@@ -172,9 +174,6 @@ class _RedisStoreBase:
                     self._scripts = self._register(self._client)
                 scripts = self._scripts
         return scripts
-
-    async def _async_scripts(self) -> Mapping[str, Any]:
-        return (await self._async_entry()).scripts
 
     async def _async_entry(self) -> _LoopClient:
         loop = asyncio.get_running_loop()
@@ -270,9 +269,8 @@ class _RedisStoreBase:
     def _run(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
         """Run *script* on *keys* with *args*; *key* names the call in error messages.
 
-        The EVALSHA goes out by ``execute_command``, not by calling redis-py's ``Script``
-        (which copies the arguments twice and checks for a pipeline on every call); only its
-        digest and text are used, to reload it after ``NOSCRIPT`` as ``Script`` would.
+        One FCALL (or EVALSHA) by ``execute_command``; only when it fails does
+        `_scripts.Scripts.recover` load what the server lacks and run it again.
         """
         try:
             if self._closed:
@@ -280,13 +278,12 @@ class _RedisStoreBase:
             scripts = self._scripts
             if scripts is None:
                 scripts = self._sync_scripts()
-            loaded = scripts[script]
-            client = loaded.registered_client
+            client = scripts.client
             try:
-                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
-            except self._redis.exceptions.NoScriptError:
-                loaded.sha = client.script_load(loaded.script)
-                return client.execute_command("EVALSHA", loaded.sha, len(keys), *keys, *args)
+                return client.execute_command(*scripts.heads[script], len(keys), *keys, *args)
+            except self._redis.ResponseError as exc:
+                flow = scripts.recover(script, keys, args, exc)
+                return drive(flow, lambda command: client.execute_command(*command))
         except self._failures as exc:
             raise self._translated(key, exc) from exc
 
@@ -302,17 +299,15 @@ class _RedisStoreBase:
             else:
                 await gate.acquire()  # at once
             try:
-                loaded = entry.scripts[script]
-                client = loaded.registered_client
+                scripts = entry.scripts
+                client = scripts.client
                 try:
                     return await client.execute_command(
-                        "EVALSHA", loaded.sha, len(keys), *keys, *args
+                        *scripts.heads[script], len(keys), *keys, *args
                     )
-                except self._redis.exceptions.NoScriptError:
-                    loaded.sha = await client.script_load(loaded.script)
-                    return await client.execute_command(
-                        "EVALSHA", loaded.sha, len(keys), *keys, *args
-                    )
+                except self._redis.ResponseError as exc:
+                    flow = scripts.recover(script, keys, args, exc)
+                    return await adrive(flow, lambda command: client.execute_command(*command))
             finally:
                 gate.release()
         except self._failures as exc:
@@ -812,7 +807,7 @@ class RedisClusterStore(_RedisStoreBase):
 
     def _new_client(self) -> Any:
         cluster = self._redis.cluster
-        return cluster.RedisCluster(
+        return _routing_fcall(cluster.RedisCluster)(
             startup_nodes=[cluster.ClusterNode(host, port) for host, port in self.nodes],
             retry=self._retry(self._redis.retry.Retry),
             **self._options,
@@ -857,7 +852,7 @@ class RedisClusterStore(_RedisStoreBase):
 
     def _new_async_client(self) -> Any:
         cluster = require("redis.asyncio.cluster", extra="redis")
-        return cluster.RedisCluster(
+        return _routing_fcall(cluster.RedisCluster)(
             startup_nodes=[cluster.ClusterNode(host, port) for host, port in self.nodes],
             retry=self._retry(require("redis.asyncio.retry", extra="redis").Retry),
             **self._options,
@@ -865,6 +860,32 @@ class RedisClusterStore(_RedisStoreBase):
 
     def __repr__(self) -> str:
         return f"RedisClusterStore({_masked(self.url)!r}, namespace={self.namespace!r})"
+
+
+@functools.cache
+def _routing_fcall(base: type) -> type:
+    """A subclass of redis-py's cluster client *base* (sync or async) that sends the store's
+    FCALLs to the slot of their first key, as redis-py does for EVALSHA: for an FCALL it asks
+    the server for the command's keys (``COMMAND GETKEYS``), one round trip more per call.
+    The slots of a batch's keys are one (`_scripts.BatchCall.split`); the server checks it."""
+    namespace: dict[str, Any] = {"__module__": __name__}
+    if inspect.iscoroutinefunction(getattr(base, "_determine_slot", None)):
+
+        async def _determine_slot(self: Any, command: str, *args: Any) -> Any:
+            if command == "FCALL" and len(args) > 2 and args[1]:
+                return self.keyslot(args[2])
+            return await base._determine_slot(self, command, *args)  # type: ignore[attr-defined]
+
+        namespace["_determine_slot"] = _determine_slot
+    else:
+
+        def determine_slot(self: Any, *args: Any) -> Any:
+            if args[0] == "FCALL" and len(args) > 3 and args[2]:
+                return self.keyslot(args[3])
+            return base.determine_slot(self, *args)  # type: ignore[attr-defined]
+
+        namespace["determine_slot"] = determine_slot
+    return type(base.__name__, (base,), namespace)
 
 
 def _parse_cluster_url(redis: ModuleType, url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:

@@ -1,7 +1,7 @@
 -- batch.lua: one transition for each item of a batch, in order: claim_many and complete_many.
--- _scripts.py builds each batch script as record.lua, then the transition's own file as the
--- body of `local function one(KEYS, ARGV) ... end` (so the body reads its item's key and
--- arguments), then this file.
+-- _scripts.py makes this file the body of `local function claim_many(KEYS, ARGV)`, after
+-- `local one = claim` (the transition's function, which reads its item's key and arguments),
+-- and likewise for complete_many.
 -- KEYS     the record hashes of the items, in order (one cluster slot: the caller groups them)
 -- ARGV     the items' arguments, the same number for each item, item after item
 -- returns  one reply per item, as the transition's script answers it alone, or

@@ -8,10 +8,10 @@
 local r, problem = load(KEYS[1])
 if problem then return {"corrupt", problem} end
 local now = now_ms()
-if not held(r, tonumber(ARGV[1]), now) then return 0 end
-local lease = now + tonumber(ARGV[2])
-r.expires = math.max(r.expires,
-                     kept_until(lease, math.max(r.expires - r.lease, tonumber(ARGV[2]))))
+local lease_ms = ARGV[2] + 0
+if not held(r, ARGV[1] + 0, now) then return 0 end
+local lease = now + lease_ms
+r.expires = math.max(r.expires, kept_until(lease, math.max(r.expires - r.lease, lease_ms)))
 r.lease, r.updated = lease, now
 store(KEYS[1], r)
 return 1

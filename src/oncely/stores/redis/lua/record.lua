@@ -1,6 +1,8 @@
--- record.lua: helpers shared by every script; _scripts.py prepends this file to each of them.
--- A transition's file reads KEYS[1] and ARGV only: batch.lua runs it once per item of a batch,
--- with KEYS and ARGV rebound to that item's (see _scripts.sources).
+-- record.lua: helpers shared by every transition; _scripts.py puts this file first, then each
+-- transition's file as the body of `local function <name>(KEYS, ARGV)` (which reads KEYS[1] and
+-- ARGV only: batch.lua runs it once per item of a batch, with that item's KEYS and ARGV). Loaded
+-- as one function library (FUNCTION LOAD, then FCALL), this file runs once per load; as a script
+-- (EVALSHA, on servers without functions), once per call.
 -- One record is one string, KEYS[1] = "<prefix>{<namespace>:<key>}" (one cluster slot), packed
 -- in a fixed layout (struct format HEAD, big-endian; _codec.HEAD reads the same):
 --   version  1 byte, 1
@@ -21,26 +23,27 @@
 -- Records of oncely versions before the packed layout are hashes with one field each; load
 -- reads them too (load_hash), and the next write replaces them by the packed string.
 
--- Redis < 5 replicates scripts verbatim unless told to replicate their effects (TIME is not
--- deterministic); from 5 on this is the default and the call is a no-op.
-if redis.replicate_commands then redis.replicate_commands() end
-
--- Every run of a script runs this file again: it makes no table, only the closures below.
+-- Makes no table, only the closures below: a script runs this file on every call.
 local HEAD = ">BBi8I4i8i8i8i8I4I4"
 local HEAD_LEN = 54
 
 -- The server's clock, in milliseconds: the only clock that judges leases and expiry. Read once
--- per script run: the items of a batch are judged at one instant, in their order.
+-- per call (each entry point of the library forgets it first, see _scripts.library): the items
+-- of a batch are judged at one instant, in their order.
 local clock
 local function now_ms()
   if clock == nil then
     local t = redis.call("TIME")
-    clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    -- Arithmetic reads a string as a number (as tonumber does, at half the cost); so do the
+    -- transitions with the numbers of their ARGV.
+    local us = t[2] + 0
+    clock = t[1] * 1000 + (us - us % 1000) / 1000
   end
   return clock
 end
 
--- A number as an integer string (tostring would switch to exponent notation past 14 digits).
+-- A number as an integer string: cheaper than a number argument to redis.call, which Redis
+-- writes with snprintf("%.17g"); tostring would switch to exponent notation past 14 digits.
 local function int(n)
   return string.format("%d", n)
 end
@@ -77,7 +80,7 @@ end
 
 -- Returns the record at `key` as a table, nil when absent, or nil and the reason the record is
 -- corrupt. `r.packed` is the stored string, `r.rest` where its result starts (a record of the
--- hash layout has `r.result` instead). One GET in the common case: a foreign value is its
+-- hash layout has `r.result` instead); its op is read when needed (op_of). One GET in the common case: a foreign value is its
 -- WRONGTYPE error, and only then does TYPE tell a hash of the earlier layout from the rest.
 local function load(key)
   local v = redis.pcall("GET", key)
@@ -88,23 +91,32 @@ local function load(key)
     if kind == "hash" then return load_hash(key) end
     return nil, "a " .. kind .. " is stored at the key, not a record"
   end
-  if #v < HEAD_LEN or string.byte(v, 1) ~= 1 then
-    return nil, "not an oncely record (" .. #v .. " bytes)"
+  local version, code, token, attempt, lease, expires, created, updated, nfp, nop, at
+  if #v >= HEAD_LEN then
+    version, code, token, attempt, lease, expires, created, updated, nfp, nop, at =
+      struct.unpack(HEAD, v)
   end
-  local _, code, token, attempt, lease, expires, created, updated, nfp, nop, at =
-    struct.unpack(HEAD, v)
+  if version ~= 1 then return nil, "not an oncely record (" .. #v .. " bytes)" end
   local status = status_of(code)
   if status == nil then return nil, "unknown status " .. code end
   if #v < HEAD_LEN + nfp + nop then return nil, "truncated record (" .. #v .. " bytes)" end
   return {status = status, token = token, attempt = attempt, lease = lease, expires = expires,
           created = created, updated = updated, fp = string.sub(v, at, at + nfp - 1),
-          op = string.sub(v, at + nfp, at + nfp + nop - 1), packed = v, rest = at + nfp + nop}
+          nop = nop, packed = v, rest = at + nfp + nop}
+end
+
+-- The id of the call that last wrote record `r`: a string.sub of the packed record, the first
+-- time it is needed (most calls never need it).
+local function op_of(r)
+  if r.op == nil then r.op = string.sub(r.packed, r.rest - r.nop, r.rest - 1) end
+  return r.op
 end
 
 -- Record `r` packed as it is stored, with `result` (nil for none) after its fields.
 local function pack(r, result)
+  local op = op_of(r)
   return struct.pack(HEAD, 1, code_of(r.status), r.token, r.attempt, r.lease, r.expires,
-                     r.created, r.updated, #r.fp, #r.op) .. r.fp .. r.op .. (result or "")
+                     r.created, r.updated, #r.fp, #op) .. r.fp .. op .. (result or "")
 end
 
 -- Record `r`, loaded with its result, as one reply: the packed string (a record of the hash
@@ -134,7 +146,8 @@ end
 -- Whether record `r` shows that the call `op` already settled it to `status` with `token` (at
 -- `now`): the same call, re-sent after its reply was lost, then answers 1 as the first did.
 local function settled_by(r, op, status, token, now)
-  return r ~= nil and now < r.expires and r.status == status and r.token == token and r.op == op
+  return r ~= nil and now < r.expires and r.status == status and r.token == token
+    and op_of(r) == op
 end
 
 -- The expiry of an in-progress record whose lease ends at `lease`: `margin` milliseconds past
@@ -151,12 +164,12 @@ local function finish(status, key, argv)
   local r, problem = load(key)
   if problem then return {"corrupt", problem} end
   local now = now_ms()
-  local token = tonumber(argv[1])
+  local token = argv[1] + 0
   if not held(r, token, now) then
     if settled_by(r, argv[4], status, token, now) then return 1 end
     return 0
   end
-  r.status, r.lease, r.expires, r.updated, r.op = status, now, now + tonumber(argv[3]), now, argv[4]
+  r.status, r.lease, r.expires, r.updated, r.op = status, now, now + argv[3], now, argv[4]
   store(key, r, argv[2])
   return 1
 end

@@ -7,7 +7,7 @@
 local r, problem = load(KEYS[1])
 if problem then return {"corrupt", problem} end
 local now = now_ms()
-local token = tonumber(ARGV[1])
+local token = ARGV[1] + 0
 if not held(r, token, now) then
   if settled_by(r, ARGV[2], "released", token, now) then return 1 end
   return 0
