@@ -1650,8 +1650,8 @@ class _AsyncGroups:
     def __init__(self, store: Any) -> None:
         self.loop = asyncio.get_running_loop()
         self.store = store
-        self.claims = _AsyncCompletions(_direct(store), skip_cancelled=True)
-        self.completions = _AsyncCompletions(_direct(store))
+        self.claims = _AsyncCompletions(self.perform, skip_cancelled=True)
+        self.completions = _AsyncCompletions(self.perform)
         self.running: dict[str, asyncio.Future[None]] = {}
         """The keys of the deliveries being processed, each with a future done once it is."""
 
