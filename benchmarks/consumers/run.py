@@ -708,11 +708,20 @@ ratio whose consumer waits on more processes than its baseline does (the store's
   (2026-11-23) NATS, Redis Streams and RabbitMQ ran at about the plain consumer's rate,
   aiokafka above the target, and confluent-kafka just below it (its sync consumer waits for
   each batch's claim and completion in turn with its handlers).
-- Kafka under load: copies of one key in two partitions run in two partitions' flows at
-  once; the second claim answers in progress and blocks its partition for `retry_delay`
-  (100 ms here). At a load average of 10-20, 170-390 such retries and 1,300-2,800 blocked
-  deliveries per aiokafka run (2,500 deliveries; the same before and after the hot-path
-  work), against a handful on a quiet machine: hence aiokafka's low ratios in loaded runs.
+- Kafka: copies of one key in two partitions used to block each other: the second
+  claim answered in progress and blocked the rest of its partition, holding those records'
+  leases, which a later poll of another partition found busy in turn (155-390 such retries
+  and 1,160-2,800 blocked records per aiokafka run of 2,500, each block a rewind, a pause
+  and a fetch again). The partitions of a member now share those keys: a copy runs under
+  the lease claimed or kept for it in another partition if that one has not started, else
+  waits for that run and is its duplicate (0-3 retries, 0-200 blocked, each record fetched
+  once, at a load of 4-14).
+- aiokafka with 1 ms of I/O is then bound by one completion round trip per record: a
+  partition's records run one after the other (as the baseline's do), and each completion
+  is sent as its handler returns, so its reply wakes the event loop during the next
+  handler's sleep (whose remaining wait epoll rounds up to a whole millisecond). One
+  Redis call beside each 1 ms sleep added 0.6-1.1 ms of wall time per iteration at a load
+  average of 4 on this machine (a bare PING as much as a completion).
 - With 1 ms of I/O per message (a sleep, which costs the client almost no CPU), the consumers
   that settle a fetched batch (Kafka with both clients, Redis Streams) met it on a quiet
   machine with the store as shipped (one `claim_many` and one `complete_many` per fetched

@@ -56,6 +56,12 @@ def deliveries(*keys: str, body: dict[str, Any] | None = None) -> list[Delivery]
     return out
 
 
+def make_busy(consumer: IdempotentConsumer, store: Any) -> None:
+    """Have key ``busy`` claimed by another worker."""
+    busy = deliveries("busy")[0]
+    store.claim("s|busy", consumer.fingerprint_for(busy), lease=POLICY.lease, ttl=POLICY.ttl)
+
+
 def reasons(verdicts: list[Verdict]) -> list[str]:
     return [str(v.reason) for v in verdicts]
 
@@ -134,12 +140,7 @@ def test_a_failing_handler_fails_alone(store: BatchingStore, batch: Batch) -> No
 def test_busy_mismatched_and_keyless_messages(store: BatchingStore, batch: Batch) -> None:
     """In one batch: a key held elsewhere retries, a reused key and a keyless one dead-letter."""
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
-    store.claim(
-        "s|busy",
-        consumer.fingerprint_for(deliveries("busy")[0]),
-        lease=POLICY.lease,
-        ttl=POLICY.ttl,
-    )
+    make_busy(consumer, store)
     batch(consumer, deliveries("used"), lambda m: None)
     mixed = [
         *deliveries("busy"),
@@ -248,12 +249,7 @@ def test_ordered_batches_run_nothing_after_a_retry(store: BatchingStore) -> None
 def test_ordered_blocking_by_a_busy_key_and_giving_leases_back(store: BatchingStore) -> None:
     """A key busy elsewhere blocks what follows; release_flow gives held leases back."""
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
-    store.claim(
-        "s|busy",
-        consumer.fingerprint_for(deliveries("busy")[0]),
-        lease=POLICY.lease,
-        ttl=POLICY.ttl,
-    )
+    make_busy(consumer, store)
     held: dict[str, Any] = {}
     flow = consumer.batch_flow(deliveries("busy", "x", "y"), ordered=True, held=held)
     assert reasons(run_with(flow, store, lambda m: None, no_broker)) == [
@@ -267,6 +263,86 @@ def test_ordered_blocking_by_a_busy_key_and_giving_leases_back(store: BatchingSt
     record = store.get("s|x")
     assert record is not None
     assert record.status is Status.RELEASED
+
+
+def _partitions(
+    consumer: IdempotentConsumer, store: Any, *batches: list[Delivery], pause: float = 0.01
+) -> tuple[list[list[Verdict]], list[Any]]:
+    """Run *batches* as ordered flows of one async run (a Kafka member's partitions of one
+    poll); return their verdicts and the messages handled, in order."""
+    ran: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        ran.append(message)
+        await asyncio.sleep(pause)
+
+    def flows() -> Any:
+        runs = [consumer.batch_flow(b, ordered=True, held={}) for b in batches]
+        verdicts: list[list[Verdict]] = yield Parallel(runs)
+        return verdicts
+
+    return asyncio.run(arun_with(flows(), store, handler, ano_broker)), ran
+
+
+def test_a_copy_in_another_partition_runs_under_the_lease_not_yet_started(
+    store: BatchingStore,
+) -> None:
+    """Two partitions of one poll hold copies of k: the one reaching it first runs it, under
+    the lease the other one claimed; the other's copy is then a duplicate, not a retry."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    first = deliveries("a", "b", "k")
+    second = [Delivery(d.body, d.headers, raw=("second", *d.raw)) for d in deliveries("k", "c")]
+    (one, two), ran = _partitions(consumer, store, first, second)
+    assert reasons(one) == ["processed", "processed", "duplicate"]
+    assert reasons(two) == ["processed", "processed"]
+    assert [m for m in ran if m[-1] == "k"] == [("second", 0, "k")]  # once, in the second
+    record = store.get("s|k")
+    assert record is not None
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 1
+
+
+def test_a_copy_in_another_partition_waits_for_the_running_one(store: BatchingStore) -> None:
+    """The first partition runs k first: the second one's copy waits for it (no retry)."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    second = [Delivery(d.body, d.headers, raw=("second", *d.raw)) for d in deliveries("c", "k")]
+    (one, two), ran = _partitions(consumer, store, deliveries("k", "a"), second, pause=0.05)
+    assert reasons(one) == ["processed", "processed"]
+    assert reasons(two) == ["processed", "duplicate"]
+    assert [m for m in ran if m[-1] == "k"] == [(0, "k")]
+    assert consumer.stats[Reason.IN_PROGRESS] == 0
+
+
+def test_a_copy_with_another_payload_does_not_take_the_lease(store: BatchingStore) -> None:
+    """A copy of k with another body is not run under the lease claimed for the first one."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    first = deliveries("a", "k")
+    second = [Delivery(b'{"other": 1}', {"Idempotency-Key": "k"}, raw=("second", 0, "k"))]
+    (one, two), ran = _partitions(consumer, store, first, second)
+    assert reasons(one) == ["processed", "processed"]
+    assert two[0].action is not Action.ACK
+    assert [m for m in ran if m[-1] == "k"] == [(1, "k")]
+
+
+def test_a_lease_held_in_one_partition_runs_a_copy_in_another(store: BatchingStore) -> None:
+    """Kafka shares the leases held for blocked records across partitions: a copy of such a
+    key in another partition runs under that lease (no start counted), instead of finding
+    the key busy and blocking its partition too."""
+    from oncely.consumers.kafka import _Held
+
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    make_busy(consumer, store)
+    every: dict[Any, dict[str, Any]] = {}
+    flow = consumer.batch_flow(deliveries("busy", "k"), ordered=True, held=_Held(every, ("t", 0)))
+    assert reasons(run_with(flow, store, lambda m: None, no_broker)) == ["in_progress", "blocked"]
+    assert set(every[("t", 0)]) == {"s|k"}
+    flow = consumer.batch_flow(deliveries("c", "k"), ordered=True, held=_Held(every, ("t", 1)))
+    assert reasons(run_with(flow, store, lambda m: None, no_broker)) == ["processed"] * 2
+    assert every == {("t", 0): {}, ("t", 1): {}}
+    record = store.get("s|k")
+    assert record is not None
+    assert record.status is Status.COMPLETED
+    assert record.attempt == 1
 
 
 def test_ordered_without_batch_verbs_stops_at_the_first_retry() -> None:

@@ -35,16 +35,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import inspect
 import secrets
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
 from oncely import _execution
 from oncely._core import codec as _codec
@@ -528,7 +529,7 @@ class IdempotentConsumer:
         deliveries: Sequence[Delivery],
         *,
         ordered: bool = False,
-        held: dict[str, _execution.Lease] | None = None,
+        held: MutableMapping[str, _execution.Lease] | None = None,
     ) -> Flow[list[Verdict]]:
         """The decisions for a fetched batch, as one flow; verdicts come back in order.
 
@@ -546,7 +547,10 @@ class IdempotentConsumer:
         Their leases are kept in *held* (not released: a release would count as an attempt)
         and used again when the same keys come back in the next call with the same *held*,
         once an extend shows they are still ours (one taken over meanwhile is claimed again);
-        give what is left back with `release_flow` when the deliveries are abandoned.
+        give what is left back with `release_flow` when the deliveries are abandoned. *held*
+        may be shared by the flows of several ordered sequences (a Kafka member's partitions):
+        a copy of a key in another sequence then runs under the lease kept for it, rather
+        than finding the key busy and blocking its own sequence too.
 
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
         operations.
@@ -573,7 +577,7 @@ class IdempotentConsumer:
         self,
         deliveries: Sequence[Delivery],
         ordered: bool,
-        held: dict[str, _execution.Lease],
+        held: MutableMapping[str, _execution.Lease],
     ) -> Flow[list[Verdict]]:
         verdicts: list[Verdict | None] = [None] * len(deliveries)
         firsts: dict[str, int] = {}  # key -> index of its first copy in the batch
@@ -603,18 +607,20 @@ class IdempotentConsumer:
         policy = self._policy
         if firsts:
             leases: list[tuple[int, _execution.Lease]] = []
-            claims = {key: index for key, index in firsts.items() if key not in held}
-            for key, index in firsts.items():
-                if key not in held:
-                    continue
+            # Taken out of *held* at once, before any store call: a mapping shared with
+            # flows running meanwhile (other partitions) hands each lease to one of them.
+            kept_leases = {key: held.pop(key) for key in firsts if key in held}
+            claims = {key: index for key, index in firsts.items() if key not in kept_leases}
+            for key, kept in kept_leases.items():
+                index = firsts[key]
                 # Blocked last time and not kept alive since: still ours unless it lapsed and
                 # another worker took the key over (and maybe ran it). Extending tells which.
-                kept = held[key]
                 try:
                     renewed = yield _execution.StoreCall(
                         "extend", (key, kept.token), {"lease": policy.lease}
                     )
                 except StoreError as exc:  # kept: the next round asks again
+                    held[key] = kept
                     logger.warning(
                         "store error renewing key=%s; redelivering later: %s",
                         key,
@@ -626,7 +632,6 @@ class IdempotentConsumer:
                         Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay, error=exc)
                     )
                     continue
-                del held[key]
                 if isinstance(renewed, LeaseLost):
                     kept.lost = True
                     logger.warning(
@@ -642,31 +647,50 @@ class IdempotentConsumer:
                     leases.append((index, kept))
             requests = [(key, prints[key]) for key in claims]
             answers: list[Any] = []
+            slots: dict[str, _Slot] = {}
             if requests:
+                slots = yield _Share(tuple(claims))
                 answers = yield from self._claim_many(requests)
+            runs: list[tuple[int, _execution.Lease | _Later]] = [*leases]
             for (key, index), answer in zip(claims.items(), answers, strict=True):
+                slot = slots.get(key)
+                if slot is not None:
+                    slot.claiming -= 1
+                    if isinstance(answer, InProgress) and slot.flows > 1:
+                        # Maybe claimed by another flow of this run (another partition's
+                        # copy): run under its lease if it has not started, else wait for it.
+                        runs.append((index, _Later(key, prints[key], slot)))
+                        continue
                 verdict, lease = self._claimed(key, answer)
                 if lease is not None and lease.attempt > self.policy.max_attempts:
                     verdict = yield from self._exhausted(lease)
                 elif lease is not None:
-                    leases.append((index, lease))
+                    if slot is not None:
+                        slot.owned, slot.fingerprint = True, prints[key]
+                    runs.append((index, lease))
                     continue
                 assert verdict is not None
                 verdicts[index] = self._verdict(verdict)
-            leases.sort(key=lambda pair: pair[0])
+            idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
+            if idle:  # nobody here got these keys: their other copies need not wait
+                yield _Decide(idle)
+            runs.sort(key=lambda pair: pair[0])
             if ordered:  # leases after the first retry are kept for next time, unused
                 stop = min(
                     (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
                     default=len(deliveries),
                 )
-                for index, lease in leases:
+                for index, run in runs:
                     if index > stop:
-                        held[lease.key] = lease
-                        verdicts[index] = self._verdict(self._blocked(lease.key))
-                leases = [(i, lease) for i, lease in leases if i < stop]
-            run = yield from self._run_batch(deliveries, leases, held if ordered else None)
-            for index, verdict in run:
+                        if isinstance(run, _execution.Lease):
+                            held[run.key] = run
+                        verdicts[index] = self._verdict(self._blocked(run.key))
+                runs = [(i, run) for i, run in runs if i < stop]
+            ran = yield from self._run_batch(deliveries, runs, slots, held if ordered else None)
+            for index, verdict in ran:
                 verdicts[index] = self._verdict(verdict)
+            if slots:
+                yield _Decide(list(slots.values()))
         for first, others in copies.items():
             outcome = verdicts[first]
             assert outcome is not None
@@ -824,8 +848,9 @@ class IdempotentConsumer:
     def _run_batch(
         self,
         deliveries: Sequence[Delivery],
-        leases: list[tuple[int, _execution.Lease]],
-        held: dict[str, _execution.Lease] | None,
+        runs: list[tuple[int, _execution.Lease | _Later]],
+        slots: Mapping[str, _Slot],
+        held: MutableMapping[str, _execution.Lease] | None,
     ) -> Flow[list[tuple[int, Verdict]]]:
         """Run the handlers of the acquired leases, each completed as soon as it returns.
 
@@ -834,50 +859,111 @@ class IdempotentConsumer:
         handler leaves the earlier ones completed, never to run again. Ordered batches (*held*
         given) run their handlers one after the other and stop at the first one to retry;
         others run them as a `Parallel` (concurrently when async).
+
+        A lease whose key another flow of the same run also has (*slots*, `_Later`) is run by
+        whichever of the two reaches it first; the other waits for that run.
         """
         policy = self._policy
+        leases = [run for _, run in runs if isinstance(run, _execution.Lease)]
         if policy.heartbeat:
-            for _, lease in leases:
+            for lease in leases:
                 yield _execution.StartHeartbeat(lease)
+        for lease in leases:  # from now on, another flow of the run may take it (`_later`)
+            slot = slots.get(lease.key)
+            if slot is not None:
+                slot.lease = lease
+        acquired: list[_execution.Lease] = []  # leases of other flows run here, late claims
         verdicts: list[tuple[int, Verdict]] = []
         finished: list[tuple[int, _execution.Lease, Any, Any]] = []
         try:
             if held is None:
-                runs = [self._run_one(deliveries[index].raw, lease) for index, lease in leases]
-                outcomes_of_runs = yield Parallel(runs)
+                starts = [self._start(deliveries[i].raw, run, slots, acquired) for i, run in runs]
+                outcomes_of_runs = yield Parallel(starts)
             else:
                 outcomes_of_runs = []
                 blocked = False
-                for position, (index, lease) in enumerate(leases):
+                for position, (index, run) in enumerate(runs):
                     if blocked:
-                        held[lease.key] = lease
+                        if _withdrawn(run, slots):  # ours, not started: for the next round
+                            held[run.key] = run
+                            yield from _decided(slots.get(run.key))
                         outcomes_of_runs.append(None)
                         continue
                     try:
-                        ran = yield from self._run_one(deliveries[index].raw, lease)
+                        ran = yield from self._start(deliveries[index].raw, run, slots, acquired)
                     except BaseException:
-                        for _, left in leases[position + 1 :]:
-                            yield from self._release(left)
+                        for _, left in runs[position + 1 :]:
+                            if _withdrawn(left, slots):
+                                yield from self._release(left)
                         raise
                     blocked = isinstance(ran, Verdict) and ran.action is Action.RETRY
                     outcomes_of_runs.append(ran)
-            for (index, lease), ran in zip(leases, outcomes_of_runs, strict=True):
+            for (index, run), ran in zip(runs, outcomes_of_runs, strict=True):
                 if ran is None:
-                    verdicts.append((index, self._blocked(lease.key)))
+                    verdicts.append((index, self._blocked(run.key)))
                 elif isinstance(ran, Verdict):
                     verdicts.append((index, ran))
                 else:
-                    finished.append((index, lease, *ran))
+                    finished.append((index, *ran))
             outcomes: list[Any] = []
             if finished:
                 outcomes = yield _Completed([sent for *_, sent in finished])
         finally:
-            for _, lease in leases:
+            for lease in leases:
+                _withdrawn(lease, slots)  # an error: nobody starts it now
+            taken = {id(slot.taken) for slot in slots.values() if slot.taken is not None}
+            for lease in [*(lease for lease in leases if id(lease) not in taken), *acquired]:
                 if lease.heartbeat is not None:
                     yield _execution.StopHeartbeat(lease)
         for (index, lease, value, _), outcome in zip(finished, outcomes, strict=True):
             verdicts.append((index, self._settled(lease, value, outcome)))
         return verdicts
+
+    def _start(
+        self,
+        message: Any,
+        run: _execution.Lease | _Later,
+        slots: Mapping[str, _Slot],
+        acquired: list[_execution.Lease],
+    ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
+        """Run *message* under its lease (`_run_one`), unless another flow of the run has
+        started it: then it is a copy of that run (`_later`)."""
+        if isinstance(run, _Later):
+            return (yield from self._later(message, run, acquired))
+        slot = slots.get(run.key)
+        if slot is not None:
+            if slot.lease is not run:  # another flow took it: this delivery is its copy
+                assert slot.fingerprint is not None
+                later = _Later(run.key, slot.fingerprint, slot)
+                return (yield from self._later(message, later, acquired))
+            slot.lease = None
+        return (yield from self._run_one(message, run, slot))
+
+    def _later(
+        self, message: Any, later: _Later, acquired: list[_execution.Lease]
+    ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
+        """A copy of a key another flow of this run claimed: run under that flow's lease if it
+        has not started it (same fingerprint), else wait for that run (`retry_delay` at most)
+        and claim: a completed duplicate then, mostly. The store decides, as ever."""
+        slot = later.slot
+        if slot.lease is None:
+            yield _Wait(slot, self.policy.retry_delay.total_seconds())
+        lease = slot.lease
+        if lease is not None and slot.fingerprint == later.fingerprint:
+            slot.lease, slot.taken = None, lease
+            acquired.append(lease)
+            return (yield from self._run_one(message, lease, slot))
+        answers = yield from self._claim_many([(later.key, later.fingerprint)])
+        verdict, lease = self._claimed(later.key, answers[0])
+        if lease is None:
+            assert verdict is not None
+            return verdict
+        if lease.attempt > self.policy.max_attempts:
+            return (yield from self._exhausted(lease))
+        acquired.append(lease)
+        if self._policy.heartbeat:
+            yield _execution.StartHeartbeat(lease)
+        return (yield from self._run_one(message, lease, None))
 
     def _settled(self, lease: _execution.Lease, value: Any, outcome: Any) -> Verdict:
         """The verdict of a handler that returned *value*, once its completion answered
@@ -899,20 +985,25 @@ class IdempotentConsumer:
             Action.RETRY, Reason.STORE_UNAVAILABLE, key, self._retry_delay(), error=outcome
         )
 
-    def _run_one(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any, Any] | Verdict]:
-        """Run one handler and send its completion off at once: ``(value, handle)`` (the
-        handle answers the completion, see `_Completed`), or the verdict of its failure."""
+    def _run_one(
+        self, message: Any, lease: _execution.Lease, slot: _Slot | None = None
+    ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
+        """Run one handler and send its completion off at once: ``(lease, value, handle)``
+        (the handle answers the completion, see `_Completed`), or the verdict of its failure.
+        *slot* (the key's, shared with other flows) is decided once the completion lands."""
         ran = yield from self._guarded(message, lease)
         if isinstance(ran, Verdict):
+            yield from _decided(slot)
             return ran
         if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
+            yield from _decided(slot)
             return self._settled(lease, ran[0], None)
         lease.settling = True  # an extend landing after the completion answers LeaseLost
         if lease.heartbeat is not None:  # before the completion: an extend after it is refused
             yield _execution.StopHeartbeat(lease)
         item = (lease.key, lease.token, _encoded(lease, ran[0], self.codec))
-        sent = yield _Complete(item, self._complete_many)
-        return ran[0], sent
+        sent = yield _Complete(item, self._complete_many, slot)
+        return lease, ran[0], sent
 
     def _guarded(self, message: Any, lease: _execution.Lease) -> Flow[tuple[Any] | Verdict]:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
@@ -1325,11 +1416,94 @@ class Parallel(BrokerOp):
 class _Complete:
     """Send the completion *item* now, without waiting for its answer: answers a handle.
 
-    *many* is the flow that completes a list of items (`IdempotentConsumer._complete_many`).
+    *many* is the flow that completes a list of items (`IdempotentConsumer._complete_many`);
+    *decided*, the key's `_Slot`, is decided once the completion has landed.
     """
 
     item: tuple[str, int, bytes]
     many: Callable[[list[tuple[str, int, bytes]]], Flow[list[Any]]]
+    decided: _Slot | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """One key that the flows of one async run (`arun_with`; a Kafka member's partitions of one
+    poll) claim at once: the lease of the flow that got it, until that flow or another one
+    starts running it, so that a copy in another partition runs under it or waits for it
+    rather than finding the key busy (and retrying after a delay)."""
+
+    done: asyncio.Future[None]
+    """Done once the key is decided here (its completion landed, or nobody runs it now)."""
+    flows: int = 0
+    """The flows that claimed the key (more than one: an in-progress answer may be theirs)."""
+    claiming: int = 0
+    """The flows whose claim has not answered yet."""
+    owned: bool = False
+    """Whether one flow of the run got the lease."""
+    fingerprint: str | None = None
+    """The fingerprint it was claimed with (a copy with another one does not take it)."""
+    lease: _execution.Lease | None = None
+    """The lease, while nobody has started running it."""
+    taken: _execution.Lease | None = None
+    """The lease, once another flow than its claimer took it (that flow stops its beat)."""
+
+    def decide(self, *_: Any) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Later:
+    """A delivery whose claim answered in progress while another flow of the run claimed its
+    key: run by `IdempotentConsumer._later`."""
+
+    key: str
+    fingerprint: str
+    slot: _Slot
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Share:
+    """The `_Slot` of each of *keys*, shared with the other flows of the run that claim them
+    (none with a sync store: its flows run one after the other)."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Wait:
+    """Wait until *slot* is decided, at most *timeout* seconds."""
+
+    slot: _Slot
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Decide:
+    """Mark these slots decided: their copies need not wait any longer."""
+
+    slots: Sequence[_Slot]
+
+
+def _withdrawn(
+    run: _execution.Lease | _Later, slots: Mapping[str, _Slot]
+) -> TypeGuard[_execution.Lease]:
+    """Take back *run*, a lease of this flow that no other flow has started; whether it was
+    (a `_Later` is not this flow's)."""
+    if not isinstance(run, _execution.Lease):
+        return False
+    slot = slots.get(run.key)
+    if slot is None:
+        return True
+    if slot.lease is run:
+        slot.lease = None
+        return True
+    return False
+
+
+def _decided(slot: _Slot | None) -> Flow[None]:
+    if slot is not None:
+        yield _Decide((slot,))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -1448,6 +1622,21 @@ class _AsyncCompletions:
 
 _SENDING: set[asyncio.Future[Any]] = set()
 
+
+def _direct(store: Any) -> Callable[[Any], Awaitable[Any]]:
+    """How the task of an `_AsyncCompletions` performs its flows' operations: store calls
+    straight, not shielded (no task each), since that task is never cancelled with a caller,
+    only with its loop."""
+
+    def perform(op: Any) -> Awaitable[Any]:
+        if type(op) is _execution.StoreCall:
+            call: Awaitable[Any] = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+            return call
+        return _execution.aperform(op, store)
+
+    return perform
+
+
 _MAX_BATCH = 256
 """The most claims (completions) `_AsyncCompletions` sends in one call: a store answers a
 batch call at once, and no other call waits long behind it."""
@@ -1534,6 +1723,10 @@ def run_with(
                 return completions.submit(op)
             if kind is _Completed:
                 return [handle.result() for handle in op.handles]
+            if kind is _Share:
+                return {}  # the flows of a Parallel run one after the other
+            if kind is _Decide or kind is _Wait:
+                return None
             if kind is Handle:
                 return drive(op.flow, performer(op.message))
             if kind is Parallel:
@@ -1560,8 +1753,23 @@ async def arun_with(
 ) -> T:
     """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
 
+    completions = _AsyncCompletions(_direct(store))
     store = _Settling(store)
-    completions = _AsyncCompletions(lambda op: _execution.aperform(op, store))
+    claimed: dict[str, _Slot] = {}  # keys claimed by the flows of this run, see _Share
+    sharing = 0  # Parallel ops of several flows running now: their flows may share keys
+
+    def share(keys: tuple[str, ...]) -> dict[str, _Slot]:
+        slots: dict[str, _Slot] = {}
+        if not sharing:  # a lone flow: no other one claims its keys here
+            return slots
+        for key in keys:
+            slot = claimed.get(key)
+            if slot is None or slot.done.done():
+                slot = claimed[key] = _Slot(asyncio.get_running_loop().create_future())
+            slot.flows += 1
+            slot.claiming += 1
+            slots[key] = slot
+        return slots
 
     def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
         async def perform(op: Any) -> Any:
@@ -1569,12 +1777,27 @@ async def arun_with(
             if kind is Run:
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
             if kind is _Complete:
-                return completions.submit(op)
+                handle = completions.submit(op)
+                if op.decided is not None:
+                    handle.add_done_callback(op.decided.decide)
+                return handle
             if kind is _Completed:
                 return await _landed(op.handles)
+            if kind is _Share:
+                return share(op.keys)
+            if kind is _Wait:
+                await asyncio.wait((op.slot.done,), timeout=op.timeout)
+                return None
+            if kind is _Decide:
+                for slot in op.slots:
+                    slot.decide()
+                return None
             if kind is Handle:
                 return await adrive(op.flow, performer(op.message))
             if kind is Parallel:
+                nonlocal sharing
+                several = len(op.flows) > 1
+                sharing += several
                 tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
                 try:
                     return await asyncio.gather(*tasks)
@@ -1583,6 +1806,8 @@ async def arun_with(
                         task.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
                     raise
+                finally:
+                    sharing -= several
             if isinstance(op, BrokerOp):
                 return await broker(op)
             if kind is _execution.Invoke:
@@ -1591,7 +1816,14 @@ async def arun_with(
 
         return perform
 
-    return await adrive(flow, performer(None))
+    try:
+        return await adrive(flow, performer(None))
+    except BaseException:
+        # Cancelled (a consumer shutting down) with completions on the way, say: their
+        # handlers ran, so they land before the store may be closed (see `_landed`).
+        with contextlib.suppress(asyncio.CancelledError):  # what is raised is the first error
+            await _landed([completions.idle()])
+        raise
 
 
 def seconds(value: Duration | None) -> float:

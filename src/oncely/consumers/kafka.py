@@ -32,7 +32,10 @@ runner's verdicts (docs/guides/consumers.md) become:
   and run again, while the partition is still assigned to this member. Nothing after that
   record runs meanwhile (effects keep the partition's order); leases already taken for those
   records are kept, not released, so waiting does not count as an attempt (and extended
-  before use: one taken over meanwhile is claimed again). Each poll runs a
+  before use: one taken over meanwhile is claimed again). A copy of a key in another
+  partition (a message published twice) does not find it busy: it runs under the lease this
+  member claimed or kept for it elsewhere if that copy has not started, else waits for that
+  run (at most ``retry_delay``) and is its duplicate. Each poll runs a
   fetched record at most once, so the member keeps polling within ``max.poll.interval.ms``
   and sees *stop* however long the store is down or a record keeps failing. A revoked
   partition, or one left when the member stops, goes to the next owner from the committed
@@ -57,7 +60,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -253,9 +264,10 @@ class _KafkaFlows:
         known = self._settled.get(partition, frozenset())  # settled past the one to retry
         settled = [offset in known for offset in offsets]
         todo = [i for i in range(len(records)) if not settled[i]]
-        held = self._held.setdefault(partition, {})
         verdicts = yield from self.consumer.batch_flow(
-            [self._delivery(records[i]) for i in todo], ordered=True, held=held
+            [self._delivery(records[i]) for i in todo],
+            ordered=True,
+            held=_Held(self._held, partition),
         )
         blocker: Verdict | None = None  # the first record to run again decides the wait
         for i, verdict in zip(todo, verdicts, strict=True):
@@ -343,6 +355,40 @@ class _KafkaFlows:
     def _is_assigned(self, partition: Partition) -> bool:
         stopping = self._stopping or (self._stop is not None and self._stop.is_set())
         return not stopping and partition in self._assigned
+
+
+class _Held(MutableMapping[str, Any]):
+    """The leases *partition* keeps for its blocked records (the *held* of
+    `IdempotentConsumer.batch_flow`), seeing those of every partition: a copy of a key in
+    another partition runs under the lease kept for it, instead of finding the key busy and
+    blocking that partition too (then holding its own records' leases, and so on)."""
+
+    def __init__(self, every: dict[Partition, dict[str, Any]], partition: Partition) -> None:
+        self._every = every
+        self._own = every.setdefault(partition, {})
+
+    def _holder(self, key: str) -> dict[str, Any]:
+        if key in self._own:
+            return self._own
+        for leases in self._every.values():
+            if key in leases:
+                return leases
+        raise KeyError(key)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._holder(key)[key]
+
+    def __setitem__(self, key: str, lease: Any) -> None:
+        self._own[key] = lease
+
+    def __delitem__(self, key: str) -> None:
+        del self._holder(key)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for leases in list(self._every.values()) for key in list(leases))
+
+    def __len__(self) -> int:
+        return sum(len(leases) for leases in self._every.values())
 
 
 def _headers(raw: Any) -> list[tuple[str, bytes]]:
