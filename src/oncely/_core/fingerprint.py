@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from oncely.errors import FingerprintError
@@ -45,6 +45,11 @@ _ZERO_BYTES = _ZEROS.encode("ascii")
 
 _DOCUMENT = json.JSONDecoder(parse_float=decimal.Decimal)
 """Decimals keep every digit of a number, so 0.10000000000000000001 is not 0.1."""
+
+_SCAN: Callable[[str, int], tuple[Any, int]] = vars(_DOCUMENT)["scan_once"]
+"""`_DOCUMENT`'s scanner, which `JSONDecoder.raw_decode` calls after skipping whitespace."""
+
+_OPENERS = ("{", "[")
 
 _SORTED = json.JSONEncoder(
     ensure_ascii=True, separators=(",", ":"), sort_keys=True, allow_nan=False
@@ -209,7 +214,13 @@ def parse_document(source: bytes) -> Any:
     """
     text = source.decode(_json_encoding(source), "surrogatepass")
     try:
+        if text[:1] in _OPENERS:  # the usual body: no whitespace around, so no regex to skip it
+            document, end = _SCAN(text, 0)
+            if end == len(text):
+                return document
         return _DOCUMENT.decode(text)
+    except StopIteration as exc:  # as `JSONDecoder.raw_decode` says it
+        raise json.JSONDecodeError("Expecting value", text, exc.value) from None
     except RecursionError:
         raise ValueError("the JSON document nests too deeply to be read") from None
     except decimal.InvalidOperation:
@@ -238,9 +249,14 @@ def canonical_document(document: Any, source: bytes) -> str:
         FingerprintError: The document holds ``NaN`` or an infinity, or is nested deeper than
             `MAX_DEPTH`.
     """
-    if source.count(b"[") + source.count(b"{") <= _FAST_BRACKETS and _ZERO_BYTES not in source:
+    if len(source) <= _FAST_BRACKETS or (  # too short to hold more brackets, or the zeros
+        source.count(b"[") + source.count(b"{") <= _FAST_BRACKETS and _ZERO_BYTES not in source
+    ):
         try:
-            return _SORTED.encode(document)
+            if _ENCODE_SORTED is None:
+                return _SORTED.encode(document)
+            # A parsed document holds no cycles: the encoder made once, without their check.
+            return "".join(_ENCODE_SORTED(document, 0))
         except (TypeError, ValueError):
             pass
     return canonical_json(document)
@@ -288,7 +304,7 @@ _ENCODE_SORTED = (
     else None
 )
 """`_SORTED`'s C encoder made once (`JSONEncoder.encode` makes one per call), without its
-check for cycles: it only ever sees a list holding one flat dict."""
+check for cycles: it only ever sees a list holding one flat dict, or a parsed document."""
 
 
 def arguments_digest(arguments: dict[str, Any]) -> str:

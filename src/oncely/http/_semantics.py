@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
 from json.encoder import encode_basestring_ascii as _ascii_string
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl
 
 from oncely._core.fingerprint import canonical_body, digest
@@ -71,6 +71,7 @@ __all__ = [
     "mismatch",
     "not_replayable",
     "plan",
+    "plan_parts",
     "problem",
     "read_key",
     "replayed",
@@ -175,12 +176,12 @@ def default_scope(request: HttpRequest) -> str:
     .. versionadded:: 0.1.0
     """
     authorization, _, cookies = _read_headers(request.headers)
-    return _scope_text(request, authorization, cookies)
+    return _scope_of(request.method, request.route, request.principal, authorization, cookies)
 
 
 def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None, list[bytes]]:
     """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
-    *headers*, in one pass (names as `HttpRequest.header` and `_scope_text` compare them)."""
+    *headers*, in one pass (names as `HttpRequest.header` and `_scope_of` compare them)."""
     authorization = content_type = None
     cookies = []
     for name, value in headers:
@@ -195,12 +196,18 @@ def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None
     return authorization, content_type, cookies
 
 
-def _scope_text(request: HttpRequest, authorization: bytes | None, cookies: list[bytes]) -> str:
-    scope = f"{request.method} {request.route}"
+def _scope_of(
+    method: str,
+    route: str,
+    user: str | None,
+    authorization: bytes | None,
+    cookies: list[bytes],
+) -> str:
+    scope = f"{method} {route}"
     # Each kind is tagged in the scope itself ("u:", "c:"), so no header can forge another
     # kind's digest; Authorization stays untagged, so the scopes of existing keys do not change.
-    if request.principal is not None:
-        principal = "u:" + _digest(request.principal.encode("utf-8", "surrogatepass"))
+    if user is not None:
+        principal = "u:" + _digest(user.encode("utf-8", "surrogatepass"))
     elif authorization is not None:
         principal = _digest(authorization)
     elif cookies:
@@ -251,13 +258,14 @@ def default_fingerprint(request: HttpRequest) -> list[Any]:
 
     .. versionadded:: 0.1.0
     """
-    return [request.method, request.path, _sorted_query(request), _body_digest(request)]
+    body = _digest_of_body(request.body, request.content_type)
+    return [request.method, request.path, _query_pairs(request.query_string), body]
 
 
-def _sorted_query(request: HttpRequest) -> list[list[str]]:
-    if not request.query_string:
+def _query_pairs(query_string: bytes) -> list[list[str]]:
+    if not query_string:
         return []
-    pairs = parse_qsl(request.query_string.decode("latin-1"), keep_blank_values=True)
+    pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
     return [list(pair) for pair in sorted(pairs)]
 
 
@@ -265,11 +273,8 @@ _PLAIN: Final = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 """Compact ASCII JSON, as ``json.dumps(value, ensure_ascii=True, separators=(",", ":"))``."""
 
 
-def _body_digest(request: HttpRequest, media: str | None = None) -> str:
-    """The digest of the request body; *media* is `HttpRequest.content_type` if known."""
-    body = request.body
-    if media is None:
-        media = request.content_type
+def _digest_of_body(body: bytes, media: str) -> str:
+    """The digest of a request *body* whose media type (`HttpRequest.content_type`) is *media*."""
     if body and (media == "application/json" or media.endswith("+json")):
         text = canonical_body(body)
         if text is not None:  # else labelled JSON but it is not: the raw bytes define it
@@ -333,9 +338,9 @@ def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str 
     return key
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What a protected request is claimed with: the scoped key and the fingerprint."""
+class Plan(NamedTuple):
+    """What a protected request is claimed with: the scoped key and the fingerprint (a tuple:
+    made on every protected request, it costs less than a frozen dataclass)."""
 
     key: str
     fingerprint: str
@@ -344,33 +349,76 @@ class Plan:
 def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
     """Scope *key* and fingerprint *request* as *policy* says."""
     if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
-        # The usual policy: the headers both read in one pass.
-        authorization, content_type, cookies = _read_headers(request.headers)
-        media = "" if content_type is None else _media_type(content_type.decode("latin-1"))
-        return Plan(
-            scope_key(_scope_text(request, authorization, cookies), key),
-            _default_digest(request, media),
+        return _default_plan(
+            request.method,
+            request.path,
+            request.route,
+            request.query_string,
+            request.headers,
+            request.body,
+            request.principal,
+            key,
         )
     scope = policy.scope(request)
     if not isinstance(scope, str):
         raise TypeError(f"the scope callable returned {type(scope).__name__}, not str")
     if policy.fingerprint is default_fingerprint:
-        fingerprint = _default_digest(request, request.content_type)
+        fingerprint = _default_digest(
+            request.method,
+            request.path,
+            request.query_string,
+            _digest_of_body(request.body, request.content_type),
+        )
     else:
         fingerprint = digest([policy.fingerprint(request)])
     return Plan(scope_key(scope, key), fingerprint)
 
 
-def _default_digest(request: HttpRequest, media: str) -> str:
+def plan_parts(
+    method: str,
+    path: str,
+    route: str,
+    query_string: bytes,
+    headers: Sequence[Header],
+    body: bytes,
+    principal: str | None,
+    key: str,
+    policy: HttpPolicy,
+) -> Plan:
+    """`plan` of the `HttpRequest` these parts make, which only a custom scope or fingerprint
+    callable needs to see built (the ASGI middleware's path: one object less per request)."""
+    if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
+        return _default_plan(method, path, route, query_string, headers, body, principal, key)
+    request = HttpRequest(method, path, route, query_string, tuple(headers), body, principal)
+    return plan(request, key, policy)
+
+
+def _default_plan(
+    method: str,
+    path: str,
+    route: str,
+    query_string: bytes,
+    headers: Iterable[Header],
+    body: bytes,
+    principal: str | None,
+    key: str,
+) -> Plan:
+    # The usual policy: the headers both read in one pass.
+    authorization, content_type, cookies = _read_headers(headers)
+    media = "" if content_type is None else _media_type(content_type.decode("latin-1"))
+    return Plan(
+        scope_key(_scope_of(method, route, principal, authorization, cookies), key),
+        _default_digest(method, path, query_string, _digest_of_body(body, media)),
+    )
+
+
+def _default_digest(method: str, path: str, query_string: bytes, body_digest: str) -> str:
     # The digest of `default_fingerprint`'s parts, spelt as
     # ``json.dumps(parts, ensure_ascii=True, separators=(",", ":"))`` without building the
     # list: this runs on every protected request. The body digest is hex behind an ASCII tag,
     # so it needs no escaping.
-    query = _PLAIN.encode(_sorted_query(request)) if request.query_string else "[]"
-    text = (
-        f"[{_ascii_string(request.method)},{_ascii_string(request.path)},{query},"
-        f'"{_body_digest(request, media)}"]'
-    )
+    query = _PLAIN.encode(_query_pairs(query_string)) if query_string else "[]"
+    text = f'[{_ascii_string(method)},{_ascii_string(path)},{query},"{body_digest}"]'
     return "h1:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -613,15 +661,33 @@ def encode_snapshot(response: Response) -> bytes:
     return _encode(response.status, response.headers, response.body, response.reason)
 
 
-def _encode(status: int, headers: Sequence[Header], body: bytes, reason: bytes) -> bytes:
+def _encode(
+    status: int,
+    headers: Sequence[Header],
+    body: bytes,
+    reason: bytes,
+    policy: HttpPolicy | None = None,
+) -> bytes:
+    """`encode_snapshot`; with a *policy*, of the `storable_headers` of *headers* only (filtered
+    as they are written: this runs on every stored response)."""
     if not 100 <= status <= 999:
         raise ValueError(f"status {status} is out of range")
     if len(reason) > 255:
         reason = b""
-    parts = [_HEAD.pack(_MAGIC, _VERSION, status, len(reason), len(headers)), reason]
+    dropped = () if policy is None else policy.dropped_headers
+    parts = [b"", reason]  # the head first, once the headers kept are counted
+    count = 0
     for name, value in headers:
-        parts += [_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value]
-    parts += [_BODY.pack(len(body)), body]
+        if dropped:
+            lowered = name.lower()
+            if lowered in dropped:
+                if lowered == b"connection" and policy is not None:  # it names more to drop
+                    return _encode(status, storable_headers(headers, policy), body, reason)
+                continue
+        parts += (_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value)
+        count += 1
+    parts += (_BODY.pack(len(body)), body)
+    parts[0] = _HEAD.pack(_MAGIC, _VERSION, status, len(reason), count)
     return b"".join(parts)
 
 
@@ -729,6 +795,4 @@ class ResponseCapture:
 
     def snapshot(self, policy: HttpPolicy) -> bytes:
         """The stored form of the captured response (headers filtered for storage)."""
-        return _encode(
-            self.status, storable_headers(self.headers, policy), b"".join(self.chunks), self.reason
-        )
+        return _encode(self.status, self.headers, b"".join(self.chunks), self.reason, policy)
