@@ -752,7 +752,7 @@ async def acall(
 # -- heartbeats -------------------------------------------------------------------------------
 
 
-_COMPACT_AT = 1024
+_COMPACT_AT = 64
 """A heap of heartbeats to come is rebuilt without the stopped ones once they are this many
 and half of it: so its size follows the calls in flight, not the calls of the last interval."""
 
