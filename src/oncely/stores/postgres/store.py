@@ -1,11 +1,14 @@
 """`postgresql://…`: records in PostgreSQL, for several hosts and the user's HA cluster.
 
 Every transition is one statement in autocommit mode, so one round trip, judged by the
-server's clock: workers whose clocks disagree by minutes still cannot take a live lease. Claims
-call the ``oncely_claim`` function that `PostgresStore.migrate` installs (see ``schema.sql`` for
-why a claim needs a function to be race-free); the other verbs are single ``UPDATE``s. The batch
-verbs send their statements in pipeline mode: one round trip and one transaction per batch
-(see `_sql.Batch` for why one transaction, and why in key order).
+server's clock: workers whose clocks disagree by minutes still cannot take a live lease. A claim
+inserts a new key, or answers a replay, a mismatch or a live lease from a plain read; what
+needs a decision on a locked row (a lapsed lease, an expired or released record, a lost insert
+race) goes on to the ``oncely_claim`` function that `PostgresStore.migrate` installs (see
+``schema.sql`` for why that takes a function to be race-free), in a second round trip. The other
+verbs are single ``UPDATE``s. The batch verbs send their statements in pipeline mode: one round
+trip and one transaction per batch (see `_sql.Batch` for why one transaction, and why in key
+order).
 
 A transition whose session dies under it (a restart, a failover, a proxy cutting the
 connection, perhaps after the commit with the reply lost) is sent once more on a fresh
@@ -595,7 +598,13 @@ class PostgresStore:
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`. One statement, judged by the server's clock."""
-        return _sql.decode_claim(key, self._execute(self._claim(key, fingerprint, lease, ttl)))
+        # Two for a key whose record is expired, released or a lapsed lease, or that another
+        # call inserted at the same moment (see `_sql.CLAIM`).
+        statement = self._claim(key, fingerprint, lease, ttl)
+        answer = _sql.decode_claim_one(self._queries, statement, self._execute(statement))
+        if type(answer) is _sql.Statement:
+            return _sql.decode_claim(key, self._execute(answer))
+        return answer  # type: ignore[return-value]
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
@@ -682,8 +691,11 @@ class PostgresStore:
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        reply = await self._aexecute(self._claim(key, fingerprint, lease, ttl))
-        return _sql.decode_claim(key, reply)
+        statement = self._claim(key, fingerprint, lease, ttl)
+        answer = _sql.decode_claim_one(self._queries, statement, await self._aexecute(statement))
+        if type(answer) is _sql.Statement:
+            return _sql.decode_claim(key, await self._aexecute(answer))
+        return answer  # type: ignore[return-value]
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
