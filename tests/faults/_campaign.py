@@ -376,7 +376,7 @@ def _patterns(store: str, verb: str) -> bytes:
     if store == "postgres":
         return {
             "complete": b"SET status = $1, result = $2",
-            "claim": b"oncely_claim(",
+            "claim": b"END AS claimed,",  # _sql.CLAIM's
         }[verb]
     from oncely.stores.redis._scripts import library
 

@@ -545,7 +545,7 @@ def test_each_verb_is_one_round_trip(
     afterwards it is only executed.
     """
     executed: list[str] = []
-    for cls in (psycopg.Connection, psycopg.AsyncConnection):
+    for cls in (psycopg.Cursor, psycopg.AsyncCursor):  # connection.execute calls these too
         original = cls.execute
 
         def execute(self: Any, query: Any, *args: Any, _original: Any = original, **kw: Any) -> Any:

@@ -50,6 +50,7 @@ __all__ = [
     "claim_many",
     "claim_statement",
     "decode_claim",
+    "decode_claim_one",
     "extend_many",
     "finish_many",
     "finish_statement",
@@ -94,6 +95,61 @@ VERSION: Final = "SELECT version FROM {schema}.oncely_schema WHERE id = 1"
 """No parameters. The applied schema version: one row, or none before the first migration."""
 
 CLAIM: Final = """
+WITH r AS (
+    SELECT *, clock_timestamp() AS t FROM {schema}.oncely_records WHERE key = %s
+), inserted AS (
+    INSERT INTO {schema}.oncely_records AS n
+           (key, status, fingerprint, token, attempt, lease_expires_at, expires_at,
+            created_at, updated_at, result, op)
+    SELECT %s, 'in_progress', %s, 1, 1, c.t + %s::bigint * interval '1 millisecond',
+           c.t + %s::bigint * interval '1 millisecond', c.t, c.t, NULL, %s
+      FROM (SELECT clock_timestamp() AS t) AS c
+     WHERE NOT EXISTS (SELECT FROM r)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING n.token, n.attempt
+)
+SELECT CASE WHEN r.expires_at > r.t
+             AND (r.status IN ('completed', 'failed')
+                  OR (r.status = 'in_progress'
+                      AND (r.fingerprint <> %s
+                           OR (r.lease_expires_at > r.t AND r.op IS DISTINCT FROM %s
+                               AND r.op IS DISTINCT FROM %s || '+'))))
+            THEN CASE WHEN r.fingerprint <> %s THEN 'mismatch'
+                      WHEN r.status = 'in_progress' THEN 'in_progress'
+                      ELSE 'replay' END
+       END AS claimed,
+       r.t, r.status, r.fingerprint, r.token, r.attempt, r.lease_expires_at, r.expires_at,
+       r.created_at, r.updated_at,
+       CASE WHEN r.fingerprint = %s AND r.status <> 'in_progress' THEN r.result END
+  FROM r
+UNION ALL
+SELECT 'acquired', NULL, NULL, NULL, i.token, i.attempt, NULL, NULL, NULL, NULL, NULL
+  FROM inserted AS i
+"""
+"""Parameters, in order (positional: the hot path skips psycopg's reordering of named ones):
+key, key, fingerprint, lease_ms, lease_ms + the margin (``oncely_claim``'s: max(ttl, lease)),
+op, fingerprint, op, op, fingerprint, fingerprint (see `claim_statement`).
+
+The claim of a single key, written for the two common cases, with no function in the plan: a
+plan holding a PL/pgSQL call costs the server more on every execution, even one whose one-time
+filter never runs the call (measured per statement by the backend's CPU time, some 50 µs for a
+new key and 15 for a replay, against ``oncely_claim`` behind a filter, as `CLAIM_MANY` is).
+
+A key with no row in the statement's snapshot is inserted, as ``oncely_claim`` would insert it
+(``ON CONFLICT DO NOTHING``, so it waits for a concurrent claimer's insert and then does
+nothing); a row that decides the claim without a write (a replay, a mismatch, a live lease held
+by another call: ``oncely_claim``'s lock-free read, the same conditions in the same order) is
+answered as read. The answer is one row with its outcome, as `CLAIM_CALL`'s, or, when neither
+happened (the insert lost a race, or the row is expired, released, a lapsed lease, this call's
+own lease, an unknown status), a row without one or no row at all: nothing was written, and
+the caller sends `CLAIM_CALL` to decide it (`decode_claim_one`)."""
+
+CLAIM_CALL: Final = """
+SELECT * FROM {schema}.oncely_claim(%s, %s, %s, %s, %s)
+"""
+"""Parameters, in order: key, fingerprint, lease_ms, ttl_ms, op. One row, as `CLAIM_MANY`'s."""
+
+CLAIM_MANY: Final = """
 WITH p AS (
     SELECT %s::text AS key, %s::text AS fingerprint, %s::bigint AS lease_ms,
            %s::bigint AS ttl_ms, %s::text AS op
@@ -119,9 +175,10 @@ SELECT c.*
   FROM p, {schema}.oncely_claim(p.key, p.fingerprint, p.lease_ms, p.ttl_ms, p.op) AS c
  WHERE NOT EXISTS (SELECT FROM seen)
 """
-"""Parameters, in order (positional: the hot path skips psycopg's reordering of named ones):
-key, fingerprint, lease_ms, ttl_ms, op. One row: the outcome, the server time it was judged at,
-and the record as it stands afterwards (its result only for a replay).
+"""Parameters, in order (positional, as `CLAIM`'s): key, fingerprint, lease_ms, ttl_ms, op.
+One row: the outcome, the server time it was judged at, and the record as it stands afterwards
+(its result only for a replay). The claims of a `Batch`: their statements share a transaction,
+so each is decided in its one statement.
 
 The claims that write nothing (a replay, a mismatch, a live lease held by another call) are
 answered by ``seen``, a plain read of the row as the statement's snapshot has it, judged as
@@ -222,6 +279,8 @@ class Queries:
 
     schema: str
     claim: str = field(init=False)
+    claim_call: str = field(init=False)
+    claim_many: str = field(init=False)
     complete: str = field(init=False)
     release: str = field(init=False)
     extend: str = field(init=False)
@@ -238,6 +297,8 @@ class Queries:
         render = {"schema": quoted}
         for name, template in (
             ("claim", CLAIM),
+            ("claim_call", CLAIM_CALL),
+            ("claim_many", CLAIM_MANY),
             ("complete", COMPLETE),
             ("release", RELEASE),
             ("extend", EXTEND),
@@ -364,6 +425,31 @@ def _interval(duration: timedelta) -> timedelta:
 
 
 def claim_statement(
+    queries: Queries, stored: str, key: str, fingerprint: str, lease_ms: int, ttl_ms: int
+) -> Statement:
+    """The claim of *stored* (the namespaced key), whose record comes back named *key*; its
+    reply goes to `decode_claim_one`. One statement: the store runs it without a flow."""
+    op = call_id()
+    expiry_ms = lease_ms + max(ttl_ms, lease_ms)
+    params = (stored, stored, fingerprint, lease_ms, expiry_ms, op, fingerprint, op, op)
+    return Statement(queries.claim, (*params, fingerprint, fingerprint), key, resend=True)
+
+
+def decode_claim_one(
+    queries: Queries, statement: Statement, reply: Reply
+) -> ClaimResult | Statement:
+    """What `claim_statement`'s *reply* says: the answer, or the `CLAIM_CALL` statement that
+    decides a claim `CLAIM` left undecided (it wrote nothing then)."""
+    rows = reply.rows
+    if rows and rows[0][0] is not None:
+        return decode_claim(statement.key, reply)
+    stored, _, fingerprint, lease_ms, expiry_ms, op = statement.params[:6]  # type: ignore[index]
+    # oncely_claim's margin is max(ttl, lease): passing the margin as the ttl gives the same.
+    params = (stored, fingerprint, lease_ms, expiry_ms - lease_ms, op)
+    return Statement(queries.claim_call, params, statement.key, resend=True)
+
+
+def _claim_many_statement(
     queries: Queries,
     stored: str,
     key: str,
@@ -372,10 +458,8 @@ def claim_statement(
     ttl_ms: int,
     op: str | None = None,
 ) -> Statement:
-    """The claim of *stored* (the namespaced key), whose record comes back named *key*; its
-    reply goes to `decode_claim`. One statement: the store runs it without a flow."""
     params = (stored, fingerprint, lease_ms, ttl_ms, op or call_id())
-    return Statement(queries.claim, params, key, resend=True)
+    return Statement(queries.claim_many, params, key, resend=True)
 
 
 def claim_many(
@@ -392,7 +476,7 @@ def claim_many(
     lease_ms, ttl_ms = ms(lease), ms(ttl)
     return _batch(
         [
-            (stored, claim_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms, op))
+            (stored, _claim_many_statement(queries, stored, key, fingerprint, lease_ms, ttl_ms, op))
             for (stored, key, fingerprint), op in zip(
                 requests, call_ids(requests, ops), strict=True
             )

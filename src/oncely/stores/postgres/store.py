@@ -1,11 +1,14 @@
 """`postgresql://…`: records in PostgreSQL, for several hosts and the user's HA cluster.
 
 Every transition is one statement in autocommit mode, so one round trip, judged by the
-server's clock: workers whose clocks disagree by minutes still cannot take a live lease. Claims
-call the ``oncely_claim`` function that `PostgresStore.migrate` installs (see ``schema.sql`` for
-why a claim needs a function to be race-free); the other verbs are single ``UPDATE``s. The batch
-verbs send their statements in pipeline mode: one round trip and one transaction per batch
-(see `_sql.Batch` for why one transaction, and why in key order).
+server's clock: workers whose clocks disagree by minutes still cannot take a live lease. A claim
+inserts a new key, or answers a replay, a mismatch or a live lease from a plain read; what
+needs a decision on a locked row (a lapsed lease, an expired or released record, a lost insert
+race) goes on to the ``oncely_claim`` function that `PostgresStore.migrate` installs (see
+``schema.sql`` for why that takes a function to be race-free), in a second round trip. The other
+verbs are single ``UPDATE``s. The batch verbs send their statements in pipeline mode: one round
+trip and one transaction per batch (see `_sql.Batch` for why one transaction, and why in key
+order).
 
 A transition whose session dies under it (a restart, a failover, a proxy cutting the
 connection, perhaps after the commit with the reply lost) is sent once more on a fresh
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -29,7 +33,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from oncely._core.clock import Clock
@@ -81,6 +85,32 @@ def _has_rows(cursor: Any) -> bool:
     # Cheaper than `cursor.description`, which builds a Column object per column on each call.
     result = cursor.pgresult
     return result is not None and result.status == _TUPLES_OK
+
+
+@overload
+def _cursor(connection: psycopg.Connection[Any]) -> psycopg.Cursor[Any]: ...
+@overload
+def _cursor(connection: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[Any]: ...
+def _cursor(connection: Any) -> Any:
+    """The cursor that runs *connection*'s single statements, made on its first one.
+
+    ``connection.execute`` makes a cursor per statement (and its adapters and transformer);
+    a cursor can run any number of statements one after the other, and a pooled connection
+    runs one at a time. Kept on the connection, it goes with it.
+    """
+    try:
+        return connection._oncely_cursor
+    except AttributeError:
+        cursor = connection._oncely_cursor = connection.cursor()
+        return cursor
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded(sql: str) -> bytes | str:
+    """*sql* as bytes, made once: psycopg encodes a ``str`` query on every execution, and
+    hashes the new bytes to find its cached parsing and its prepared statement (a claim's
+    text is 1.5 kB). Only ASCII text, the same bytes in any client encoding."""
+    return sql.encode() if sql.isascii() else sql
 
 
 _S = TypeVar("_S", bound="PostgresStore")
@@ -537,8 +567,9 @@ class PostgresStore:
 
     def _run(self, connection: psycopg.Connection[Any], op: _sql.Statement) -> _sql.Reply:
         script = op.params is None
-        cursor = connection.execute(
-            op.sql, op.params, prepare=self._prepare and not script, binary=not script
+        cursor = _cursor(connection)
+        cursor.execute(
+            _encoded(op.sql), op.params, prepare=self._prepare and not script, binary=not script
         )
         return _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
 
@@ -546,8 +577,9 @@ class PostgresStore:
         self, connection: psycopg.AsyncConnection[Any], op: _sql.Statement
     ) -> _sql.Reply:
         script = op.params is None
-        cursor = await connection.execute(
-            op.sql, op.params, prepare=self._prepare and not script, binary=not script
+        cursor = _cursor(connection)
+        await cursor.execute(
+            _encoded(op.sql), op.params, prepare=self._prepare and not script, binary=not script
         )
         return _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
 
@@ -595,7 +627,13 @@ class PostgresStore:
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`. One statement, judged by the server's clock."""
-        return _sql.decode_claim(key, self._execute(self._claim(key, fingerprint, lease, ttl)))
+        # Two for a key whose record is expired, released or a lapsed lease, or that another
+        # call inserted at the same moment (see `_sql.CLAIM`).
+        statement = self._claim(key, fingerprint, lease, ttl)
+        answer = _sql.decode_claim_one(self._queries, statement, self._execute(statement))
+        if type(answer) is _sql.Statement:
+            return _sql.decode_claim(key, self._execute(answer))
+        return answer  # type: ignore[return-value]
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
         """See `oncely.SyncStore.complete`."""
@@ -682,8 +720,11 @@ class PostgresStore:
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        reply = await self._aexecute(self._claim(key, fingerprint, lease, ttl))
-        return _sql.decode_claim(key, reply)
+        statement = self._claim(key, fingerprint, lease, ttl)
+        answer = _sql.decode_claim_one(self._queries, statement, await self._aexecute(statement))
+        if type(answer) is _sql.Statement:
+            return _sql.decode_claim(key, await self._aexecute(answer))
+        return answer  # type: ignore[return-value]
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
