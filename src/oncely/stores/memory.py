@@ -59,7 +59,7 @@ class MemoryStore(MachineStore):
         return cls(**options)
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
-        """See `oncely.SyncStore.claim`: the machine's claim under the lock, with no step."""
+        """See `oncely.SyncStore.claim`."""
         stored = self._stored_key(key)
         lease_ms, ttl_ms = _ms(lease), _ms(ttl)
         with self._lock:
@@ -81,7 +81,7 @@ class MemoryStore(MachineStore):
         return answer
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.complete`: the machine's complete under the lock, with no step."""
+        """See `oncely.SyncStore.complete`."""
         stored = self._stored_key(key)
         ttl_ms = _ms(ttl)
         if type(result) is not bytes:
