@@ -36,6 +36,26 @@ ON CONFLICT (key) DO UPDATE SET
 """
 """Parameters: every column in table order. Writes the record the state machine decided on."""
 
+INSERT: Final = """
+INSERT INTO oncely_records (key, status, fingerprint, token, attempt, lease_expires_at_ms,
+                            expires_at_ms, created_at_ms, updated_at_ms, result, op)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (key) DO NOTHING
+"""
+"""Parameters: every column in table order. Writes the record of a key that had none, if it
+still has none (one row changed), else nothing."""
+
+SWAP: Final = """
+UPDATE oncely_records
+   SET status = ?, fingerprint = ?, token = ?, attempt = ?, lease_expires_at_ms = ?,
+       expires_at_ms = ?, created_at_ms = ?, updated_at_ms = ?, result = ?, op = ?
+ WHERE key = ? AND status = ? AND fingerprint = ? AND token = ? AND attempt = ?
+   AND lease_expires_at_ms = ? AND expires_at_ms = ? AND created_at_ms = ? AND updated_at_ms = ?
+   AND result IS ? AND op IS ?
+"""
+"""Parameters: every column but the key, as written; then the row as `SELECT` returned it.
+Writes the record only if the stored row is still that one (one row changed), else nothing."""
+
 PURGE: Final = """
 DELETE FROM oncely_records
  WHERE key IN (SELECT key FROM oncely_records WHERE expires_at_ms <= ? LIMIT ?)

@@ -1,23 +1,27 @@
 """`sqlite:///path/to.db`: the embedded default store.
 
-Durable, and safe for several processes on one host: the database runs in WAL mode and every
-transition is one ``BEGIN IMMEDIATE`` transaction (read the record, let the reference state
-machine decide, write), so concurrent claimers in any number of threads and processes are
-serialised by SQLite's write lock. All processes of one host share its clock, which judges
-leases and expiry.
+Durable, and safe for several processes on one host: the database runs in WAL mode, and every
+transition is atomic across the threads and processes that share the file. A transition reads
+the record without the write lock (WAL gives the read a consistent snapshot) and lets the
+reference state machine decide on it. A replay, a mismatch or a live lease write nothing and
+are answered from that read, as PostgreSQL's claim answers them. A transition that writes does
+so in one statement that applies only while the record is still the one read (`_sql.INSERT`
+for a key that had none, `_sql.SWAP` for an unchanged row): a compare-and-swap, atomic as every
+SQLite statement is, serialised with every other writer by SQLite's write lock. A swap that
+finds the record changed by another writer meanwhile decides again in a ``BEGIN IMMEDIATE``
+transaction, holding the lock from the read to the write. All processes of one host share its
+clock, which judges leases and expiry.
 
-A claim reads first without the write lock (WAL gives the read a consistent snapshot), and
-answers a replay, a mismatch or a live lease from that read, as PostgreSQL's claim does: those
-write nothing, and the answer is the one the state machine gives on the record as it stood at
-the snapshot. Only a claim that writes (a new key, an expired or released record, a lapsed
-lease) takes ``BEGIN IMMEDIATE`` and decides again on the record as it stands then. Async
-callers make that first read on the event loop's thread: it never waits for the disk.
-
-Sync callers use a connection per thread. Async callers hop to a small pool of threads owned by
-the store (never a thread per call), each with its own connection; except that when commits do
-not wait for the disk (``synchronous="normal"`` or ``"off"`` in WAL mode, or an in-memory
-database), a transition that finds the write lock free runs at once on the event loop's thread:
-it takes tens of microseconds, less than the hop to a thread and back.
+Sync callers use a connection per thread. Async callers read on the event loop's thread (a
+WAL read never waits for a writer) and decide there. Their writes go to the store's writer
+thread when commits wait for the disk (``synchronous="full"``, the default, or ``"extra"``):
+the writes queued while it commits go in one transaction, one commit (one fsync) for them all,
+and each event loop is woken once per batch. When commits do not wait for the disk
+(``synchronous="normal"`` or ``"off"``, or an in-memory database), a write that finds the
+write lock free is made at once on the event loop's thread: it takes tens of microseconds, less
+than the hop to a thread and back. The event loop never waits for the lock (another writer's
+transaction) nor for an fsync. The less common async calls run in a small pool of threads
+owned by the store (never a thread per call), each with its own connection.
 
 An in-memory database has one connection, used under the store's lock by every caller: SQLite's
 shared cache, the other way to share one, locks tables without heeding the busy timeout.
@@ -29,21 +33,23 @@ import asyncio
 import contextlib
 import functools
 import os
+import queue
 import random
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qs
 
 from oncely._core import machine
 from oncely._core.clock import Clock
-from oncely._core.records import ClaimResult, Record, Replay, Status
+from oncely._core.records import ClaimResult, LeaseLost, Record, Replay, Status
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -51,7 +57,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from oncely.stores._machine import MachineStore, Step
+from oncely.stores._machine import MachineStore, Step, _claim_step, _complete_step, _ms
 from oncely.stores._namespace import namespace_range, stored_key
 from oncely.stores.sqlite import _sql
 
@@ -67,6 +73,102 @@ _STATUSES = {status.value: status for status in Status}
 
 class _Busy(Exception):
     """An inline attempt found the write lock taken: nothing was done; use a worker thread."""
+
+
+@dataclass(slots=True)
+class _Write:
+    """A write the state machine decided on, from the record as read (*row*): made if the
+    record is still that one, else *step* decides again under the write lock."""
+
+    key: str
+    row: tuple[Any, ...] | None
+    new: Record
+    op: str | None
+    answer: Any
+    step: Step[Any]
+
+
+_Outcome = tuple[bool, Any]
+"""How a write went: ``(True, answer)`` or ``(False, exception)``."""
+
+_Waiter = tuple[_Write, asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+_BATCH = 256
+"""The most writes one transaction of the writer thread makes."""
+
+
+class _Writer:
+    """The thread that makes async callers' writes when commits wait for the disk.
+
+    The writes queued while it works go in one batch to *serve*, which makes them in one
+    transaction (one commit, one fsync); then each event loop that waits on the batch is woken
+    once, by one callback that settles all of its futures.
+    """
+
+    def __init__(self, serve: Callable[[list[_Write]], list[_Outcome]]) -> None:
+        self._serve = serve
+        self._queue: queue.SimpleQueue[_Waiter | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
+        # A daemon: a process that exits without closing the store must not hang on it. A
+        # write cut short by the exit is never committed, and its caller never answered.
+        self._thread = threading.Thread(target=self._run, name="oncely-sqlite-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: _Write) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:  # never queued behind the stop: nobody would make it
+            if self._stopped:
+                raise StoreError("the store is closed", backend="sqlite")
+            self._queue.put((write, loop, future))
+        return future
+
+    def stop(self) -> None:
+        """Make the writes queued so far, then end the thread."""
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        take, more = self._queue.get, self._queue.empty
+        while True:
+            item = take()
+            waiters: list[_Waiter] = []
+            while item is not None:
+                waiters.append(item)
+                if len(waiters) == _BATCH or more():
+                    break
+                item = take()
+            if waiters:
+                self._answer(waiters)
+            if item is None:
+                return
+
+    def _answer(self, waiters: list[_Waiter]) -> None:
+        try:
+            outcomes = self._serve([write for write, _, _ in waiters])
+        except BaseException as exc:  # a bug: never leave a caller waiting forever
+            outcomes = [(False, exc)] * len(waiters)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], _Outcome]]] = {}
+        for (_, loop, future), outcome in zip(waiters, outcomes, strict=True):
+            by_loop.setdefault(loop, []).append((future, outcome))
+        for loop, settled in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: list[tuple[asyncio.Future[Any], _Outcome]]) -> None:
+    """Give each waiting future its outcome (on its loop's thread)."""
+    for future, (ok, value) in settled:
+        if future.done():  # cancelled: its caller no longer waits
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 class SQLiteStore(MachineStore):
@@ -134,6 +236,7 @@ class SQLiteStore(MachineStore):
         # contended transition would cost. Other processes still meet the busy handler.
         self._write_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._writer: _Writer | None = None
         self._forks = _forks
         self._closed = False
         # An in-memory database is private to its one connection: every use of it holds
@@ -231,6 +334,7 @@ class SQLiteStore(MachineStore):
             self._connections_lock = threading.Lock()
             self._write_lock = threading.Lock()
             self._executor = None
+            self._writer = None
         if self._shared is not None:
             return self._shared
         if getattr(self._local, "inline", False):  # never waits for another writer
@@ -314,9 +418,30 @@ class SQLiteStore(MachineStore):
     def _schema_version(self) -> int:
         return self._check_schema()
 
-    # -- the atomic primitive ------------------------------------------------------------------
+    # -- the atomic primitive: read, decide, swap (see the module's docstring) ----------------
 
     def _atomic(self, key: str, step: Step[T]) -> T:
+        connection = self._connection()
+        row = self._fetch(connection, key)
+        return self._decide(connection, key, row, step, self.clock.now_ms())
+
+    def _decide(
+        self,
+        connection: sqlite3.Connection,
+        key: str,
+        row: tuple[Any, ...] | None,
+        step: Step[T],
+        now_ms: int,
+    ) -> T:
+        """Let *step* decide on *row*, the record of *key* as read, and make its write if the
+        record is still that one; else decide again under the write lock."""
+        new, op, answer = self._step(key, row, step, now_ms)
+        if new is None or self._swap(connection, key, row, new, op):
+            return answer
+        return self._locked(key, step)
+
+    def _locked(self, key: str, step: Step[T]) -> T:
+        """*step* in a ``BEGIN IMMEDIATE`` transaction: the record cannot change meanwhile."""
         with self._transaction(key) as connection:
             return self._apply(connection, key, step, self.clock.now_ms())
 
@@ -361,105 +486,235 @@ class SQLiteStore(MachineStore):
     @contextlib.contextmanager
     def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
         """One ``BEGIN IMMEDIATE`` transaction under this process's write lock, sqlite3's errors
-        as oncely's. One context manager with plain try blocks inside (rather than one each for
-        the lock and the errors): this runs once per transition."""
+        as oncely's (an inline caller that meets a lock: `_Busy`, nothing done)."""
         inline = getattr(self._local, "inline", False)
         connection = self._connection()
         self._lock_writes(key, inline)
         try:
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if inline and _is_busy(exc):
-                    raise _Busy from exc  # another process writes: wait in a thread
-                raise
+            connection.execute("BEGIN IMMEDIATE")
             try:
                 yield connection
+                connection.execute("COMMIT")
             except BaseException:
-                connection.execute("ROLLBACK")
+                if connection.in_transaction:  # a failed COMMIT may leave it open
+                    with contextlib.suppress(sqlite3.Error):
+                        connection.execute("ROLLBACK")
                 raise
-            connection.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            translated = self._translated(exc, key)
-            if translated is None:
-                raise
-            raise translated from exc
+        except sqlite3.Error as exc:
+            self._fail(exc, key, inline)
         finally:
             self._write_lock.release()
 
+    def _fail(self, exc: sqlite3.Error, key: str, inline: bool) -> NoReturn:
+        """Raise *exc* as oncely's error; `_Busy` if an inline caller met a lock."""
+        if inline and _is_busy(exc):
+            raise _Busy from exc  # nothing was done: wait for the lock in a thread
+        translated = self._translated(exc, key)
+        if translated is None:
+            raise exc
+        raise translated from exc
+
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
+        """Read, decide and write on *connection*, whose transaction holds the write lock."""
         row = connection.execute(_sql.SELECT, (key,)).fetchone()
-        record = self._decode(key, row)
-        found = row[-1] if row is not None and isinstance(row[-1], str) else None
-        new, op, answer = step(record, found, now_ms)
+        new, op, answer = self._step(key, row, step, now_ms)
         if new is not None:
             connection.execute(_sql.UPSERT, (*_encode(new), op))
         return answer
 
-    def _read(self, key: str) -> Record | None:
-        return self._decode(key, self._fetch(key))
+    def _step(
+        self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
+    ) -> tuple[Record | None, str | None, T]:
+        found = row[10] if row is not None and isinstance(row[10], str) else None
+        return step(self._decode(key, row), found, now_ms)
 
-    def _fetch(self, key: str) -> tuple[Any, ...] | None:
+    def _swap(
+        self,
+        connection: sqlite3.Connection,
+        key: str,
+        row: tuple[Any, ...] | None,
+        new: Record,
+        op: str | None,
+    ) -> bool:
+        """`_swap_on` in a transaction of its own, under this process's write lock; whether the
+        record was still *row*, and so written (an inline caller that meets a lock: `_Busy`)."""
+        inline = getattr(self._local, "inline", False)
+        self._lock_writes(key, inline)
+        try:
+            return self._swap_on(connection, row, new, op)
+        except sqlite3.Error as exc:
+            self._fail(exc, key, inline)
+        finally:
+            self._write_lock.release()
+
+    @staticmethod
+    def _swap_on(
+        connection: sqlite3.Connection, row: tuple[Any, ...] | None, new: Record, op: str | None
+    ) -> bool:
+        """Write *new* (and *op*) if the record is still *row* (``None``: absent); whether it
+        was."""
+        values = (
+            new.status.value,
+            new.fingerprint,
+            new.token,
+            new.attempt,
+            new.lease_expires_at_ms,
+            new.expires_at_ms,
+            new.created_at_ms,
+            new.updated_at_ms,
+            new.result,
+            op,
+        )
+        if row is None:
+            cursor = connection.execute(_sql.INSERT, (new.key, *values))
+        else:
+            cursor = connection.execute(_sql.SWAP, (*values, *row))
+        return cursor.rowcount == 1
+
+    def _read(self, key: str) -> Record | None:
+        return self._decode(key, self._fetch(self._connection(), key))
+
+    def _fetch(self, connection: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
         """The row of stored *key*, read without a transaction (an inline caller that meets a
         lock gets `_Busy`)."""
-        connection = self._connection()
-        if self._memory:
-            with self._exclusive(key):
-                return self._fetch_on(connection, key)
-        return self._fetch_on(connection, key)  # WAL: a read needs no lock of this process
-
-    def _fetch_on(self, connection: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
         try:
-            row: tuple[Any, ...] | None = connection.execute(_sql.SELECT, (key,)).fetchone()
+            if self._memory:
+                with self._exclusive(key):
+                    row: tuple[Any, ...] | None = connection.execute(_sql.SELECT, (key,)).fetchone()
+            else:  # WAL: a read needs no lock of this process
+                row = connection.execute(_sql.SELECT, (key,)).fetchone()
         except sqlite3.Error as exc:
-            if getattr(self._local, "inline", False) and _is_busy(exc):
-                raise _Busy from exc
-            translated = self._translated(exc, key)
-            if translated is None:
-                raise
-            raise translated from exc
+            self._fail(exc, key, getattr(self._local, "inline", False))
         return row
 
-    # -- claims: a read without the write lock first (see the module's docstring) --------------
+    def _fetch_inline(self, key: str) -> tuple[Any, ...] | None:
+        """`_fetch` on the event loop's thread: never waits for a lock (`_Busy` instead)."""
+        self._local.inline = True
+        try:
+            return self._fetch(self._connection(), key)
+        finally:
+            self._local.inline = False
+
+    # -- claims, and their async twins ---------------------------------------------------------
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`."""
-        answer = self._answer_read(key, fingerprint)
-        if answer is None:
-            return super().claim(key, fingerprint, lease=lease, ttl=ttl)
-        return answer
+        stored = self._stored_key(key)
+        connection = self._connection()
+        row = self._fetch(connection, stored)
+        now_ms = self.clock.now_ms()
+        answer = self._read_answer(key, row, fingerprint, now_ms)
+        if answer is not None:
+            return answer
+        step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
+        claimed: ClaimResult = self._unscoped(self._decide(connection, stored, row, step, now_ms))
+        return claimed
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        answer: ClaimResult | None = None
-        if not self._closed:
+        stored = self._stored_key(key)
+        try:
+            row = self._fetch_inline(stored)
+        except _Busy:  # rare (a WAL read meets a lock only while the file is recovered)
+            return await self._run_async(
+                functools.partial(self.claim, key, fingerprint, lease=lease, ttl=ttl)
+            )
+        now_ms = self.clock.now_ms()
+        answer = self._read_answer(key, row, fingerprint, now_ms)
+        if answer is not None:
+            return answer
+        step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
+        claimed: ClaimResult = self._unscoped(await self._adecide(stored, row, step, now_ms))
+        return claimed
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        return await self._aatomic(self._stored_key(key), _complete_step(token, result, _ms(ttl)))
+
+    async def _aatomic(self, key: str, step: Step[T]) -> T:
+        """Async `_atomic`: read and decide on the event loop's thread, write as `_adecide`."""
+        try:
+            row = self._fetch_inline(key)
+        except _Busy:
+            return await self._run_async(functools.partial(self._atomic, key, step))
+        return await self._adecide(key, row, step, self.clock.now_ms())
+
+    async def _adecide(
+        self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
+    ) -> T:
+        """Async `_decide`: the write at once on the event loop's thread when commits do not
+        wait for the disk and the lock is free, else on the writer thread."""
+        new, op, answer = self._step(key, row, step, now_ms)
+        if new is None:
+            return answer
+        if self._inline:
             self._local.inline = True
             try:
-                answer = self._answer_read(key, fingerprint)
+                if self._swap(self._connection(), key, row, new, op):
+                    return answer
             except _Busy:
-                pass  # a lock met on the way: read again, and decide, in a worker thread
+                pass  # nothing was written: the writer thread waits for the lock
             finally:
                 self._local.inline = False
-        if answer is None:
-            return await self._run_async(
-                functools.partial(super().claim, key, fingerprint, lease=lease, ttl=ttl)
-            )
-        return answer
+        writer = self._writer
+        if writer is None:
+            writer = self._start_writer()
+        result: T = await writer.submit(_Write(key, row, new, op, answer, step))
+        return result
+
+    def _start_writer(self) -> _Writer:
+        with self._connections_lock:
+            if self._closed:
+                raise StoreError("the store is closed", backend=self.backend)
+            if self._writer is None:
+                self._writer = _Writer(self._write_batch)
+            return self._writer
+
+    def _write_batch(self, writes: list[_Write]) -> list[_Outcome]:
+        """Make *writes* (on the writer thread): several in one transaction, each swapped if
+        its record is as read, else decided again (the transaction holds the write lock)."""
+        if len(writes) > 1:
+            try:
+                with self._transaction(writes[0].key) as connection:
+                    return [
+                        (True, write.answer)
+                        if self._swap_on(connection, write.row, write.new, write.op)
+                        else (
+                            True,
+                            self._apply(connection, write.key, write.step, self.clock.now_ms()),
+                        )
+                        for write in writes
+                    ]
+            except Exception:  # nothing was committed: make each write alone instead
+                pass
+        outcomes: list[_Outcome] = []
+        for write in writes:
+            try:
+                connection = self._connection()
+                if self._swap(connection, write.key, write.row, write.new, write.op):
+                    outcomes.append((True, write.answer))
+                else:
+                    outcomes.append((True, self._locked(write.key, write.step)))
+            except Exception as exc:
+                outcomes.append((False, exc))
+        return outcomes
 
     def _stored_key(self, key: str) -> str:
         if self._prefix is not None:  # a named namespace: its escaped name, once
             return self._prefix + key
         return super()._stored_key(key)
 
-    def _answer_read(self, key: str, fingerprint: str) -> ClaimResult | None:
-        """The claim's answer if the record as read now needs no write, else ``None``."""
-        row = self._fetch(self._stored_key(key))
+    def _read_answer(
+        self, key: str, row: tuple[Any, ...] | None, fingerprint: str, now_ms: int
+    ) -> ClaimResult | None:
+        """The claim's answer if the record as read (*row*) needs no write, else ``None``."""
         if row is None:
             return None  # a new key: the claim writes
         record = self._decode(key, row)  # named by the caller's key: no copy to unscope it
-        now_ms = self.clock.now_ms()
         # The lease and ttl shape only a record to write, and a claim that writes is not
         # answered here: zero spares converting them on every replay.
         new, answer = machine.claim(key, record, fingerprint, now_ms=now_ms, lease_ms=0, ttl_ms=0)
@@ -561,9 +816,12 @@ class SQLiteStore(MachineStore):
 
     def close(self) -> None:
         """Close every connection and the async worker threads."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._connections_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None and self._forks == _forks:
+            self._writer.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         with self._connections_lock:
