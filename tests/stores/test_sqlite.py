@@ -264,13 +264,13 @@ def test_a_namespaced_replay_carries_the_callers_key(tmp_path: Path) -> None:
 def _threads_of_transitions(store: SQLiteStore) -> list[str]:
     """The names of the threads that make *store*'s writes, as they try them."""
     names: list[str] = []
-    original = store._swap_on
+    original = store._execute
 
     def spy(*args: Any) -> Any:
         names.append(threading.current_thread().name)
         return original(*args)
 
-    store._swap_on = spy  # type: ignore[method-assign]
+    store._execute = spy  # type: ignore[method-assign]
     return names
 
 
@@ -368,29 +368,53 @@ def test_a_claim_decided_on_a_stale_read_decides_again(tmp_path: Path, synchrono
     other.close()
 
 
-def test_a_completion_decided_on_a_stale_read_finds_the_lease_lost(tmp_path: Path) -> None:
-    """A lease lapses and another worker takes the key over between a completion's read and
-    its write: the completion's swap does not apply, and deciding again it finds the lease
-    lost; the new holder's record is untouched."""
+@pytest.mark.parametrize("synchronous", ["full", "normal"])
+def test_settling_a_lease_taken_over_or_a_corrupt_row(tmp_path: Path, synchronous: str) -> None:
+    """complete and fail write in one UPDATE where the lease holds; where it does not, the
+    state machine decides on the record: the lease is lost (the new holder's record untouched),
+    or the record is corrupt (fail closed); sync and async, alone and in a batch."""
     clock = FrozenClock()
     path = tmp_path / "oncely.db"
-    store, other = SQLiteStore(path, clock=clock), SQLiteStore(path, clock=clock)
+    store = SQLiteStore(path, clock=clock, synchronous=synchronous)
     lease = timedelta(seconds=1)
-    for complete in (store.complete, lambda *a, **k: asyncio.run(store.acomplete(*a, **k))):
-        key = f"k{id(complete)}"
+    for key in ("a", "b", "bad"):
         assert store.claim(key, "fp", lease=lease, ttl=TTL) == Acquired(1, False, 1)
+    clock.advance(timedelta(seconds=2))
+    assert store.claim("a", "fp", lease=lease, ttl=TTL) == Acquired(2, True, 2)
+    with sqlite3.connect(path) as raw:
+        raw.execute("UPDATE oncely_records SET fingerprint = x'ff' WHERE key = 'bad'")
+    raw.close()
 
-        def take_over(key: str = key) -> None:
-            clock.advance(timedelta(seconds=2))  # the lease lapsed: another worker takes over
-            assert other.claim(key, "fp", lease=lease, ttl=TTL) == Acquired(2, True, 2)
+    assert store.complete("a", 1, b"late", ttl=TTL) == LeaseLost()
+    assert store.fail("a", 1, b"late", ttl=TTL) == LeaseLost()
+    with pytest.raises(CorruptRecordError):
+        store.complete("bad", 2, b"r", ttl=TTL)  # no lease to settle: the machine reads it
 
-        _write_between_read_and_swap(store, take_over)
-        assert complete(key, 1, b"late", ttl=TTL) == LeaseLost()
-        record = store.get(key)
-        assert record is not None
-        assert (record.status, record.token, record.result) == (Status.IN_PROGRESS, 2, None)
+    async def main() -> list[Any]:
+        assert await store.acomplete("a", 1, b"late", ttl=TTL) == LeaseLost()
+        with pytest.raises(CorruptRecordError):
+            await store.afail("bad", 2, b"r", ttl=TTL)
+        store._write_lock.acquire()  # the writes queue up (synchronous="full": one batch)
+        settles = [
+            asyncio.ensure_future(store.acomplete("a", 1, b"late", ttl=TTL)),
+            asyncio.ensure_future(store.acomplete("bad", 2, b"r", ttl=TTL)),
+            asyncio.ensure_future(store.afail("b", 1, b"error", ttl=TTL)),
+        ]
+        await asyncio.sleep(0.1)
+        store._write_lock.release()
+        return await asyncio.gather(*settles, return_exceptions=True)
+
+    late, bad, failed = asyncio.run(main())
+    assert late == LeaseLost()
+    assert isinstance(bad, CorruptRecordError)
+    assert failed is None
+    record = store.get("a")
+    assert record is not None
+    assert (record.status, record.token, record.result) == (Status.IN_PROGRESS, 2, None)
+    record = store.get("b")
+    assert record is not None
+    assert (record.status, record.result) == (Status.FAILED, b"error")
     store.close()
-    other.close()
 
 
 def test_async_writes_queued_together_share_one_transaction(tmp_path: Path) -> None:
@@ -431,14 +455,14 @@ def test_a_failed_write_in_a_batch_fails_alone(tmp_path: Path) -> None:
     """A write that fails in a batch rolls the batch's transaction back; each write is then
     made alone, and only the failing one answers the error."""
     store = SQLiteStore(tmp_path / "oncely.db")
-    original = store._swap_on
+    original = store._execute
 
-    def swap(connection: Any, row: Any, new: Any, op: Any) -> bool:
-        if new.key == "bad":
+    def execute(connection: Any, sql: str, params: Any) -> bool:
+        if "bad" in params:
             raise sqlite3.OperationalError("disk I/O error")
-        return original(connection, row, new, op)
+        return original(connection, sql, params)
 
-    store._swap_on = swap  # type: ignore[method-assign]
+    store._execute = execute  # type: ignore[method-assign]
 
     async def main() -> list[Any]:
         store._write_lock.acquire()

@@ -56,6 +56,16 @@ UPDATE oncely_records
 """Parameters: every column but the key, as written; then the row as `SELECT` returned it.
 Writes the record only if the stored row is still that one (one row changed), else nothing."""
 
+FINISH: Final = """
+UPDATE oncely_records
+   SET status = ?, result = ?, lease_expires_at_ms = ?, expires_at_ms = ?, updated_at_ms = ?
+ WHERE key = ? AND token = ? AND status = 'in_progress' AND expires_at_ms > ?
+"""
+"""Parameters: status ('completed' or 'failed'), result, now_ms (the lease's end), now_ms plus
+the ttl (the record's expiry), now_ms; key, token, now_ms. `oncely._core.machine.complete` (or
+``fail``) where it succeeds: one changed row means done; none, that it may not be (the state
+machine decides on the record)."""
+
 PURGE: Final = """
 DELETE FROM oncely_records
  WHERE key IN (SELECT key FROM oncely_records WHERE expires_at_ms <= ? LIMIT ?)

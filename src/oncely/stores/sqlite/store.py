@@ -57,7 +57,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from oncely.stores._machine import MachineStore, Step, _claim_step, _complete_step, _ms
+from oncely.stores._machine import MachineStore, Step, _claim_step, _keeping_op, _ms
 from oncely.stores._namespace import namespace_range, stored_key
 from oncely.stores.sqlite import _sql
 
@@ -66,6 +66,8 @@ __all__ = ["SQLiteStore"]
 T = TypeVar("T")
 
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
+
+_COMPLETED, _FAILED = Status.COMPLETED, Status.FAILED
 
 _STATUSES = {status.value: status for status in Status}
 """Statuses by their stored text: a dict lookup, where ``Status(text)`` goes through EnumMeta."""
@@ -77,13 +79,12 @@ class _Busy(Exception):
 
 @dataclass(slots=True)
 class _Write:
-    """A write the state machine decided on, from the record as read (*row*): made if the
-    record is still that one, else *step* decides again under the write lock."""
+    """A conditional write of *key*'s record: if *sql* changes one row, the transition is
+    done and answers *answer*; else *step* decides again under the write lock."""
 
     key: str
-    row: tuple[Any, ...] | None
-    new: Record
-    op: str | None
+    sql: str
+    params: tuple[Any, ...]
     answer: Any
     step: Step[Any]
 
@@ -421,24 +422,23 @@ class SQLiteStore(MachineStore):
     # -- the atomic primitive: read, decide, swap (see the module's docstring) ----------------
 
     def _atomic(self, key: str, step: Step[T]) -> T:
-        connection = self._connection()
-        row = self._fetch(connection, key)
-        return self._decide(connection, key, row, step, self.clock.now_ms())
+        row = self._fetch(key)
+        return self._decide(key, row, step, self.clock.now_ms())
 
-    def _decide(
-        self,
-        connection: sqlite3.Connection,
-        key: str,
-        row: tuple[Any, ...] | None,
-        step: Step[T],
-        now_ms: int,
-    ) -> T:
+    def _decide(self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int) -> T:
         """Let *step* decide on *row*, the record of *key* as read, and make its write if the
         record is still that one; else decide again under the write lock."""
         new, op, answer = self._step(key, row, step, now_ms)
-        if new is None or self._swap(connection, key, row, new, op):
+        if new is None:
             return answer
-        return self._locked(key, step)
+        made: T = self._make(_Write(key, *_swap(row, new, op), answer, step))
+        return made
+
+    def _make(self, write: _Write) -> Any:
+        """Make *write* in a transaction of its own; if it changes no row, decide again."""
+        if self._write(self._connection(), write.key, write.sql, write.params):
+            return write.answer
+        return self._locked(write.key, write.step)
 
     def _locked(self, key: str, step: Step[T]) -> T:
         """*step* in a ``BEGIN IMMEDIATE`` transaction: the record cannot change meanwhile."""
@@ -528,55 +528,32 @@ class SQLiteStore(MachineStore):
         found = row[10] if row is not None and isinstance(row[10], str) else None
         return step(self._decode(key, row), found, now_ms)
 
-    def _swap(
-        self,
-        connection: sqlite3.Connection,
-        key: str,
-        row: tuple[Any, ...] | None,
-        new: Record,
-        op: str | None,
+    def _write(
+        self, connection: sqlite3.Connection, key: str, sql: str, params: tuple[Any, ...]
     ) -> bool:
-        """`_swap_on` in a transaction of its own, under this process's write lock; whether the
-        record was still *row*, and so written (an inline caller that meets a lock: `_Busy`)."""
+        """`_execute` in a transaction of its own, under this process's write lock (an inline
+        caller that meets a lock: `_Busy`)."""
         inline = getattr(self._local, "inline", False)
         self._lock_writes(key, inline)
         try:
-            return self._swap_on(connection, row, new, op)
+            return self._execute(connection, sql, params)
         except sqlite3.Error as exc:
             self._fail(exc, key, inline)
         finally:
             self._write_lock.release()
 
     @staticmethod
-    def _swap_on(
-        connection: sqlite3.Connection, row: tuple[Any, ...] | None, new: Record, op: str | None
-    ) -> bool:
-        """Write *new* (and *op*) if the record is still *row* (``None``: absent); whether it
-        was."""
-        values = (
-            new.status.value,
-            new.fingerprint,
-            new.token,
-            new.attempt,
-            new.lease_expires_at_ms,
-            new.expires_at_ms,
-            new.created_at_ms,
-            new.updated_at_ms,
-            new.result,
-            op,
-        )
-        if row is None:
-            cursor = connection.execute(_sql.INSERT, (new.key, *values))
-        else:
-            cursor = connection.execute(_sql.SWAP, (*values, *row))
-        return cursor.rowcount == 1
+    def _execute(connection: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
+        """Run a conditional write (`_swap`, `_sql.FINISH`); whether it changed the row."""
+        return connection.execute(sql, params).rowcount == 1
 
     def _read(self, key: str) -> Record | None:
-        return self._decode(key, self._fetch(self._connection(), key))
+        return self._decode(key, self._fetch(key))
 
-    def _fetch(self, connection: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
+    def _fetch(self, key: str) -> tuple[Any, ...] | None:
         """The row of stored *key*, read without a transaction (an inline caller that meets a
         lock gets `_Busy`)."""
+        connection = self._connection()
         try:
             if self._memory:
                 with self._exclusive(key):
@@ -591,7 +568,7 @@ class SQLiteStore(MachineStore):
         """`_fetch` on the event loop's thread: never waits for a lock (`_Busy` instead)."""
         self._local.inline = True
         try:
-            return self._fetch(self._connection(), key)
+            return self._fetch(key)
         finally:
             self._local.inline = False
 
@@ -600,14 +577,13 @@ class SQLiteStore(MachineStore):
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`."""
         stored = self._stored_key(key)
-        connection = self._connection()
-        row = self._fetch(connection, stored)
+        row = self._fetch(stored)
         now_ms = self.clock.now_ms()
         answer = self._read_answer(key, row, fingerprint, now_ms)
         if answer is not None:
             return answer
         step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
-        claimed: ClaimResult = self._unscoped(self._decide(connection, stored, row, step, now_ms))
+        claimed: ClaimResult = self._unscoped(self._decide(stored, row, step, now_ms))
         return claimed
 
     async def aclaim(
@@ -629,19 +605,53 @@ class SQLiteStore(MachineStore):
         claimed: ClaimResult = self._unscoped(await self._adecide(stored, row, step, now_ms))
         return claimed
 
+    # -- settling: one UPDATE where the lease holds (`_sql.FINISH`), as PostgreSQL's ----------
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`."""
+        answer: LeaseLost | None = self._make(self._finish(key, token, result, ttl, _COMPLETED))
+        return answer
+
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
         """See `oncely.AsyncStore.acomplete`."""
-        return await self._aatomic(self._stored_key(key), _complete_step(token, result, _ms(ttl)))
+        answer: LeaseLost | None = await self._awrite(
+            self._finish(key, token, result, ttl, _COMPLETED)
+        )
+        return answer
 
-    async def _aatomic(self, key: str, step: Step[T]) -> T:
-        """Async `_atomic`: read and decide on the event loop's thread, write as `_adecide`."""
-        try:
-            row = self._fetch_inline(key)
-        except _Busy:
-            return await self._run_async(functools.partial(self._atomic, key, step))
-        return await self._adecide(key, row, step, self.clock.now_ms())
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`."""
+        answer: LeaseLost | None = self._make(self._finish(key, token, error, ttl, _FAILED))
+        return answer
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        answer: LeaseLost | None = await self._awrite(self._finish(key, token, error, ttl, _FAILED))
+        return answer
+
+    def _finish(
+        self, key: str, token: int, result: bytes, ttl: timedelta, status: Status
+    ) -> _Write:
+        """The write that settles *key* as *status* with *result* if *token* holds its lease;
+        the state machine decides when it finds nothing to settle (a lost lease, or a record
+        that is not what it should be)."""
+        stored, ttl_ms, now_ms, outcome = (
+            self._stored_key(key),
+            _ms(ttl),
+            self.clock.now_ms(),
+            bytes(result),
+        )
+        settle = machine.complete if status is _COMPLETED else machine.fail
+
+        def decide(record: Record | None, at_ms: int) -> tuple[Record | None, LeaseLost | None]:
+            return settle(record, token, outcome, now_ms=at_ms, ttl_ms=ttl_ms)
+
+        params = (status.value, outcome, now_ms, now_ms + ttl_ms, now_ms, stored, token, now_ms)
+        return _Write(stored, _sql.FINISH, params, None, _keeping_op(decide))
 
     async def _adecide(
         self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
@@ -651,11 +661,17 @@ class SQLiteStore(MachineStore):
         new, op, answer = self._step(key, row, step, now_ms)
         if new is None:
             return answer
+        made: T = await self._awrite(_Write(key, *_swap(row, new, op), answer, step))
+        return made
+
+    async def _awrite(self, write: _Write) -> Any:
+        """Make *write*: at once on the event loop's thread when commits do not wait for the
+        disk and the lock is free, else on the writer thread."""
         if self._inline:
             self._local.inline = True
             try:
-                if self._swap(self._connection(), key, row, new, op):
-                    return answer
+                if self._write(self._connection(), write.key, write.sql, write.params):
+                    return write.answer
             except _Busy:
                 pass  # nothing was written: the writer thread waits for the lock
             finally:
@@ -663,8 +679,7 @@ class SQLiteStore(MachineStore):
         writer = self._writer
         if writer is None:
             writer = self._start_writer()
-        result: T = await writer.submit(_Write(key, row, new, op, answer, step))
-        return result
+        return await writer.submit(write)
 
     def _start_writer(self) -> _Writer:
         with self._connections_lock:
@@ -682,7 +697,7 @@ class SQLiteStore(MachineStore):
                 with self._transaction(writes[0].key) as connection:
                     return [
                         (True, write.answer)
-                        if self._swap_on(connection, write.row, write.new, write.op)
+                        if self._execute(connection, write.sql, write.params)
                         else (
                             True,
                             self._apply(connection, write.key, write.step, self.clock.now_ms()),
@@ -694,11 +709,7 @@ class SQLiteStore(MachineStore):
         outcomes: list[_Outcome] = []
         for write in writes:
             try:
-                connection = self._connection()
-                if self._swap(connection, write.key, write.row, write.new, write.op):
-                    outcomes.append((True, write.answer))
-                else:
-                    outcomes.append((True, self._locked(write.key, write.step)))
+                outcomes.append((True, self._make(write)))
             except Exception as exc:
                 outcomes.append((False, exc))
         return outcomes
@@ -851,6 +862,26 @@ def _is_busy(exc: sqlite3.Error) -> bool:
     """Whether SQLite answered "not now" (another connection holds a lock)."""
     message = str(exc)
     return "locked" in message or "busy" in message
+
+
+def _swap(row: tuple[Any, ...] | None, new: Record, op: str | None) -> tuple[str, tuple[Any, ...]]:
+    """The statement, and its parameters, that write *new* (and *op*) if the record is still
+    *row* (``None``: absent)."""
+    values = (
+        new.status.value,
+        new.fingerprint,
+        new.token,
+        new.attempt,
+        new.lease_expires_at_ms,
+        new.expires_at_ms,
+        new.created_at_ms,
+        new.updated_at_ms,
+        new.result,
+        op,
+    )
+    if row is None:
+        return _sql.INSERT, (new.key, *values)
+    return _sql.SWAP, (*values, *row)
 
 
 def _encode(record: Record) -> tuple[Any, ...]:
