@@ -74,16 +74,17 @@ DELETE FROM oncely_records
 
 SCAN: Final = """
 SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
-       created_at_ms, updated_at_ms, NULL
+       created_at_ms, updated_at_ms, NULL, NULL
   FROM oncely_records WHERE key > ? AND key < ? AND expires_at_ms > ? ORDER BY key LIMIT ?
 """
 """Parameters: after (a stored key), the namespace's upper bound (see
 `oncely.stores._namespace.namespace_range`), now_ms, limit. Live records of a named namespace in
-key order, without their results."""
+key order, without their results (the two ``NULL`` columns stand for the result and the call
+id, so that a row has `SELECT`'s shape)."""
 
 SCAN_DEFAULT: Final = """
 SELECT key, status, fingerprint, token, attempt, lease_expires_at_ms, expires_at_ms,
-       created_at_ms, updated_at_ms, NULL
+       created_at_ms, updated_at_ms, NULL, NULL
   FROM oncely_records
  WHERE key > ? AND expires_at_ms > ?
    AND (instr(key, ':') = 0 OR instr(substr(key, 1, instr(key, ':')), '|') > 0)

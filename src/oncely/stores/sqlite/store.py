@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from importlib import resources
 from pathlib import Path
@@ -73,20 +72,22 @@ _STATUSES = {status.value: status for status in Status}
 """Statuses by their stored text: a dict lookup, where ``Status(text)`` goes through EnumMeta."""
 
 
+class _Local(threading.local):
+    """What a thread keeps: its connections, and whether it runs an event loop's call inline."""
+
+    inline = False
+    connection: sqlite3.Connection | None = None
+    inline_connection: sqlite3.Connection | None = None  # timeout 0: never waits for a lock
+
+
 class _Busy(Exception):
     """An inline attempt found the write lock taken: nothing was done; use a worker thread."""
 
 
-@dataclass(slots=True)
-class _Write:
-    """A conditional write of *key*'s record: if *sql* changes one row, the transition is
-    done and answers *answer*; else *step* decides again under the write lock."""
-
-    key: str
-    sql: str
-    params: tuple[Any, ...]
-    answer: Any
-    step: Step[Any]
+_Write = tuple[str, str, tuple[Any, ...], Any, Step[Any]]
+"""A conditional write of a record: ``(key, sql, params, answer, step)``. If *sql* changes one
+row, the transition is done and answers *answer*; else *step* decides again under the write
+lock. (A plain tuple: one is made per write.)"""
 
 
 _Outcome = tuple[bool, Any]
@@ -229,7 +230,7 @@ class SQLiteStore(MachineStore):
         # Commits that never wait for the disk may run on the event loop's thread (see above).
         self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory
         self._async_workers = async_workers
-        self._local = threading.local()
+        self._local = _Local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         # This process's writers queue here, woken at once, instead of in SQLite's busy handler,
@@ -316,7 +317,7 @@ class SQLiteStore(MachineStore):
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
-                if getattr(self._local, "inline", False):
+                if self._local.inline:
                     raise _Busy from exc  # the event loop's thread never waits: use a worker
                 if time.monotonic() + delay > deadline:
                     raise
@@ -330,7 +331,7 @@ class SQLiteStore(MachineStore):
             # A forked child must not use its parent's connections: forget them, never close.
             # (A counter bumped at fork, rather than os.getpid(), a system call, on every call.)
             self._forks = _forks
-            self._local = threading.local()
+            self._local = _Local()
             self._connections = []
             self._connections_lock = threading.Lock()
             self._write_lock = threading.Lock()
@@ -338,15 +339,14 @@ class SQLiteStore(MachineStore):
             self._writer = None
         if self._shared is not None:
             return self._shared
-        if getattr(self._local, "inline", False):  # never waits for another writer
-            inline: sqlite3.Connection | None = getattr(self._local, "inline_connection", None)
-            if inline is None:
-                inline = self._local.inline_connection = self._connect(timeout=0)
-            return inline
-        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = self._local.connection = self._connect()
-        return connection
+        local = self._local
+        if local.inline:  # never waits for another writer
+            if local.inline_connection is None:
+                local.inline_connection = self._connect(timeout=0)
+            return local.inline_connection
+        if local.connection is None:
+            local.connection = self._connect()
+        return local.connection
 
     @contextlib.contextmanager
     def _translate_errors(self, key: str) -> Iterator[None]:
@@ -431,14 +431,15 @@ class SQLiteStore(MachineStore):
         new, op, answer = self._step(key, row, step, now_ms)
         if new is None:
             return answer
-        made: T = self._make(_Write(key, *_swap(row, new, op), answer, step))
+        made: T = self._make((key, *_swap(row, new, op), answer, step))
         return made
 
     def _make(self, write: _Write) -> Any:
         """Make *write* in a transaction of its own; if it changes no row, decide again."""
-        if self._write(self._connection(), write.key, write.sql, write.params):
-            return write.answer
-        return self._locked(write.key, write.step)
+        key, sql, params, answer, step = write
+        if self._write(self._connection(), key, sql, params):
+            return answer
+        return self._locked(key, step)
 
     def _locked(self, key: str, step: Step[T]) -> T:
         """*step* in a ``BEGIN IMMEDIATE`` transaction: the record cannot change meanwhile."""
@@ -461,7 +462,7 @@ class SQLiteStore(MachineStore):
     @contextlib.contextmanager
     def _exclusive(self, key: str) -> Iterator[None]:
         """Hold this process's write lock (an inline caller never waits for it: `_Busy`)."""
-        self._lock_writes(key, getattr(self._local, "inline", False))
+        self._lock_writes(key, self._local.inline)
         try:
             yield
         finally:
@@ -487,7 +488,7 @@ class SQLiteStore(MachineStore):
     def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
         """One ``BEGIN IMMEDIATE`` transaction under this process's write lock, sqlite3's errors
         as oncely's (an inline caller that meets a lock: `_Busy`, nothing done)."""
-        inline = getattr(self._local, "inline", False)
+        inline = self._local.inline
         connection = self._connection()
         self._lock_writes(key, inline)
         try:
@@ -533,7 +534,7 @@ class SQLiteStore(MachineStore):
     ) -> bool:
         """`_execute` in a transaction of its own, under this process's write lock (an inline
         caller that meets a lock: `_Busy`)."""
-        inline = getattr(self._local, "inline", False)
+        inline = self._local.inline
         self._lock_writes(key, inline)
         try:
             return self._execute(connection, sql, params)
@@ -561,7 +562,7 @@ class SQLiteStore(MachineStore):
             else:  # WAL: a read needs no lock of this process
                 row = connection.execute(_sql.SELECT, (key,)).fetchone()
         except sqlite3.Error as exc:
-            self._fail(exc, key, getattr(self._local, "inline", False))
+            self._fail(exc, key, self._local.inline)
         return row
 
     def _fetch_inline(self, key: str) -> tuple[Any, ...] | None:
@@ -650,8 +651,8 @@ class SQLiteStore(MachineStore):
         def decide(record: Record | None, at_ms: int) -> tuple[Record | None, LeaseLost | None]:
             return settle(record, token, outcome, now_ms=at_ms, ttl_ms=ttl_ms)
 
-        params = (status.value, outcome, now_ms, now_ms + ttl_ms, now_ms, stored, token, now_ms)
-        return _Write(stored, _sql.FINISH, params, None, _keeping_op(decide))
+        params = (status, outcome, now_ms, now_ms + ttl_ms, now_ms, stored, token, now_ms)
+        return stored, _sql.FINISH, params, None, _keeping_op(decide)
 
     async def _adecide(
         self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
@@ -661,17 +662,18 @@ class SQLiteStore(MachineStore):
         new, op, answer = self._step(key, row, step, now_ms)
         if new is None:
             return answer
-        made: T = await self._awrite(_Write(key, *_swap(row, new, op), answer, step))
+        made: T = await self._awrite((key, *_swap(row, new, op), answer, step))
         return made
 
     async def _awrite(self, write: _Write) -> Any:
         """Make *write*: at once on the event loop's thread when commits do not wait for the
         disk and the lock is free, else on the writer thread."""
         if self._inline:
+            key, sql, params, answer, _ = write
             self._local.inline = True
             try:
-                if self._write(self._connection(), write.key, write.sql, write.params):
-                    return write.answer
+                if self._write(self._connection(), key, sql, params):
+                    return answer
             except _Busy:
                 pass  # nothing was written: the writer thread waits for the lock
             finally:
@@ -694,15 +696,12 @@ class SQLiteStore(MachineStore):
         its record is as read, else decided again (the transaction holds the write lock)."""
         if len(writes) > 1:
             try:
-                with self._transaction(writes[0].key) as connection:
+                with self._transaction(writes[0][0]) as connection:
                     return [
-                        (True, write.answer)
-                        if self._execute(connection, write.sql, write.params)
-                        else (
-                            True,
-                            self._apply(connection, write.key, write.step, self.clock.now_ms()),
-                        )
-                        for write in writes
+                        (True, answer)
+                        if self._execute(connection, sql, params)
+                        else (True, self._apply(connection, key, step, self.clock.now_ms()))
+                        for key, sql, params, answer, step in writes
                     ]
             except Exception:  # nothing was committed: make each write alone instead
                 pass
@@ -726,55 +725,55 @@ class SQLiteStore(MachineStore):
         if row is None:
             return None  # a new key: the claim writes
         record = self._decode(key, row)  # named by the caller's key: no copy to unscope it
+        if (
+            record is not None
+            and (record.status is _COMPLETED or record.status is _FAILED)
+            and record.fingerprint == fingerprint
+            and now_ms < record.expires_at_ms
+        ):
+            return Replay(record, judged_at_ms=now_ms)  # machine.claim's answer, at once
         # The lease and ttl shape only a record to write, and a claim that writes is not
-        # answered here: zero spares converting them on every replay.
+        # answered here: zero spares converting them.
         new, answer = machine.claim(key, record, fingerprint, now_ms=now_ms, lease_ms=0, ttl_ms=0)
-        if new is not None:
-            return None
-        if isinstance(answer, Replay):
-            return Replay(answer.record, judged_at_ms=now_ms)
-        return answer
+        return None if new is not None else answer
 
     def _decode(self, key: str, row: tuple[Any, ...] | None) -> Record | None:
         if row is None:
             return None
+        _, status, fingerprint, token, attempt, lease_end, expires, created, updated, result, _ = (
+            row
+        )
         try:
-            (
-                _,
-                status,
-                fingerprint,
-                token,
-                attempt,
-                lease_end,
-                expires,
-                created,
-                updated,
-                result,
-            ) = row[:10]
-            numbers = {type(token), type(attempt), type(lease_end), type(expires), type(created)}
-            if type(updated) is not int or numbers != {int}:
+            if not (
+                type(token) is int
+                and type(attempt) is int
+                and type(lease_end) is int
+                and type(expires) is int
+                and type(created) is int
+                and type(updated) is int
+            ):
                 raise TypeError(f"{row[3:9]!r} are not all integers")
-            if not isinstance(fingerprint, str):
+            if type(fingerprint) is not str:
                 raise TypeError(f"fingerprint {fingerprint!r} is not text")
-            if result is not None and not isinstance(result, bytes):
+            if result is not None and type(result) is not bytes:
                 raise TypeError(f"result of type {type(result).__name__} is not a blob")
             known = _STATUSES.get(status)
             if known is None:
                 raise ValueError(f"{status!r} is not a valid Status")
-            return Record(
-                key=key,
-                status=known,
-                fingerprint=fingerprint,
-                token=token,
-                attempt=attempt,
-                lease_expires_at_ms=lease_end,
-                expires_at_ms=expires,
-                created_at_ms=created,
-                updated_at_ms=updated,
-                result=result,
-            )
         except (TypeError, ValueError) as exc:
             raise CorruptRecordError(str(exc), backend=self.backend, key=key) from exc
+        return Record(
+            key=key,
+            status=known,
+            fingerprint=fingerprint,
+            token=token,
+            attempt=attempt,
+            lease_expires_at_ms=lease_end,
+            expires_at_ms=expires,
+            created_at_ms=created,
+            updated_at_ms=updated,
+            result=result,
+        )
 
     # -- maintenance ---------------------------------------------------------------------------
 
@@ -868,7 +867,7 @@ def _swap(row: tuple[Any, ...] | None, new: Record, op: str | None) -> tuple[str
     """The statement, and its parameters, that write *new* (and *op*) if the record is still
     *row* (``None``: absent)."""
     values = (
-        new.status.value,
+        new.status,  # a str enum: sqlite3 binds its text, with no call to Enum.value
         new.fingerprint,
         new.token,
         new.attempt,
