@@ -24,9 +24,11 @@ from oncely import (
     CorruptRecordError,
     InProgress,
     InProgressError,
+    LeaseLost,
     Mismatch,
     Replay,
     SchemaMissingError,
+    Status,
     StoreError,
     StoreUnavailableError,
 )
@@ -260,15 +262,15 @@ def test_a_namespaced_replay_carries_the_callers_key(tmp_path: Path) -> None:
 
 
 def _threads_of_transitions(store: SQLiteStore) -> list[str]:
-    """The names of the threads that run *store*'s transitions, as they run."""
+    """The names of the threads that make *store*'s writes, as they try them."""
     names: list[str] = []
-    original = store._apply
+    original = store._execute
 
     def spy(*args: Any) -> Any:
         names.append(threading.current_thread().name)
         return original(*args)
 
-    store._apply = spy  # type: ignore[method-assign]
+    store._execute = spy  # type: ignore[method-assign]
     return names
 
 
@@ -311,6 +313,194 @@ def test_async_calls_with_full_sync_use_worker_threads(tmp_path: Path) -> None:
     store.close()
     assert len(names) == 1
     assert names[0].startswith("oncely-sqlite")
+
+
+def _write_between_read_and_swap(store: SQLiteStore, write: Any) -> None:
+    """Make *store*'s next read call *write* (another process's transition, say) right after
+    it reads: *store* then decides on a record that is no longer the one stored."""
+    original = store._fetch
+
+    def fetch(*args: Any) -> Any:
+        row = original(*args)
+        store._fetch = original  # type: ignore[method-assign]
+        write()
+        return row
+
+    store._fetch = fetch  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("synchronous", ["full", "normal"])
+def test_a_claim_decided_on_a_stale_read_decides_again(tmp_path: Path, synchronous: str) -> None:
+    """Between a claim's read and its write another store takes the key: the write (insert if
+    absent, swap if unchanged) does not apply, and the claim decides again under the write lock,
+    sync and async, for a new key and for the takeover of a lapsed lease."""
+    clock = FrozenClock()
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, clock=clock, synchronous=synchronous)
+    other = SQLiteStore(path, clock=clock)
+    lease = timedelta(seconds=1)
+
+    def take(key: str, token: int) -> Any:
+        def write() -> None:
+            assert other.claim(key, "fp", lease=lease, ttl=TTL) == Acquired(token, token > 1, token)
+
+        return write
+
+    _write_between_read_and_swap(store, take("new", 1))
+    assert isinstance(store.claim("new", "fp", lease=lease, ttl=TTL), InProgress)
+    clock.advance(timedelta(seconds=2))  # the lease lapsed: the next claim takes it over
+    _write_between_read_and_swap(store, take("new", 2))
+    assert isinstance(store.claim("new", "fp", lease=lease, ttl=TTL), InProgress)
+
+    async def main() -> None:
+        _write_between_read_and_swap(store, take("anew", 1))
+        assert isinstance(await store.aclaim("anew", "fp", lease=lease, ttl=TTL), InProgress)
+        clock.advance(timedelta(seconds=2))
+        _write_between_read_and_swap(store, take("anew", 2))
+        assert isinstance(await store.aclaim("anew", "fp", lease=lease, ttl=TTL), InProgress)
+
+    asyncio.run(main())
+    for key in ("new", "anew"):
+        record = store.get(key)
+        assert record is not None
+        assert (record.token, record.attempt) == (2, 2)
+    store.close()
+    other.close()
+
+
+@pytest.mark.parametrize("synchronous", ["full", "normal"])
+def test_settling_a_lease_taken_over_or_a_corrupt_row(tmp_path: Path, synchronous: str) -> None:
+    """complete and fail write in one UPDATE where the lease holds; where it does not, the
+    state machine decides on the record: the lease is lost (the new holder's record untouched),
+    or the record is corrupt (fail closed); sync and async, alone and in a batch."""
+    clock = FrozenClock()
+    path = tmp_path / "oncely.db"
+    store = SQLiteStore(path, clock=clock, synchronous=synchronous)
+    lease = timedelta(seconds=1)
+    for key in ("a", "b", "bad"):
+        assert store.claim(key, "fp", lease=lease, ttl=TTL) == Acquired(1, False, 1)
+    clock.advance(timedelta(seconds=2))
+    assert store.claim("a", "fp", lease=lease, ttl=TTL) == Acquired(2, True, 2)
+    with sqlite3.connect(path) as raw:
+        raw.execute("UPDATE oncely_records SET fingerprint = x'ff' WHERE key = 'bad'")
+    raw.close()
+
+    assert store.complete("a", 1, b"late", ttl=TTL) == LeaseLost()
+    assert store.fail("a", 1, b"late", ttl=TTL) == LeaseLost()
+    with pytest.raises(CorruptRecordError):
+        store.complete("bad", 2, b"r", ttl=TTL)  # no lease to settle: the machine reads it
+
+    async def main() -> list[Any]:
+        assert await store.acomplete("a", 1, b"late", ttl=TTL) == LeaseLost()
+        with pytest.raises(CorruptRecordError):
+            await store.afail("bad", 2, b"r", ttl=TTL)
+        store._write_lock.acquire()  # the writes queue up (synchronous="full": one batch)
+        settles = [
+            asyncio.ensure_future(store.acomplete("a", 1, b"late", ttl=TTL)),
+            asyncio.ensure_future(store.acomplete("bad", 2, b"r", ttl=TTL)),
+            asyncio.ensure_future(store.afail("b", 1, b"error", ttl=TTL)),
+        ]
+        await asyncio.sleep(0.1)
+        store._write_lock.release()
+        return await asyncio.gather(*settles, return_exceptions=True)
+
+    late, bad, failed = asyncio.run(main())
+    assert late == LeaseLost()
+    assert isinstance(bad, CorruptRecordError)
+    assert failed is None
+    record = store.get("a")
+    assert record is not None
+    assert (record.status, record.token, record.result) == (Status.IN_PROGRESS, 2, None)
+    record = store.get("b")
+    assert record is not None
+    assert (record.status, record.result) == (Status.FAILED, b"error")
+    store.close()
+
+
+def test_async_writes_queued_together_share_one_transaction(tmp_path: Path) -> None:
+    """synchronous="full": async claims queued while the writer thread waits for the lock are
+    written in one transaction; of several claims of one new key exactly one acquires it."""
+    store = SQLiteStore(tmp_path / "oncely.db")
+    batches: list[int] = []
+    original = store._write_batch
+
+    def spy(writes: Any) -> Any:
+        batches.append(len(writes))
+        return original(writes)
+
+    store._write_batch = spy  # type: ignore[method-assign]
+
+    async def main() -> list[Any]:
+        store._write_lock.acquire()  # as another thread of this process writing
+        claims = [
+            asyncio.ensure_future(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+            for key in ["a", "b", "c", "same", "same", "same", "d"]
+        ]
+        await asyncio.sleep(0.2)
+        store._write_lock.release()
+        return await asyncio.gather(*claims)
+
+    answers = asyncio.run(main())
+    assert answers[:3] == [Acquired(1, False, 1)] * 3
+    assert answers[-1] == Acquired(1, False, 1)
+    same = answers[3:6]
+    assert same.count(Acquired(1, False, 1)) == 1
+    assert sum(isinstance(answer, InProgress) for answer in same) == 2
+    assert sum(batches) == 7
+    assert max(batches) > 1
+    store.close()
+
+
+def test_a_failed_write_in_a_batch_fails_alone(tmp_path: Path) -> None:
+    """A write that fails in a batch rolls the batch's transaction back; each write is then
+    made alone, and only the failing one answers the error."""
+    store = SQLiteStore(tmp_path / "oncely.db")
+    original = store._execute
+
+    def execute(connection: Any, sql: str, params: Any) -> bool:
+        if "bad" in params:
+            raise sqlite3.OperationalError("disk I/O error")
+        return original(connection, sql, params)
+
+    store._execute = execute  # type: ignore[method-assign]
+
+    async def main() -> list[Any]:
+        store._write_lock.acquire()
+        claims = [
+            asyncio.ensure_future(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+            for key in ["a", "bad", "b"]
+        ]
+        await asyncio.sleep(0.2)
+        store._write_lock.release()
+        return await asyncio.gather(*claims, return_exceptions=True)
+
+    first, bad, last = asyncio.run(main())
+    assert first == last == Acquired(1, False, 1)
+    assert isinstance(bad, StoreError)
+    assert store.get("bad") is None
+    assert store.get("a") is not None
+    store.close()
+
+
+def test_an_async_write_cancelled_while_queued_leaves_the_writer_serving(tmp_path: Path) -> None:
+    """A caller cancelled while its write waits: the writer still serves the others (the write
+    itself may be made: as with any store, a lease taken for nobody lapses)."""
+    store = SQLiteStore(tmp_path / "oncely.db")
+
+    async def main() -> Any:
+        store._write_lock.acquire()
+        doomed = asyncio.ensure_future(store.aclaim("a", "fp", lease=LEASE, ttl=TTL))
+        await asyncio.sleep(0.05)
+        doomed.cancel()
+        store._write_lock.release()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        return await store.aclaim("b", "fp", lease=LEASE, ttl=TTL)
+
+    assert asyncio.run(main()) == Acquired(1, False, 1)
+    store.close()
+    with pytest.raises(StoreError):
+        asyncio.run(store.aclaim("c", "fp", lease=LEASE, ttl=TTL))
 
 
 def test_not_a_database(tmp_path: Path) -> None:

@@ -1,23 +1,27 @@
 """`sqlite:///path/to.db`: the embedded default store.
 
-Durable, and safe for several processes on one host: the database runs in WAL mode and every
-transition is one ``BEGIN IMMEDIATE`` transaction (read the record, let the reference state
-machine decide, write), so concurrent claimers in any number of threads and processes are
-serialised by SQLite's write lock. All processes of one host share its clock, which judges
-leases and expiry.
+Durable, and safe for several processes on one host: the database runs in WAL mode, and every
+transition is atomic across the threads and processes that share the file. A transition reads
+the record without the write lock (WAL gives the read a consistent snapshot) and lets the
+reference state machine decide on it. A replay, a mismatch or a live lease write nothing and
+are answered from that read, as PostgreSQL's claim answers them. A transition that writes does
+so in one statement that applies only while the record is still the one read (`_sql.INSERT`
+for a key that had none, `_sql.SWAP` for an unchanged row): a compare-and-swap, atomic as every
+SQLite statement is, serialised with every other writer by SQLite's write lock. A swap that
+finds the record changed by another writer meanwhile decides again in a ``BEGIN IMMEDIATE``
+transaction, holding the lock from the read to the write. All processes of one host share its
+clock, which judges leases and expiry.
 
-A claim reads first without the write lock (WAL gives the read a consistent snapshot), and
-answers a replay, a mismatch or a live lease from that read, as PostgreSQL's claim does: those
-write nothing, and the answer is the one the state machine gives on the record as it stood at
-the snapshot. Only a claim that writes (a new key, an expired or released record, a lapsed
-lease) takes ``BEGIN IMMEDIATE`` and decides again on the record as it stands then. Async
-callers make that first read on the event loop's thread: it never waits for the disk.
-
-Sync callers use a connection per thread. Async callers hop to a small pool of threads owned by
-the store (never a thread per call), each with its own connection; except that when commits do
-not wait for the disk (``synchronous="normal"`` or ``"off"`` in WAL mode, or an in-memory
-database), a transition that finds the write lock free runs at once on the event loop's thread:
-it takes tens of microseconds, less than the hop to a thread and back.
+Sync callers use a connection per thread. Async callers read on the event loop's thread (a
+WAL read never waits for a writer) and decide there. Their writes go to the store's writer
+thread when commits wait for the disk (``synchronous="full"``, the default, or ``"extra"``):
+the writes queued while it commits go in one transaction, one commit (one fsync) for them all,
+and each event loop is woken once per batch. When commits do not wait for the disk
+(``synchronous="normal"`` or ``"off"``, or an in-memory database), a write that finds the
+write lock free is made at once on the event loop's thread: it takes tens of microseconds, less
+than the hop to a thread and back. The event loop never waits for the lock (another writer's
+transaction) nor for an fsync. The less common async calls run in a small pool of threads
+owned by the store (never a thread per call), each with its own connection.
 
 An in-memory database has one connection, used under the store's lock by every caller: SQLite's
 shared cache, the other way to share one, locks tables without heeding the busy timeout.
@@ -29,6 +33,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import queue
 import random
 import sqlite3
 import threading
@@ -38,12 +43,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qs
 
 from oncely._core import machine
 from oncely._core.clock import Clock
-from oncely._core.records import ClaimResult, Record, Replay, Status
+from oncely._core.records import ClaimResult, LeaseLost, Record, Replay, Status
 from oncely.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -51,7 +56,7 @@ from oncely.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from oncely.stores._machine import MachineStore, Step
+from oncely.stores._machine import MachineStore, Step, _claim_step, _keeping_op, _ms
 from oncely.stores._namespace import namespace_range, stored_key
 from oncely.stores.sqlite import _sql
 
@@ -61,12 +66,111 @@ T = TypeVar("T")
 
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
+_COMPLETED, _FAILED = Status.COMPLETED, Status.FAILED
+
 _STATUSES = {status.value: status for status in Status}
 """Statuses by their stored text: a dict lookup, where ``Status(text)`` goes through EnumMeta."""
 
 
+class _Local(threading.local):
+    """What a thread keeps: its connections, and whether it runs an event loop's call inline."""
+
+    inline = False
+    connection: sqlite3.Connection | None = None
+    inline_connection: sqlite3.Connection | None = None  # timeout 0: never waits for a lock
+
+
 class _Busy(Exception):
     """An inline attempt found the write lock taken: nothing was done; use a worker thread."""
+
+
+_Write = tuple[str, str, tuple[Any, ...], Any, Step[Any]]
+"""A conditional write of a record: ``(key, sql, params, answer, step)``. If *sql* changes one
+row, the transition is done and answers *answer*; else *step* decides again under the write
+lock. (A plain tuple: one is made per write.)"""
+
+
+_Outcome = tuple[bool, Any]
+"""How a write went: ``(True, answer)`` or ``(False, exception)``."""
+
+_Waiter = tuple[_Write, asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+_BATCH = 256
+"""The most writes one transaction of the writer thread makes."""
+
+
+class _Writer:
+    """The thread that makes async callers' writes when commits wait for the disk.
+
+    The writes queued while it works go in one batch to *serve*, which makes them in one
+    transaction (one commit, one fsync); then each event loop that waits on the batch is woken
+    once, by one callback that settles all of its futures.
+    """
+
+    def __init__(self, serve: Callable[[list[_Write]], list[_Outcome]]) -> None:
+        self._serve = serve
+        self._queue: queue.SimpleQueue[_Waiter | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
+        # A daemon: a process that exits without closing the store must not hang on it. A
+        # write cut short by the exit is never committed, and its caller never answered.
+        self._thread = threading.Thread(target=self._run, name="oncely-sqlite-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: _Write) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:  # never queued behind the stop: nobody would make it
+            if self._stopped:
+                raise StoreError("the store is closed", backend="sqlite")
+            self._queue.put((write, loop, future))
+        return future
+
+    def stop(self) -> None:
+        """Make the writes queued so far, then end the thread."""
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        take, more = self._queue.get, self._queue.empty
+        while True:
+            item = take()
+            waiters: list[_Waiter] = []
+            while item is not None:
+                waiters.append(item)
+                if len(waiters) == _BATCH or more():
+                    break
+                item = take()
+            if waiters:
+                self._answer(waiters)
+            if item is None:
+                return
+
+    def _answer(self, waiters: list[_Waiter]) -> None:
+        try:
+            outcomes = self._serve([write for write, _, _ in waiters])
+        except BaseException as exc:  # a bug: never leave a caller waiting forever
+            outcomes = [(False, exc)] * len(waiters)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], _Outcome]]] = {}
+        for (_, loop, future), outcome in zip(waiters, outcomes, strict=True):
+            by_loop.setdefault(loop, []).append((future, outcome))
+        for loop, settled in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: list[tuple[asyncio.Future[Any], _Outcome]]) -> None:
+    """Give each waiting future its outcome (on its loop's thread)."""
+    for future, (ok, value) in settled:
+        if future.done():  # cancelled: its caller no longer waits
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 class SQLiteStore(MachineStore):
@@ -126,7 +230,7 @@ class SQLiteStore(MachineStore):
         # Commits that never wait for the disk may run on the event loop's thread (see above).
         self._inline = self._synchronous in ("OFF", "NORMAL") or self._memory
         self._async_workers = async_workers
-        self._local = threading.local()
+        self._local = _Local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         # This process's writers queue here, woken at once, instead of in SQLite's busy handler,
@@ -134,6 +238,7 @@ class SQLiteStore(MachineStore):
         # contended transition would cost. Other processes still meet the busy handler.
         self._write_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._writer: _Writer | None = None
         self._forks = _forks
         self._closed = False
         # An in-memory database is private to its one connection: every use of it holds
@@ -212,7 +317,7 @@ class SQLiteStore(MachineStore):
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
-                if getattr(self._local, "inline", False):
+                if self._local.inline:
                     raise _Busy from exc  # the event loop's thread never waits: use a worker
                 if time.monotonic() + delay > deadline:
                     raise
@@ -226,22 +331,22 @@ class SQLiteStore(MachineStore):
             # A forked child must not use its parent's connections: forget them, never close.
             # (A counter bumped at fork, rather than os.getpid(), a system call, on every call.)
             self._forks = _forks
-            self._local = threading.local()
+            self._local = _Local()
             self._connections = []
             self._connections_lock = threading.Lock()
             self._write_lock = threading.Lock()
             self._executor = None
+            self._writer = None
         if self._shared is not None:
             return self._shared
-        if getattr(self._local, "inline", False):  # never waits for another writer
-            inline: sqlite3.Connection | None = getattr(self._local, "inline_connection", None)
-            if inline is None:
-                inline = self._local.inline_connection = self._connect(timeout=0)
-            return inline
-        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = self._local.connection = self._connect()
-        return connection
+        local = self._local
+        if local.inline:  # never waits for another writer
+            if local.inline_connection is None:
+                local.inline_connection = self._connect(timeout=0)
+            return local.inline_connection
+        if local.connection is None:
+            local.connection = self._connect()
+        return local.connection
 
     @contextlib.contextmanager
     def _translate_errors(self, key: str) -> Iterator[None]:
@@ -314,9 +419,30 @@ class SQLiteStore(MachineStore):
     def _schema_version(self) -> int:
         return self._check_schema()
 
-    # -- the atomic primitive ------------------------------------------------------------------
+    # -- the atomic primitive: read, decide, swap (see the module's docstring) ----------------
 
     def _atomic(self, key: str, step: Step[T]) -> T:
+        row = self._fetch(key)
+        return self._decide(key, row, step, self.clock.now_ms())
+
+    def _decide(self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int) -> T:
+        """Let *step* decide on *row*, the record of *key* as read, and make its write if the
+        record is still that one; else decide again under the write lock."""
+        new, op, answer = self._step(key, row, step, now_ms)
+        if new is None:
+            return answer
+        made: T = self._make((key, *_swap(row, new, op), answer, step))
+        return made
+
+    def _make(self, write: _Write) -> Any:
+        """Make *write* in a transaction of its own; if it changes no row, decide again."""
+        key, sql, params, answer, step = write
+        if self._write(self._connection(), key, sql, params):
+            return answer
+        return self._locked(key, step)
+
+    def _locked(self, key: str, step: Step[T]) -> T:
+        """*step* in a ``BEGIN IMMEDIATE`` transaction: the record cannot change meanwhile."""
         with self._transaction(key) as connection:
             return self._apply(connection, key, step, self.clock.now_ms())
 
@@ -336,7 +462,7 @@ class SQLiteStore(MachineStore):
     @contextlib.contextmanager
     def _exclusive(self, key: str) -> Iterator[None]:
         """Hold this process's write lock (an inline caller never waits for it: `_Busy`)."""
-        self._lock_writes(key, getattr(self._local, "inline", False))
+        self._lock_writes(key, self._local.inline)
         try:
             yield
         finally:
@@ -361,40 +487,66 @@ class SQLiteStore(MachineStore):
     @contextlib.contextmanager
     def _transaction(self, key: str) -> Iterator[sqlite3.Connection]:
         """One ``BEGIN IMMEDIATE`` transaction under this process's write lock, sqlite3's errors
-        as oncely's. One context manager with plain try blocks inside (rather than one each for
-        the lock and the errors): this runs once per transition."""
-        inline = getattr(self._local, "inline", False)
+        as oncely's (an inline caller that meets a lock: `_Busy`, nothing done)."""
+        inline = self._local.inline
         connection = self._connection()
         self._lock_writes(key, inline)
         try:
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if inline and _is_busy(exc):
-                    raise _Busy from exc  # another process writes: wait in a thread
-                raise
+            connection.execute("BEGIN IMMEDIATE")
             try:
                 yield connection
+                connection.execute("COMMIT")
             except BaseException:
-                connection.execute("ROLLBACK")
+                if connection.in_transaction:  # a failed COMMIT may leave it open
+                    with contextlib.suppress(sqlite3.Error):
+                        connection.execute("ROLLBACK")
                 raise
-            connection.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            translated = self._translated(exc, key)
-            if translated is None:
-                raise
-            raise translated from exc
+        except sqlite3.Error as exc:
+            self._fail(exc, key, inline)
         finally:
             self._write_lock.release()
 
+    def _fail(self, exc: sqlite3.Error, key: str, inline: bool) -> NoReturn:
+        """Raise *exc* as oncely's error; `_Busy` if an inline caller met a lock."""
+        if inline and _is_busy(exc):
+            raise _Busy from exc  # nothing was done: wait for the lock in a thread
+        translated = self._translated(exc, key)
+        if translated is None:
+            raise exc
+        raise translated from exc
+
     def _apply(self, connection: sqlite3.Connection, key: str, step: Step[T], now_ms: int) -> T:
+        """Read, decide and write on *connection*, whose transaction holds the write lock."""
         row = connection.execute(_sql.SELECT, (key,)).fetchone()
-        record = self._decode(key, row)
-        found = row[-1] if row is not None and isinstance(row[-1], str) else None
-        new, op, answer = step(record, found, now_ms)
+        new, op, answer = self._step(key, row, step, now_ms)
         if new is not None:
             connection.execute(_sql.UPSERT, (*_encode(new), op))
         return answer
+
+    def _step(
+        self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
+    ) -> tuple[Record | None, str | None, T]:
+        found = row[10] if row is not None and isinstance(row[10], str) else None
+        return step(self._decode(key, row), found, now_ms)
+
+    def _write(
+        self, connection: sqlite3.Connection, key: str, sql: str, params: tuple[Any, ...]
+    ) -> bool:
+        """`_execute` in a transaction of its own, under this process's write lock (an inline
+        caller that meets a lock: `_Busy`)."""
+        inline = self._local.inline
+        self._lock_writes(key, inline)
+        try:
+            return self._execute(connection, sql, params)
+        except sqlite3.Error as exc:
+            self._fail(exc, key, inline)
+        finally:
+            self._write_lock.release()
+
+    @staticmethod
+    def _execute(connection: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
+        """Run a conditional write (`_swap`, `_sql.FINISH`); whether it changed the row."""
+        return connection.execute(sql, params).rowcount == 1
 
     def _read(self, key: str) -> Record | None:
         return self._decode(key, self._fetch(key))
@@ -403,112 +555,225 @@ class SQLiteStore(MachineStore):
         """The row of stored *key*, read without a transaction (an inline caller that meets a
         lock gets `_Busy`)."""
         connection = self._connection()
-        if self._memory:
-            with self._exclusive(key):
-                return self._fetch_on(connection, key)
-        return self._fetch_on(connection, key)  # WAL: a read needs no lock of this process
-
-    def _fetch_on(self, connection: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
         try:
-            row: tuple[Any, ...] | None = connection.execute(_sql.SELECT, (key,)).fetchone()
+            if self._memory:
+                with self._exclusive(key):
+                    row: tuple[Any, ...] | None = connection.execute(_sql.SELECT, (key,)).fetchone()
+            else:  # WAL: a read needs no lock of this process
+                row = connection.execute(_sql.SELECT, (key,)).fetchone()
         except sqlite3.Error as exc:
-            if getattr(self._local, "inline", False) and _is_busy(exc):
-                raise _Busy from exc
-            translated = self._translated(exc, key)
-            if translated is None:
-                raise
-            raise translated from exc
+            self._fail(exc, key, self._local.inline)
         return row
 
-    # -- claims: a read without the write lock first (see the module's docstring) --------------
+    def _fetch_inline(self, key: str) -> tuple[Any, ...] | None:
+        """`_fetch` on the event loop's thread: never waits for a lock (`_Busy` instead)."""
+        self._local.inline = True
+        try:
+            return self._fetch(key)
+        finally:
+            self._local.inline = False
+
+    # -- claims, and their async twins ---------------------------------------------------------
 
     def claim(self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta) -> ClaimResult:
         """See `oncely.SyncStore.claim`."""
-        answer = self._answer_read(key, fingerprint)
-        if answer is None:
-            return super().claim(key, fingerprint, lease=lease, ttl=ttl)
-        return answer
+        stored = self._stored_key(key)
+        row = self._fetch(stored)
+        now_ms = self.clock.now_ms()
+        answer = self._read_answer(key, row, fingerprint, now_ms)
+        if answer is not None:
+            return answer
+        step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
+        claimed: ClaimResult = self._unscoped(self._decide(stored, row, step, now_ms))
+        return claimed
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """See `oncely.AsyncStore.aclaim`."""
-        answer: ClaimResult | None = None
-        if not self._closed:
+        stored = self._stored_key(key)
+        try:
+            row = self._fetch_inline(stored)
+        except _Busy:  # rare (a WAL read meets a lock only while the file is recovered)
+            return await self._run_async(
+                functools.partial(self.claim, key, fingerprint, lease=lease, ttl=ttl)
+            )
+        now_ms = self.clock.now_ms()
+        answer = self._read_answer(key, row, fingerprint, now_ms)
+        if answer is not None:
+            return answer
+        step = _claim_step(stored, fingerprint, _ms(lease), _ms(ttl))
+        claimed: ClaimResult = self._unscoped(await self._adecide(stored, row, step, now_ms))
+        return claimed
+
+    # -- settling: one UPDATE where the lease holds (`_sql.FINISH`), as PostgreSQL's ----------
+
+    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.complete`."""
+        answer: LeaseLost | None = self._make(self._finish(key, token, result, ttl, _COMPLETED))
+        return answer
+
+    async def acomplete(
+        self, key: str, token: int, result: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.acomplete`."""
+        answer: LeaseLost | None = await self._awrite(
+            self._finish(key, token, result, ttl, _COMPLETED)
+        )
+        return answer
+
+    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
+        """See `oncely.SyncStore.fail`."""
+        answer: LeaseLost | None = self._make(self._finish(key, token, error, ttl, _FAILED))
+        return answer
+
+    async def afail(
+        self, key: str, token: int, error: bytes, *, ttl: timedelta
+    ) -> LeaseLost | None:
+        """See `oncely.AsyncStore.afail`."""
+        answer: LeaseLost | None = await self._awrite(self._finish(key, token, error, ttl, _FAILED))
+        return answer
+
+    def _finish(
+        self, key: str, token: int, result: bytes, ttl: timedelta, status: Status
+    ) -> _Write:
+        """The write that settles *key* as *status* with *result* if *token* holds its lease;
+        the state machine decides when it finds nothing to settle (a lost lease, or a record
+        that is not what it should be)."""
+        stored, ttl_ms, now_ms, outcome = (
+            self._stored_key(key),
+            _ms(ttl),
+            self.clock.now_ms(),
+            bytes(result),
+        )
+        settle = machine.complete if status is _COMPLETED else machine.fail
+
+        def decide(record: Record | None, at_ms: int) -> tuple[Record | None, LeaseLost | None]:
+            return settle(record, token, outcome, now_ms=at_ms, ttl_ms=ttl_ms)
+
+        params = (status, outcome, now_ms, now_ms + ttl_ms, now_ms, stored, token, now_ms)
+        return stored, _sql.FINISH, params, None, _keeping_op(decide)
+
+    async def _adecide(
+        self, key: str, row: tuple[Any, ...] | None, step: Step[T], now_ms: int
+    ) -> T:
+        """Async `_decide`: the write at once on the event loop's thread when commits do not
+        wait for the disk and the lock is free, else on the writer thread."""
+        new, op, answer = self._step(key, row, step, now_ms)
+        if new is None:
+            return answer
+        made: T = await self._awrite((key, *_swap(row, new, op), answer, step))
+        return made
+
+    async def _awrite(self, write: _Write) -> Any:
+        """Make *write*: at once on the event loop's thread when commits do not wait for the
+        disk and the lock is free, else on the writer thread."""
+        if self._inline:
+            key, sql, params, answer, _ = write
             self._local.inline = True
             try:
-                answer = self._answer_read(key, fingerprint)
+                if self._write(self._connection(), key, sql, params):
+                    return answer
             except _Busy:
-                pass  # a lock met on the way: read again, and decide, in a worker thread
+                pass  # nothing was written: the writer thread waits for the lock
             finally:
                 self._local.inline = False
-        if answer is None:
-            return await self._run_async(
-                functools.partial(super().claim, key, fingerprint, lease=lease, ttl=ttl)
-            )
-        return answer
+        writer = self._writer
+        if writer is None:
+            writer = self._start_writer()
+        return await writer.submit(write)
+
+    def _start_writer(self) -> _Writer:
+        with self._connections_lock:
+            if self._closed:
+                raise StoreError("the store is closed", backend=self.backend)
+            if self._writer is None:
+                self._writer = _Writer(self._write_batch)
+            return self._writer
+
+    def _write_batch(self, writes: list[_Write]) -> list[_Outcome]:
+        """Make *writes* (on the writer thread): several in one transaction, each swapped if
+        its record is as read, else decided again (the transaction holds the write lock)."""
+        if len(writes) > 1:
+            try:
+                with self._transaction(writes[0][0]) as connection:
+                    return [
+                        (True, answer)
+                        if self._execute(connection, sql, params)
+                        else (True, self._apply(connection, key, step, self.clock.now_ms()))
+                        for key, sql, params, answer, step in writes
+                    ]
+            except Exception:  # nothing was committed: make each write alone instead
+                pass
+        outcomes: list[_Outcome] = []
+        for write in writes:
+            try:
+                outcomes.append((True, self._make(write)))
+            except Exception as exc:
+                outcomes.append((False, exc))
+        return outcomes
 
     def _stored_key(self, key: str) -> str:
         if self._prefix is not None:  # a named namespace: its escaped name, once
             return self._prefix + key
         return super()._stored_key(key)
 
-    def _answer_read(self, key: str, fingerprint: str) -> ClaimResult | None:
-        """The claim's answer if the record as read now needs no write, else ``None``."""
-        row = self._fetch(self._stored_key(key))
+    def _read_answer(
+        self, key: str, row: tuple[Any, ...] | None, fingerprint: str, now_ms: int
+    ) -> ClaimResult | None:
+        """The claim's answer if the record as read (*row*) needs no write, else ``None``."""
         if row is None:
             return None  # a new key: the claim writes
         record = self._decode(key, row)  # named by the caller's key: no copy to unscope it
-        now_ms = self.clock.now_ms()
+        if (
+            record is not None
+            and (record.status is _COMPLETED or record.status is _FAILED)
+            and record.fingerprint == fingerprint
+            and now_ms < record.expires_at_ms
+        ):
+            return Replay(record, judged_at_ms=now_ms)  # machine.claim's answer, at once
         # The lease and ttl shape only a record to write, and a claim that writes is not
-        # answered here: zero spares converting them on every replay.
+        # answered here: zero spares converting them.
         new, answer = machine.claim(key, record, fingerprint, now_ms=now_ms, lease_ms=0, ttl_ms=0)
-        if new is not None:
-            return None
-        if isinstance(answer, Replay):
-            return Replay(answer.record, judged_at_ms=now_ms)
-        return answer
+        return None if new is not None else answer
 
     def _decode(self, key: str, row: tuple[Any, ...] | None) -> Record | None:
         if row is None:
             return None
+        _, status, fingerprint, token, attempt, lease_end, expires, created, updated, result, _ = (
+            row
+        )
         try:
-            (
-                _,
-                status,
-                fingerprint,
-                token,
-                attempt,
-                lease_end,
-                expires,
-                created,
-                updated,
-                result,
-            ) = row[:10]
-            numbers = {type(token), type(attempt), type(lease_end), type(expires), type(created)}
-            if type(updated) is not int or numbers != {int}:
+            if not (
+                type(token) is int
+                and type(attempt) is int
+                and type(lease_end) is int
+                and type(expires) is int
+                and type(created) is int
+                and type(updated) is int
+            ):
                 raise TypeError(f"{row[3:9]!r} are not all integers")
-            if not isinstance(fingerprint, str):
+            if type(fingerprint) is not str:
                 raise TypeError(f"fingerprint {fingerprint!r} is not text")
-            if result is not None and not isinstance(result, bytes):
+            if result is not None and type(result) is not bytes:
                 raise TypeError(f"result of type {type(result).__name__} is not a blob")
             known = _STATUSES.get(status)
             if known is None:
                 raise ValueError(f"{status!r} is not a valid Status")
-            return Record(
-                key=key,
-                status=known,
-                fingerprint=fingerprint,
-                token=token,
-                attempt=attempt,
-                lease_expires_at_ms=lease_end,
-                expires_at_ms=expires,
-                created_at_ms=created,
-                updated_at_ms=updated,
-                result=result,
-            )
         except (TypeError, ValueError) as exc:
             raise CorruptRecordError(str(exc), backend=self.backend, key=key) from exc
+        return Record(
+            key=key,
+            status=known,
+            fingerprint=fingerprint,
+            token=token,
+            attempt=attempt,
+            lease_expires_at_ms=lease_end,
+            expires_at_ms=expires,
+            created_at_ms=created,
+            updated_at_ms=updated,
+            result=result,
+        )
 
     # -- maintenance ---------------------------------------------------------------------------
 
@@ -561,9 +826,12 @@ class SQLiteStore(MachineStore):
 
     def close(self) -> None:
         """Close every connection and the async worker threads."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._connections_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None and self._forks == _forks:
+            self._writer.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         with self._connections_lock:
@@ -593,6 +861,26 @@ def _is_busy(exc: sqlite3.Error) -> bool:
     """Whether SQLite answered "not now" (another connection holds a lock)."""
     message = str(exc)
     return "locked" in message or "busy" in message
+
+
+def _swap(row: tuple[Any, ...] | None, new: Record, op: str | None) -> tuple[str, tuple[Any, ...]]:
+    """The statement, and its parameters, that write *new* (and *op*) if the record is still
+    *row* (``None``: absent)."""
+    values = (
+        new.status,  # a str enum: sqlite3 binds its text, with no call to Enum.value
+        new.fingerprint,
+        new.token,
+        new.attempt,
+        new.lease_expires_at_ms,
+        new.expires_at_ms,
+        new.created_at_ms,
+        new.updated_at_ms,
+        new.result,
+        op,
+    )
+    if row is None:
+        return _sql.INSERT, (new.key, *values)
+    return _sql.SWAP, (*values, *row)
 
 
 def _encode(record: Record) -> tuple[Any, ...]:
