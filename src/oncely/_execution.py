@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import heapq
 import logging
 import math
@@ -764,15 +765,12 @@ _MAX_IN_FLIGHT = 2
 
 
 def _interval(lease: Lease) -> float:
-    interval = _INTERVALS.get(lease.lease)
-    if interval is None:
-        interval = _INTERVALS[lease.lease] = max(lease.lease.total_seconds() / 3, 0.001)
-        if len(_INTERVALS) > 64:  # a program uses a handful of leases: never many for long
-            _INTERVALS.clear()
-    return interval
+    return _beat_interval(lease.lease)
 
 
-_INTERVALS: dict[timedelta, float] = {}
+@functools.lru_cache(maxsize=256)  # a program uses a handful of leases
+def _beat_interval(lease: timedelta) -> float:
+    return max(lease.total_seconds() / 3, 0.001)
 
 
 def _beat_timeout(interval: float, expires: float, now: float) -> float:

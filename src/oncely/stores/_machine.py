@@ -46,16 +46,10 @@ Decide = Callable[[Record | None, int], tuple[Record | None, T]]
 _MILLISECOND = timedelta(milliseconds=1)
 
 
+@functools.lru_cache(maxsize=256)  # a program passes the same few leases and ttls on every call
 def _ms(duration: timedelta) -> int:
-    ms = _MS.get(duration)
-    if ms is None:
-        ms = _MS[duration] = max(1, duration // _MILLISECOND)
-        if len(_MS) > 64:  # a program uses a handful of leases and ttls: never many for long
-            _MS.clear()
-    return ms
-
-
-_MS: dict[timedelta, int] = {}
+    """*duration* in whole milliseconds, at least one."""
+    return max(1, duration // _MILLISECOND)
 
 
 def _claim_step(

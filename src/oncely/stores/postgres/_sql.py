@@ -40,6 +40,7 @@ from oncely._core.records import (
 from oncely.errors import CorruptRecordError, StoreError
 from oncely.stores import _namespace
 from oncely.stores._batch import call_ids
+from oncely.stores._machine import _ms
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -415,9 +416,8 @@ def call_id() -> str:
     return os.urandom(8).hex()
 
 
-def ms(duration: timedelta) -> int:
-    """*duration* in whole milliseconds, at least one."""
-    return max(1, duration // _ONE_MS)
+ms = _ms
+"""*duration* in whole milliseconds, at least one (the stores' one conversion, cached)."""
 
 
 def _interval(duration: timedelta) -> timedelta:

@@ -240,12 +240,6 @@ def call_id() -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _millis(duration: timedelta) -> int:
-    """`_ms`, cached: a program passes the same few leases and ttls on every call."""
-    return _ms(duration)
-
-
-@functools.lru_cache(maxsize=256)
 def _claim_times(lease: timedelta, ttl: timedelta) -> tuple[int, int]:
     """The lease, and how long `claim.lua` keeps a record past it (max(ttl, lease)), in ms."""
     lease_ms = _ms(lease)
@@ -262,7 +256,7 @@ def claim_args(fingerprint: str, lease: timedelta, ttl: timedelta) -> tuple[str,
 def finish_args(token: int, outcome: bytes, ttl: timedelta) -> tuple[int, bytes, int, str]:
     """The ``ARGV`` of `complete.lua` and `fail.lua`, whose reply `_codec.settle_answer`
     reads."""
-    return (token, bytes(outcome), _millis(ttl), call_id())
+    return (token, bytes(outcome), _ms(ttl), call_id())
 
 
 def release(space: Keyspace, key: str, token: int) -> Flow[LeaseLost | None]:
