@@ -13,6 +13,7 @@ import oncely.keys
 
 SUBMODULES = {
     "aggregates",
+    "bloom",
     "cli",
     "consumers",
     "decorator",
