@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -274,14 +274,16 @@ def test_a_forget_and_rerun_elsewhere_reach_the_cache_within_the_bound(shared_ur
 
 
 class _PausingStore:
-    """Delegates to *inner*; a claim that read a record waits for `go` before answering (a
-    forget then lands between the read and the caller caching what it read)."""
+    """Delegates to *inner*; a claim that read a record waits for `go` before answering, and
+    an async claim awaits `landing` (a forget then lands between the read and the caller
+    caching what it read)."""
 
     def __init__(self, inner: MemoryStore) -> None:
         self.inner = inner
         self.pause = False
         self.read = threading.Event()
         self.go = threading.Event()
+        self.landing: Callable[[], Awaitable[object]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -298,6 +300,12 @@ class _PausingStore:
     def claim_many(self, *args: Any, **kwargs: Any) -> Any:
         return self._paused(self.inner.claim_many(*args, **kwargs))
 
+    async def aclaim(self, *args: Any, **kwargs: Any) -> Any:
+        answer = await self.inner.aclaim(*args, **kwargs)
+        if self.landing is not None:
+            await self.landing()
+        return answer
+
 
 @pytest.mark.parametrize("verb", ["claim", "claim_many", "aclaim"])
 def test_a_forget_during_a_claim_is_not_undone_by_it(verb: str) -> None:
@@ -309,12 +317,10 @@ def test_a_forget_during_a_claim_is_not_undone_by_it(verb: str) -> None:
     assert store.complete("k", 1, b"old", ttl=TTL) is None
     if verb == "aclaim":
 
-        async def forgetting_claim(*args: Any, **kwargs: Any) -> Any:
-            answer = await MemoryStore.aclaim(inner.inner, *args, **kwargs)
+        async def forget() -> None:
             assert await store.aforget("k") is not None
-            return answer
 
-        inner.aclaim = forgetting_claim  # type: ignore[method-assign]
+        inner.landing = forget
         stale = asyncio.run(store.aclaim("k", "fp", lease=LEASE, ttl=TTL))
     else:
         inner.pause = True
