@@ -38,6 +38,7 @@ from oncely._core.records import (
 )
 from oncely.errors import StoreError
 from oncely.stores import _batch
+from oncely.stores._wrapper import StoreWrapper
 
 __all__ = ["BloomStore", "KeyFilter"]
 
@@ -64,10 +65,11 @@ def _fresh(answer: object) -> bool:
     return isinstance(answer, Acquired) and not answer.recovered
 
 
-class BloomStore:
+class BloomStore(StoreWrapper):
     """*inner* with late duplicates recognised by *filter* (see the module's docstring).
 
-    Every verb but the claims and the completions is the inner store's own.
+    Every verb but the claims and the completions is the inner store's own: note that
+    ``forget`` cannot make a key run again, since a Bloom filter cannot forget one key.
 
     .. versionadded:: 0.1.0
     """
@@ -75,16 +77,10 @@ class BloomStore:
     backend = "bloom"
 
     def __init__(self, inner: Store, filter: KeyFilter) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.filter = filter
         self.late_duplicates = 0
         """How many claims this store answered as late duplicates."""
-
-    def __getattr__(self, name: str) -> Any:
-        # forget, scan, purge, migrate, check, clock...: the inner store's, unchanged.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # -- the decision, once for sync and async -------------------------------------------------
 
@@ -180,22 +176,6 @@ class BloomStore:
             self.filter.add_many(landed)
         return answers
 
-    def release(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.SyncStore.release`."""
-        return self.inner.release(key, token)
-
-    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.extend`."""
-        return self.inner.extend(key, token, lease=lease)
-
-    def get(self, key: str) -> Record | None:
-        """See `oncely.SyncStore.get`."""
-        return self.inner.get(key)
-
-    def close(self) -> None:
-        """Close the inner store."""
-        self.inner.close()
-
     # -- async verbs ---------------------------------------------------------------------------
 
     async def aclaim(
@@ -252,31 +232,3 @@ class BloomStore:
         if landed:
             await self.filter.aadd_many(landed)
         return answers
-
-    async def arelease(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.AsyncStore.arelease`."""
-        return await self.inner.arelease(key, token)
-
-    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.AsyncStore.aextend`."""
-        return await self.inner.aextend(key, token, lease=lease)
-
-    async def aget(self, key: str) -> Record | None:
-        """See `oncely.AsyncStore.aget`."""
-        return await self.inner.aget(key)
-
-    async def aclose(self) -> None:
-        """Close the inner store."""
-        await self.inner.aclose()
-
-    def __enter__(self) -> BloomStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> BloomStore:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

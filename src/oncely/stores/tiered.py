@@ -28,18 +28,17 @@ from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.protocols import CheckableStore, Store
+from oncely._core.protocols import Store
 from oncely._core.records import (
     ClaimResult,
-    LeaseLost,
     Mismatch,
     Record,
     Replay,
     Status,
-    StoreHealth,
 )
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _batch
+from oncely.stores._wrapper import StoreWrapper
 
 __all__ = ["TieredStore"]
 
@@ -54,7 +53,7 @@ class _Entry:
     deadline_ms: int  # on the tiered store's clock: past it, the record may have expired
 
 
-class TieredStore:
+class TieredStore(StoreWrapper):
     """Caches finished records of *inner* in this process.
 
     Args:
@@ -90,7 +89,7 @@ class TieredStore:
             raise ConfigurationError(
                 f"max_staleness must be a timedelta of at least 1 ms, not {max_staleness!r}"
             )
-        self.inner = inner
+        super().__init__(inner)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_staleness = max_staleness
@@ -198,10 +197,6 @@ class TieredStore:
         answer = self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
         return self._remember(answer, asked)
 
-    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.complete`."""
-        return self.inner.complete(key, token, result, ttl=ttl)
-
     def claim_many(
         self,
         requests: Sequence[tuple[str, str]],
@@ -226,28 +221,6 @@ class TieredStore:
             ),
         )
 
-    def complete_many(
-        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | StoreError | None]:
-        """See `oncely.BatchStore.complete_many`."""
-        return _batch.complete_many(self.inner, items, ttl=ttl) if items else []
-
-    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.fail`."""
-        return self.inner.fail(key, token, error, ttl=ttl)
-
-    def release(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.SyncStore.release`."""
-        return self.inner.release(key, token)
-
-    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.extend`."""
-        return self.inner.extend(key, token, lease=lease)
-
-    def get(self, key: str) -> Record | None:
-        """See `oncely.SyncStore.get` (always read from the inner store)."""
-        return self.inner.get(key)
-
     def forget(self, key: str, *, force: bool = False) -> Status | None:
         """The inner store's ``forget``; *key* then leaves the cache, and a claim in flight
         does not put it back."""
@@ -270,48 +243,6 @@ class TieredStore:
             self._forgets += 1
             self._drop(key)
 
-    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
-        """The inner store's ``scan`` (the cache holds no record the inner store lacks)."""
-        records: list[Record] = self._inner_verb("scan")(after=after, limit=limit)
-        return records
-
-    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
-        """The inner store's ``purge`` (it deletes expired records, which the cache has dropped
-        already)."""
-        deleted: int = self._inner_verb("purge")(batch=batch, limit=limit)
-        return deleted
-
-    def migrate(self) -> None:
-        """The inner store's ``migrate``."""
-        self._inner_verb("migrate")()
-
-    def _inner_verb(self, verb: str) -> Any:
-        method = getattr(self.inner, verb, None)
-        if method is None:
-            raise StoreError(
-                f"the inner store {self.inner!r} has no {verb}()", backend=self.backend
-            )
-        return method
-
-    def _checkable(self) -> CheckableStore:
-        if not isinstance(self.inner, CheckableStore):
-            raise StoreError(f"the inner store {self.inner!r} has no check()", backend=self.backend)
-        return self.inner
-
-    def check(self) -> StoreHealth:
-        """See `oncely.CheckableStore.check`: the inner store's check (the cache cannot fail)."""
-        health = self._checkable().check()
-        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
-
-    async def acheck(self) -> StoreHealth:
-        """Async `check`."""
-        health = await self._checkable().acheck()
-        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
-
-    def close(self) -> None:
-        """Close the inner store."""
-        self.inner.close()
-
     # -- async verbs ---------------------------------------------------------------------------
 
     async def aclaim(
@@ -324,12 +255,6 @@ class TieredStore:
         asked = self._asking()
         answer = await self.inner.aclaim(key, fingerprint, lease=lease, ttl=ttl)
         return self._remember(answer, asked)
-
-    async def acomplete(
-        self, key: str, token: int, result: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.acomplete`."""
-        return await self.inner.acomplete(key, token, result, ttl=ttl)
 
     async def aclaim_many(
         self,
@@ -353,43 +278,3 @@ class TieredStore:
             )
 
         return await adrive(self._claim_many(requests), fetch)
-
-    async def acomplete_many(
-        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | StoreError | None]:
-        """See `oncely.BatchStore.acomplete_many`."""
-        return await _batch.acomplete_many(self.inner, items, ttl=ttl) if items else []
-
-    async def afail(
-        self, key: str, token: int, error: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.afail`."""
-        return await self.inner.afail(key, token, error, ttl=ttl)
-
-    async def arelease(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.AsyncStore.arelease`."""
-        return await self.inner.arelease(key, token)
-
-    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.AsyncStore.aextend`."""
-        return await self.inner.aextend(key, token, lease=lease)
-
-    async def aget(self, key: str) -> Record | None:
-        """See `oncely.AsyncStore.aget`."""
-        return await self.inner.aget(key)
-
-    async def aclose(self) -> None:
-        """Close the inner store."""
-        await self.inner.aclose()
-
-    def __enter__(self) -> TieredStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> TieredStore:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
