@@ -15,6 +15,8 @@ SECTIONS = [
     ("oncely.testing", ["override_store", "disabled", "FrozenClock", "StoreConformance"]),
     ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
     ("oncely.stores.tiered", ["TieredStore"]),
+    ("oncely.stores.bloom", ["BloomStore"]),
+    ("oncely.dashboard", None),
     ("oncely.http", None),
     ("oncely.http.asgi", ["IdempotencyMiddleware"]),
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
@@ -26,6 +28,7 @@ SECTIONS = [
     ("oncely.consumers", None),
 ]
 OPTIONAL = [
+    ("oncely.bloom", None),
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
     (

@@ -14,6 +14,7 @@ import oncely.keys
 SUBMODULES = {
     "aggregates",
     "bloom",
+    "dashboard",
     "cli",
     "consumers",
     "decorator",

@@ -399,6 +399,38 @@ def demo(ctx: click.Context) -> None:
 
 
 @cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any).")
+@click.option(
+    "--token",
+    envvar="ONCELY_DASHBOARD_TOKEN",
+    help="Require this token (16+ characters): Bearer header, or open /?token=... once.",
+)
+@_common_options
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """Serve a read-only dashboard of the store (and Prometheus text at /metrics)."""
+    from oncely.dashboard import serve
+
+    with _store(ctx) as store:
+        try:
+            server = serve(store, host=host, port=port, token=token or None)
+        except OSError as exc:
+            raise SetupError(f"cannot listen on {host}:{port}: {exc}") from exc
+        except oncely.ConfigurationError as exc:
+            raise SetupError(str(exc)) from exc
+        if host not in ("127.0.0.1", "::1", "localhost") and not token:
+            click.echo(f"dashboard: listening on {host} without a token", err=True)
+        click.echo(f"dashboard: http://{host}:{server.server_port}/", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+
+
+@cli.command()
 @click.option(
     "--to", "to", envvar="ONCELY_RELAY_TO", help="Broker URL: amqp://, kafka://, nats://, redis://."
 )

@@ -69,6 +69,8 @@ class TieredStore(StoreWrapper):
     Raises:
         ConfigurationError: A bound is not positive.
 
+    Every verb it does not list here is the inner store's own (`oncely.Store`).
+
     .. versionadded:: 0.1.0
     """
 
