@@ -103,8 +103,10 @@ def test_the_dashboard_follows_a_live_load_in_chromium(browser: Any, tmp_path: P
         ]
         # The page polls every 3 s: the chart must grow with the load while it runs.
         later = _wait(
-            lambda: int(chart.get_attribute("data-points") or 0) > first
-            and int(chart.get_attribute("data-points") or 0),
+            lambda: (
+                int(chart.get_attribute("data-points") or 0) > first
+                and int(chart.get_attribute("data-points") or 0)
+            ),
             "the chart move with the load",
         )
         assert later > first

@@ -57,9 +57,7 @@ def test_records_are_counted_by_status_scope_and_minute() -> None:
 def test_lapsed_leases_are_stuck_and_listed_longest_first_up_to_a_bound() -> None:
     snapshot = Snapshot(NOW, max_listed=2)
     for index, lapsed in enumerate((5_000, 50_000, 500)):
-        snapshot.add(
-            record(f"s|{index}", Status.IN_PROGRESS, lease_expires_at_ms=NOW - lapsed)
-        )
+        snapshot.add(record(f"s|{index}", Status.IN_PROGRESS, lease_expires_at_ms=NOW - lapsed))
     snapshot.add(record("s|live", Status.IN_PROGRESS))
     data = snapshot.as_json()
     assert data["stuck_count"] == 3

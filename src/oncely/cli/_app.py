@@ -393,7 +393,7 @@ def check(ctx: click.Context) -> None:
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the retry-storm demo (`oncely demo --help` lists its options)."""
-    from oncely._demo import main as demo_main
+    from oncely._demos.storm import main as demo_main
 
     ctx.exit(demo_main(list(ctx.args), prog="oncely demo"))
 

@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
@@ -107,13 +106,6 @@ class TieredStore(StoreWrapper):
         """Forgets through this store so far: a claim caches what it read only if none landed
         while it was in flight (the read may predate the forget)."""
         self.hits = 0
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> TieredStore:
-        """Open ``tiered+<inner url>``."""
-        from oncely.stores._registry import open_store
-
-        return open_store(url, **options)  # type: ignore[return-value]
 
     # -- cache ---------------------------------------------------------------------------------
 
