@@ -1,4 +1,4 @@
-"""Every Python example in the README and the guides runs as written."""
+"""Every Python example in the README and the docs runs as written, and runs again."""
 
 from __future__ import annotations
 
@@ -76,9 +76,8 @@ def test_example_runs_twice(code: str, tmp_path: Path, monkeypatch: pytest.Monke
         for attempt in ("first", "second"):
             try:
                 run(code, tmp_path, monkeypatch)
-            except BaseException as error:
-                error.add_note(f"on the {attempt} run")
-                raise
+            except Exception as error:
+                raise AssertionError(f"the example failed on its {attempt} run") from error
 
 
 def _run_in_a_process(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
