@@ -16,22 +16,25 @@ How events of one ordering key stay in commit order, with any number of writers 
    On SQLite the single write lock, held from a transaction's first write to its commit, gives
    the same property without the counter's lock mattering.
 
-2. **A relay only starts a key at its head.** The head of a key is its pending event (neither
-   published nor dead) with no pending event of a lower seq (`PG_HEADS`). The relay locks heads
+2. **A relay only starts a scope at its head.** Order is kept per *scope*: the events of one
+   ordering key to one destination (a failing destination holds back only its own events). The
+   head of a scope is its pending event (neither published nor dead) with no pending event of
+   a lower seq (`PG_HEADS`); seq, per key, orders a scope's events too. The relay locks heads
    with ``FOR UPDATE SKIP LOCKED``: a head another relay holds is skipped, and nothing else of
-   that key qualifies while the head is pending, so **a key is worked on by one relay at a
-   time**. Holding keys' heads, the relay also locks the keys' following pending events,
+   that scope qualifies while the head is pending, so **a scope is worked on by one relay at a
+   time**. Holding scopes' heads, the relay also locks the scopes' following pending events,
    oldest first (`PG_FOLLOWERS`), and hands the publisher the batch in id order. Within one
    key, id order is seq order (the later writer inserted after the earlier one committed), so
-   a batch holds a prefix of each key's pending events, in the key's order.
+   a batch holds a prefix of each scope's pending events, in the scope's order.
 
 3. **The locks are held until the outcome is recorded.** The relay's transaction stays open
    while the publisher publishes; it marks confirmed events published, counts the failures,
    and commits. Only then can another relay see the key's next head. A head that failed waits
-   for its ``next_attempt_at``, and its key with it; a dead-lettered head no longer counts as
-   pending, so the key moves on. A relay that dies before it commits leaves every row as it
+   for its ``next_attempt_at``, and its scope with it; a dead-lettered head no longer counts as
+   pending, so the scope moves on. A relay that dies before it commits leaves every row as it
    was: the next relay publishes the batch again (at-least-once; consumers deduplicate by the
-   message id). So seq n+1 is never published before n is published or dead-lettered.
+   message id). So within a scope, seq n+1 is never marked published before n is published
+   or dead-lettered.
 
    A relay whose snapshot predates another relay's commit sees the old head still pending:
    either it is locked (skipped), or it was updated since (PostgreSQL re-checks a row it locks
@@ -86,34 +89,38 @@ PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
 
 PG_HEADS: Final = f"""
 WITH RECURSIVE near AS MATERIALIZED (
-    SELECT o.id, o.ordering_key, o.seq, o.next_attempt_at
+    SELECT o.id, o.ordering_key, o.destination, o.seq, o.next_attempt_at
       FROM {{schema}}.oncely_outbox AS o
      WHERE o.published_at IS NULL AND o.dead_at IS NULL
      ORDER BY o.id
      LIMIT %(window)s
 ), near_heads AS (
-    SELECT DISTINCT ON (n.ordering_key) n.ordering_key, n.seq, n.next_attempt_at
+    SELECT DISTINCT ON (n.ordering_key, n.destination)
+           n.ordering_key, n.destination, n.seq, n.next_attempt_at
       FROM near AS n
      WHERE n.ordering_key IS NOT NULL
-     ORDER BY n.ordering_key, n.seq
+     ORDER BY n.ordering_key, n.destination, n.seq
 ), keyed AS (
-    (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
+    (SELECT o.ordering_key, o.destination, o.seq FROM {{schema}}.oncely_outbox AS o
       WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
-      ORDER BY o.ordering_key, o.seq LIMIT 1)
+      ORDER BY o.ordering_key, o.destination, o.seq LIMIT 1)
     UNION ALL
-    SELECT m.ordering_key, m.seq
+    SELECT m.ordering_key, m.destination, m.seq
       FROM keyed AS k,
-           LATERAL (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
-                     WHERE o.ordering_key > k.ordering_key
+           LATERAL (SELECT o.ordering_key, o.destination, o.seq
+                      FROM {{schema}}.oncely_outbox AS o
+                     WHERE (o.ordering_key, o.destination) > (k.ordering_key, k.destination)
+                       AND o.ordering_key IS NOT NULL
                        AND o.published_at IS NULL AND o.dead_at IS NULL
-                     ORDER BY o.ordering_key, o.seq LIMIT 1) AS m
+                     ORDER BY o.ordering_key, o.destination, o.seq LIMIT 1) AS m
 ), beyond AS (
     -- Look past the window only when it is full and cannot fill a batch by itself.
     SELECT (SELECT count(*) FROM near) >= %(window)s
        AND (SELECT count(*) FROM near AS n
              WHERE (n.ordering_key IS NULL AND n.next_attempt_at <= statement_timestamp())
-                OR n.ordering_key IN (SELECT h.ordering_key FROM near_heads AS h
-                                       WHERE h.next_attempt_at <= statement_timestamp()))
+                OR (n.ordering_key, n.destination) IN (
+                       SELECT h.ordering_key, h.destination FROM near_heads AS h
+                        WHERE h.next_attempt_at <= statement_timestamp()))
            < %(limit)s AS yes
 )
 SELECT {_EVENT}
@@ -130,34 +137,40 @@ SELECT {_EVENT}
  LIMIT %(limit)s
    FOR UPDATE OF o SKIP LOCKED
 """
-"""Parameters: limit, window. Due pending events without an earlier pending event of their key
-(every event without a key is one), locked, skipping those another relay holds.
+"""Parameters: limit, window. Due pending events without an earlier pending event of their
+scope, the (ordering key, destination) pair (every event without a key is one), locked,
+skipping those another relay holds.
 
 Heads are found without testing each event against its key's others (that cost each claim the
 backlog times its keys' depth: a relay catching up on 4000 events of 32 keys claimed about 70
 a second). ``near`` is the oldest *window* pending events: a key with an event among them has
 its first pending event among them too (within a key id order is seq order), so their heads
-are the keys' heads, found in the window alone, and the claim reads no further than the window.
+are the scopes' heads, found in the window alone, and the claim reads no further than the window.
 Only when the window is full and cannot fill a batch itself (fewer than *limit* of its events
 are due heads, their keys' later events or due events without a key: a key held up by a
-failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every key's
-head by skipping from key to key through the ``(ordering_key, seq)`` index of pending events,
-one descent per key, and the scan goes on past the window for events without a key."""
+failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every
+scope's head by skipping from scope to scope through the ``(ordering_key, destination, seq)``
+index of pending events, one descent per scope, and the scan goes on past the window for
+events without a key. A head is named by its ``(ordering_key, seq)``, unique among pending
+events."""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
   FROM {{schema}}.oncely_outbox AS o
  WHERE o.ordering_key = ANY(%(keys)s::text[])
+   AND (o.ordering_key, o.destination) IN (
+           SELECT * FROM unnest(%(keys)s::text[], %(destinations)s::text[]))
    AND o.published_at IS NULL AND o.dead_at IS NULL
    AND o.id <> ALL(%(ids)s::bigint[])
  ORDER BY o.id
  LIMIT %(limit)s
    FOR UPDATE OF o
 """
-"""Parameters: keys (whose heads this relay holds), ids (those heads), limit. The pending events
-after them, locked (no other relay can hold them: their key's head is pending and ours), oldest
-first. Within a key id order is seq order, so what the limit keeps of each key is a prefix of
-its pending events; and the rows are those the heads' scan read first, near each other."""
+"""Parameters: keys and destinations (the scopes whose heads this relay holds, pairwise), ids
+(those heads), limit. The pending events after them, locked (no other relay can hold them:
+their scope's head is pending and ours), oldest first. Within a key id order is seq order, so
+what the limit keeps of each scope is a prefix of its pending events; and the rows are those
+the heads' scan read first, near each other."""
 
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
@@ -288,7 +301,8 @@ SELECT {_EVENT}
    AND o.next_attempt_at_ms <= :now
    AND (o.claimed_until_ms IS NULL OR o.claimed_until_ms <= :now)
    AND NOT EXISTS (SELECT 1 FROM oncely_outbox AS p
-                    WHERE p.ordering_key = o.ordering_key AND p.seq < o.seq
+                    WHERE p.ordering_key = o.ordering_key AND p.destination = o.destination
+                      AND p.seq < o.seq
                       AND p.published_at_ms IS NULL AND p.dead_at_ms IS NULL)
  ORDER BY o.id
  LIMIT :limit
@@ -298,13 +312,17 @@ SELECT {_EVENT}
 SQLITE_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
   FROM oncely_outbox AS o
- WHERE o.ordering_key IN (SELECT value FROM json_each(:keys))
+ WHERE o.ordering_key IN (SELECT json_extract(value, '$[0]') FROM json_each(:scopes))
+   AND EXISTS (SELECT 1 FROM json_each(:scopes) AS s
+                WHERE json_extract(s.value, '$[0]') = o.ordering_key
+                  AND json_extract(s.value, '$[1]') = o.destination)
    AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
    AND o.id NOT IN (SELECT value FROM json_each(:ids))
  ORDER BY o.id
  LIMIT :limit
 """
-"""Parameters: keys and ids (JSON arrays), limit. See `PG_FOLLOWERS`."""
+"""Parameters: scopes (a JSON array of [key, destination] pairs), ids (a JSON array), limit. See
+`PG_FOLLOWERS`."""
 
 SQLITE_CLAIM: Final = """
 UPDATE oncely_outbox SET claimed_until_ms = :until WHERE id IN (SELECT value FROM json_each(:ids))
