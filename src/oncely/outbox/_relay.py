@@ -598,13 +598,8 @@ class _SQLiteBackend:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="oncely-outbox")
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[Any]:
-        """A write transaction on the store's connection of the relay's thread; SQLite's errors
-        as the store's (a missing table is `SchemaMissingError`)."""
-        store = self._store
-        with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
-            yield connection
+    def _write(self) -> contextlib.AbstractContextManager[Any]:
+        return sqlite_write(self._store)
 
     def _claim(self, limit: int) -> list[OutboxEvent]:
         with self._write() as connection:
@@ -690,7 +685,7 @@ class _SQLiteBackend:
             "pending": pending,
             "dead": dead,
             "published": published,
-            "oldest_pending": None if oldest is None else _iso(oldest),
+            "oldest_pending": None if oldest is None else iso_ms(oldest),
         }
 
     async def stats(self) -> dict[str, Any]:
@@ -703,7 +698,16 @@ class _SQLiteBackend:
             self._executor = None
 
 
-def _iso(ms: int) -> str:
+@contextlib.contextmanager
+def sqlite_write(store: Any) -> Iterator[Any]:
+    """A write transaction on *store*'s connection of this thread; SQLite's errors as the
+    store's (a missing table is `SchemaMissingError`)."""
+    with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
+        yield connection
+
+
+def iso_ms(ms: int) -> str:
+    """Epoch milliseconds as ISO 8601 UTC."""
     from datetime import datetime, timezone
 
     moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)

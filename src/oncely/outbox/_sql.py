@@ -227,6 +227,45 @@ SELECT count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL),
 """No parameters. Pending, dead and published counts, and the oldest pending event's time."""
 
 
+PG_REQUEUE: Final = """
+WITH target AS (
+    SELECT o.id, o.ordering_key FROM {schema}.oncely_outbox AS o
+     WHERE o.id = %(id)s AND (o.published_at IS NOT NULL OR o.dead_at IS NOT NULL)
+       FOR UPDATE
+), next AS (
+    INSERT INTO {schema}.oncely_outbox_keys AS k (ordering_key, seq)
+    SELECT t.ordering_key, 1 FROM target AS t WHERE t.ordering_key IS NOT NULL
+    ON CONFLICT (ordering_key) DO UPDATE SET seq = k.seq + 1
+    RETURNING k.seq, nextval({sequence}) AS id
+)
+UPDATE {schema}.oncely_outbox AS o
+   SET id = coalesce((SELECT n.id FROM next AS n), nextval({sequence})),
+       seq = (SELECT n.seq FROM next AS n),
+       attempts = 0, next_attempt_at = statement_timestamp(), published_at = NULL,
+       dead_at = NULL
+  FROM target AS t
+ WHERE o.id = t.id
+RETURNING o.id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, channel. A published or dead event made pending again, after every event of
+its key (a new id and the key's next seq, drawn as `PG_ADD` draws them); its new id, or no row
+when it is pending (or gone)."""
+
+PG_DUE: Final = """
+UPDATE {schema}.oncely_outbox SET next_attempt_at = statement_timestamp()
+ WHERE id = %(id)s AND published_at IS NULL AND dead_at IS NULL
+RETURNING id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, channel. A pending event due now (its backoff cut short)."""
+
+PG_DEAD_LETTER: Final = """
+UPDATE {schema}.oncely_outbox SET dead_at = statement_timestamp(), last_error = %(error)s
+ WHERE id = %(id)s AND published_at IS NULL AND dead_at IS NULL
+RETURNING id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, error, channel. A pending event set aside; its scope's next event is due."""
+
+
 @dataclass(frozen=True, slots=True)
 class PostgresQueries:
     """The outbox statements of one PostgreSQL schema."""
@@ -242,6 +281,10 @@ class PostgresQueries:
     purge: str = field(init=False)
     purge_keys: str = field(init=False)
     stats: str = field(init=False)
+    requeue: str = field(init=False)
+    due: str = field(init=False)
+    dead_letter: str = field(init=False)
+    table: str = field(init=False)
     channel: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,6 +298,8 @@ class PostgresQueries:
             ("purge", PG_PURGE),
             ("purge_keys", PG_PURGE_KEYS),
             ("stats", PG_STATS),
+            ("due", PG_DUE),
+            ("dead_letter", PG_DEAD_LETTER),
         ):
             object.__setattr__(self, name, template.format(schema=quoted))
         table = f"{quoted}.oncely_outbox".replace("'", "''")
@@ -262,6 +307,8 @@ class PostgresQueries:
         for name, notify in (("add", ""), ("add_notify", PG_NOTIFY)):
             rendered = PG_ADD.format(schema=quoted, sequence=sequence, notify=notify)
             object.__setattr__(self, name, rendered)
+        object.__setattr__(self, "requeue", PG_REQUEUE.format(schema=quoted, sequence=sequence))
+        object.__setattr__(self, "table", f"{quoted}.oncely_outbox")
         object.__setattr__(self, "channel", channel(self.schema))
 
 
@@ -369,3 +416,15 @@ SELECT coalesce(sum(published_at_ms IS NULL AND dead_at_ms IS NULL), 0),
        min(CASE WHEN published_at_ms IS NULL AND dead_at_ms IS NULL THEN created_at_ms END)
   FROM oncely_outbox
 """
+
+SQLITE_DUE: Final = """
+UPDATE oncely_outbox SET next_attempt_at_ms = ?
+ WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
+"""
+"""Parameters: now_ms, id. See `PG_DUE`."""
+
+SQLITE_DEAD_LETTER: Final = """
+UPDATE oncely_outbox SET dead_at_ms = ?, last_error = ?
+ WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
+"""
+"""Parameters: now_ms, error, id. See `PG_DEAD_LETTER`."""
