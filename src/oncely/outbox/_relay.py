@@ -1,10 +1,12 @@
-"""`Relay`: publishes committed outbox events, in each key's commit order, at least once.
+"""`Relay`: publishes committed outbox events, in each scope's commit order, at least once.
 
-One cycle claims a batch (`_sql` explains how claims keep each key's order across relays),
-hands it to the `Publisher`, and records each event's outcome: published, failed (counted, and
-retried after an exponential backoff), dead-lettered after ``max_attempts`` failures, or left as
-it was (not attempted). A failure of the whole publish call (the broker is down) counts against
-no event: the relay backs off and tries again, and nothing is lost meanwhile.
+A scope is an ordering key and a destination. One cycle claims a batch (`_sql` explains how
+claims keep each scope's order across relays), hands it to the `Publisher`, and records each
+event's outcome: published, failed (counted, and retried after an exponential backoff),
+dead-lettered after ``max_attempts`` failures, or left as it was (not attempted). A failure of
+the whole publish call (the broker is down) counts against no event: the relay backs off and
+tries again, and nothing is lost meanwhile. A call that times out is narrowed down to the event
+it hangs on, whose failure it is (`Relay._publish`).
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ class Relay:
 
     Several relays may run side by side on one PostgreSQL database: each claims its batch with
     ``FOR UPDATE SKIP LOCKED``, so in the normal case no event is published twice, and events of
-    one ordering key are published in commit order whichever relay takes them. Delivery is
-    at least once: a relay that dies after the broker confirmed a batch but before it recorded
-    that publishes nothing twice itself, but the next relay publishes the batch again; each
-    message carries its message id as its idempotency key, for the consumer to deduplicate.
+    one ordering key to one destination (a *scope*) are published in commit order whichever
+    relay takes them; a destination that refuses its events holds back only its own. Delivery
+    is at least once: a relay that dies after the broker confirmed a batch but before it
+    recorded that publishes nothing twice itself, but the next relay publishes the batch again;
+    each message carries its message id as its idempotency key, for the consumer to
+    deduplicate.
 
     Args:
         store: The `PostgresStore` or `SQLiteStore` the `Outbox` writes to.
@@ -71,15 +75,17 @@ class Relay:
         poll_interval: How often to look for events without being woken. On PostgreSQL the
             relay also ``LISTEN``s for the outbox's ``NOTIFY`` and wakes at once.
         max_attempts: Failed attempts after which an event is dead-lettered: it is set aside
-            (``dead_at``, ``last_error``), logged, and later events of its key proceed.
+            (``dead_at``, ``last_error``), logged, and later events of its scope proceed.
         backoff: The wait before the first retry of a failed event; each further failure
             doubles it, up to *max_backoff*. The relay backs off the same way while the whole
             publish call fails.
         max_backoff: The longest wait between two attempts.
         retention: How long published events are kept before a purge deletes them.
         purge_interval: How often the relay purges.
-        publish_timeout: How long one publish call may take before it counts as failed. On
-            SQLite a batch is reserved for the relay about twice as long.
+        publish_timeout: How long one publish call may take. A call that takes longer is
+            cancelled and its events published again in halves, until the call that times
+            out holds one event: the timeout counts against that event. On SQLite the relay
+            holds its claim on a batch about twice as long, renewed before each further call.
         listen: Wake on ``NOTIFY`` (PostgreSQL); ``False``: poll only.
 
     Raises:
