@@ -196,7 +196,7 @@ class Relay:
                     half = (len(part) + 1) // 2
                     parts += [part[half:], part[:half]]
                     continue
-                outcomes[part[0]] = TimeoutError(str(exc))
+                outcomes[part[0]] = TimeoutError(f"the publish call holding it {exc}")
                 if (where := scope(events[part[0]])) is not None:
                     blocked.add(where)
                 if not confirmed:
