@@ -155,6 +155,27 @@ def test_a_failing_event_stops_its_key_and_not_the_others(broker: Broker) -> Non
     assert sorted(int(m.headers["N"]) for m in arrived) == published
 
 
+ELSEWHERE = [kind for kind in BROKERS if kind is not Kafka]
+"""Brokers whose failing event goes to another destination (Kafka's is too large instead)."""
+
+
+@pytest.mark.parametrize("broker", ELSEWHERE, ids=[kind.id for kind in ELSEWHERE], indirect=True)
+def test_a_failing_destination_does_not_stop_its_key_on_another(broker: Broker) -> None:
+    """Order is per (destination, key): key "a" fails on a missing destination, and its later
+    events to the working one are published."""
+    sent = events(broker, 4, keys=("a",))
+    sent[1] = broker.failing(sent[1])
+
+    async def test(publisher: Publisher) -> Any:
+        outcomes = await publisher.publish(sent)
+        return outcomes, await broker.read(3)
+
+    outcomes, arrived = run(broker, test)
+    assert isinstance(outcomes[1], Exception)
+    assert [outcomes[0], *outcomes[2:]] == [None, None, None]
+    assert [m.headers["N"] for m in arrived] == ["0", "2", "3"]
+
+
 def test_the_publisher_is_usable_again_after_a_failed_call(broker: Broker) -> None:
     """A call that fails (a bad event) leaves the next call working: the channel, connection or
     producer is reopened when the failure closed it."""
