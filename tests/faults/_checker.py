@@ -21,6 +21,8 @@ The promise, as the checker reads it:
 - ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
   told it ran and its result cannot be had is finished: a response cut short is never
   replayed, by design).
+- ``foreign_replay``: a client was given the result of a run made for another principal
+  (`tests.faults._identity.foreign_replays`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ KINDS = (
     "phantom_in_progress",
     "acked_not_run",
     "unfinished",
+    "foreign_replay",
 )
 
 
