@@ -207,8 +207,10 @@ class TestStrict:
     def test_refuses_to_start_without_a_stable_source(self) -> None:
         with pytest.raises(ConfigurationError, match="require_principal"):
             HttpPolicy(require_principal=True)
+        route = RouteOptions(require_principal=True)  # the app's policy may have a source
         with pytest.raises(ConfigurationError, match="require_principal"):
-            HttpPolicy().with_options(RouteOptions(require_principal=True))
+            HttpPolicy().with_options(route)
+        assert HttpPolicy(principal=verify).with_options(route).require_principal
 
     def test_request_without_a_principal_is_refused(
         self, make_api: Callable[..., Api], key: str

@@ -273,10 +273,17 @@ class RouteOptions:
     unavailable_retry_after: Duration | _Unset = UNSET
 
     def __post_init__(self) -> None:
-        HttpPolicy().with_options(self)  # validate now, not on the first request
+        # Validate now, not on the first request. `require_principal` alone is checked against
+        # the app's policy, whose principal source it may rely on, when the two are combined.
+        base = _WITH_A_SOURCE if self.require_principal is True else _DEFAULTS
+        base.with_options(self)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) is not UNSET for f in dataclasses.fields(self))
+
+
+def _nobody(request: HttpRequest) -> None:
+    return None
 
 
 def _strings(values: Any, name: str, *, upper: bool = False) -> list[str]:
@@ -292,3 +299,8 @@ def _strings(values: Any, name: str, *, upper: bool = False) -> list[str]:
 
 def _is_header_value(value: object) -> bool:
     return isinstance(value, str) and all(" " <= char <= "~" for char in value)
+
+
+_DEFAULTS: Final = HttpPolicy()
+_WITH_A_SOURCE: Final = HttpPolicy(principal=_nobody, session_cookies=("session",))
+"""What `RouteOptions` are validated against (see its ``__post_init__``)."""
