@@ -305,6 +305,18 @@ class TestOwner:
         assert isinstance(answer, Response)
         assert answer.status == 401
 
+    def test_the_verifier_is_not_asked_when_the_framework_names_the_user(self) -> None:
+        asked: list[HttpRequest] = []
+
+        def principal(request: HttpRequest) -> str:
+            asked.append(request)
+            return "alice"
+
+        policy = HttpPolicy(principal=principal)
+        assert _semantics.given(policy, http_request(user="pk=1")) is None
+        assert _semantics.given(policy, http_request()) == "alice"
+        assert len(asked) == 1
+
     def test_principal_callable_must_return_text(self) -> None:
         async def subject(request: HttpRequest) -> str:
             return "alice"

@@ -257,20 +257,21 @@ def _session(cookies: list[bytes], names: Collection[str]) -> bytes | None:
 
 
 def given(policy: HttpPolicy, request: HttpRequest) -> str | None:
-    """What `HttpPolicy.principal` returns for *request* (sync callers).
+    """What `HttpPolicy.principal` returns for *request* (sync callers); ``None`` without
+    asking it when the framework names the user (`owner_of` takes that first).
 
     Raises:
         TypeError: It returned something else than a string or ``None`` (an awaitable: an async
             callable needs an async adapter).
     """
-    if policy.principal is None:
+    if policy.principal is None or request.principal is not None:
         return None
     return _principal_value(policy.principal(request))
 
 
 async def agiven(policy: HttpPolicy, request: HttpRequest) -> str | None:
     """`given` for async callers: an async `HttpPolicy.principal` is awaited."""
-    if policy.principal is None:
+    if policy.principal is None or request.principal is not None:
         return None
     value = policy.principal(request)
     if inspect.isawaitable(value):

@@ -162,8 +162,8 @@ class IdempotencyMiddleware:
         principal = None if user is None else _semantics.user_principal(user)
         query = scope.get("query_string", b"")
         given = None
-        if principal is None and policy.principal is not None:
-            request = HttpRequest(method, path, route, query, tuple(headers), body)
+        if policy.principal is not None:  # the request is built only for it to see
+            request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
             given = await _semantics.agiven(policy, request)
         plan = _semantics.plan_parts(
             method, path, route, query, headers, body, principal, decision, policy, given

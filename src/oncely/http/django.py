@@ -141,9 +141,7 @@ class IdempotencyMiddleware:
             return _to_django(admitted)
         store: SyncStore = self.store  # type: ignore[assignment]  # checked in __init__
         http_request = admitted.request(request, getattr(request, "user", None))
-        given = None
-        if http_request.principal is None:
-            given = _semantics.given(admitted.policy, http_request)
+        given = _semantics.given(admitted.policy, http_request)
         plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
         if isinstance(plan, Response):
             return _to_django(plan)
@@ -181,9 +179,7 @@ class IdempotencyMiddleware:
         auser = getattr(request, "auser", None)  # Django 5.0+: the user, loaded without a thread
         user = await auser() if auser is not None else getattr(request, "user", None)
         http_request = admitted.request(request, user)
-        given = None
-        if http_request.principal is None:
-            given = await _semantics.agiven(admitted.policy, http_request)
+        given = await _semantics.agiven(admitted.policy, http_request)
         plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
         if isinstance(plan, Response):
             return _to_django(plan)

@@ -119,8 +119,7 @@ class IdempotencyMiddleware:
             body,
             _remote_user(environ),
         )
-        given = None if request.principal is not None else _semantics.given(policy, request)
-        plan = _semantics.plan(request, decision, policy, given)
+        plan = _semantics.plan(request, decision, policy, _semantics.given(policy, request))
         if isinstance(plan, Response):
             return _respond(start_response, plan)
         outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
