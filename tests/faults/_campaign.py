@@ -50,6 +50,7 @@ ENTRIES = (
     "kafka_group",
     _tiered.ENTRY,
     _relay.ENTRY,
+    "identity",
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
@@ -92,6 +93,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
             return store in ("redis", "postgres")
+        return store in ("redis", "postgres") and fault in ("none", "disconnect")
+    if entry == "identity":  # clients whose credentials change between attempts (`_identity`)
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
     if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
         return store == "redis" and fault in ("none", "kill@mid")
@@ -675,6 +678,10 @@ def run_history(plan: Plan, services: Services) -> Result:
         return run_http_history(plan, services)
     if plan.entry == "kafka":
         return run_kafka_history(plan, services)
+    if plan.entry == "identity":
+        from tests.faults import _identity
+
+        return _identity.run_history(plan, services)  # type: ignore[no-any-return]
     started = now()
     rng = random.Random(plan.seed)
     lease = plan.lease

@@ -23,6 +23,8 @@ The promise, as the checker reads it:
   replayed, by design).
 - ``stale_replay``, ``split_answer``: a tiered cache replayed a forgotten or expired result past
   its bound (`tests.faults._tiered`).
+- ``foreign_replay``: a client was given the result of a run made for another principal
+  (`tests.faults._identity.foreign_replays`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ KINDS = (
     "unfinished",
     "stale_replay",
     "split_answer",
+    "foreign_replay",
 )
 
 

@@ -44,7 +44,7 @@ from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
-from oncely.http._semantics import Response, ResponseCapture
+from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
 from oncely.stores._coalesce import CoalescingStore
 
@@ -159,17 +159,18 @@ class IdempotencyMiddleware:
                 return
             messages, body = buffered
         user = scope.get("user")  # set by Starlette's AuthenticationMiddleware run before this
+        principal = None if user is None else _semantics.user_principal(user)
+        query = scope.get("query_string", b"")
+        given = None
+        if policy.principal is not None:  # the request is built only for it to see
+            request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
+            given = await _semantics.agiven(policy, request)
         plan = _semantics.plan_parts(
-            method,
-            path,
-            route,
-            scope.get("query_string", b""),
-            headers,
-            body,
-            None if user is None else _semantics.user_principal(user),
-            decision,
-            policy,
+            method, path, route, query, headers, body, principal, decision, policy, given
         )
+        if isinstance(plan, Response):
+            await _send_response(send, plan)
+            return
         receive = _BufferedReceive(messages, receive)
         # The straight line: a claim that acquires (run, complete) or replays. Any other answer
         # or error goes on in `_flow.begin` from the point reached.

@@ -140,7 +140,11 @@ class IdempotencyMiddleware:
         if isinstance(admitted, Response):
             return _to_django(admitted)
         store: SyncStore = self.store  # type: ignore[assignment]  # checked in __init__
-        plan = admitted.plan(request, getattr(request, "user", None))
+        http_request = admitted.request(request, getattr(request, "user", None))
+        given = _semantics.given(admitted.policy, http_request)
+        plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
+        if isinstance(plan, Response):
+            return _to_django(plan)
         outcome = _execution.run(admitted.begin(plan), store)
         if outcome is _flow.PASS_THROUGH:
             return self.get_response(request)
@@ -174,7 +178,11 @@ class IdempotencyMiddleware:
             return _to_django(admitted)
         auser = getattr(request, "auser", None)  # Django 5.0+: the user, loaded without a thread
         user = await auser() if auser is not None else getattr(request, "user", None)
-        plan = admitted.plan(request, user)
+        http_request = admitted.request(request, user)
+        given = await _semantics.agiven(admitted.policy, http_request)
+        plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
+        if isinstance(plan, Response):
+            return _to_django(plan)
         outcome = await _execution.arun(admitted.begin(plan), self._acalls)
         if outcome is _flow.PASS_THROUGH:
             return await self.get_response(request)
@@ -238,10 +246,11 @@ class _Admitted:
     body: bytes
     policy: HttpPolicy
 
-    def plan(self, request: Any, user: object) -> _semantics.Plan:
-        """The scoped key and fingerprint, *user* being Django's user for the request."""
+    def request(self, request: Any, user: object) -> HttpRequest:
+        """The request as the scope and principal callables see it, *user* being Django's
+        user for it."""
         meta = request.META
-        http_request = HttpRequest(
+        return HttpRequest(
             self.method,
             self.path,
             self.route,
@@ -250,7 +259,6 @@ class _Admitted:
             self.body,
             _semantics.user_principal(user),
         )
-        return _semantics.plan(http_request, self.key, self.policy)
 
     def begin(self, plan: _semantics.Plan) -> Flow[_execution.Lease | Response | Any]:
         return _flow.begin(plan, self.policy, method=self.method, path=self.path)

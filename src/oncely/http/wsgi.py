@@ -119,7 +119,9 @@ class IdempotencyMiddleware:
             body,
             _remote_user(environ),
         )
-        plan = _semantics.plan(request, decision, policy)
+        plan = _semantics.plan(request, decision, policy, _semantics.given(policy, request))
+        if isinstance(plan, Response):
+            return _respond(start_response, plan)
         outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
         if outcome is _flow.PASS_THROUGH:
             return self.app(environ, start_response)
