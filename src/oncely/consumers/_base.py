@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
@@ -432,6 +432,8 @@ class IdempotentConsumer:
 
     def _verdict(self, verdict: Verdict) -> Verdict:
         self.stats.add(verdict.reason)
+        if _events.on:
+            _observed.verdict(self, verdict)
         return verdict
 
     def _retry_delay(self, limit: timedelta | None = None) -> timedelta:
@@ -1728,7 +1730,8 @@ def run_with(
             if kind is _Decide or kind is _Wait:
                 return None
             if kind is Handle:
-                return drive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return drive(flow, performer(op.message))
             if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
             if isinstance(op, BrokerOp):
@@ -1793,7 +1796,8 @@ async def arun_with(
                     slot.decide()
                 return None
             if kind is Handle:
-                return await adrive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return await adrive(flow, performer(op.message))
             if kind is Parallel:
                 nonlocal sharing
                 several = len(op.flows) > 1

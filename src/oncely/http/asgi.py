@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
@@ -112,6 +112,8 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Handle one ASGI connection (non-HTTP scopes and safe methods pass straight through)."""
+        if _events.on and not _observed.serving():
+            return await _observed.asgi(self, scope, receive, send)
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
