@@ -542,7 +542,8 @@ def verdict(consumer: Any, decided: Any) -> None:
     observation.outcome = outcome
     observation.attempt = decided.attempt
     observation.detail = reason
-    if not timed_here:  # decided in a batch: counted, not timed
+    if not timed_here:  # decided in a batch: counted (and spanned), not timed
+        observation.start()
         observation.finish(decided.error, timed=False)
 
 

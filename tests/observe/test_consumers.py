@@ -1,0 +1,105 @@
+"""The broker-agnostic runner reports each verdict; a real broker adapter (Redis Streams) also
+reports a CONSUMER span per delivery, a duplicate ending OK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+import oncely
+from oncely.consumers import ConsumerPolicy, Delivery, IdempotentConsumer
+from oncely.consumers.producer import redis_fields
+from oncely.consumers.redis_streams import RedisStreamConsumer, StreamEntry
+from tests.conftest import service_url
+from tests.observe.conftest import Sinks
+
+
+def test_runner_reports_each_verdict(sinks: Sinks) -> None:
+    store = oncely.open_store("memory://")
+    consumer = IdempotentConsumer(store, scope="obs-billing", policy=ConsumerPolicy(max_attempts=1))
+
+    def delivery(key: str, body: bytes = b"{}") -> Delivery:
+        return Delivery(body, {"Idempotency-Key": key}, None, None)
+
+    def boom() -> None:
+        raise ValueError("handler bug")
+
+    consumer.process(delivery("m-1"), lambda: None)
+    consumer.process(delivery("m-1"), lambda: None)  # duplicate
+    consumer.process(delivery("m-1", b"[1]"), lambda: None)  # mismatch: dead-lettered
+    consumer.process(Delivery(b"{}", {}, None, None), lambda: None)  # no key: refused
+    consumer.process(delivery("m-2"), boom)
+
+    async def handled() -> None:
+        return None
+
+    asyncio.run(consumer.aprocess(delivery("m-3"), handled))
+    outcomes = [event.outcome for event in sinks.operations(surface="consumer")]
+    assert outcomes == ["acquired", "replayed", "mismatch", "refused", "acquired", "acquired"]
+    labels = {"surface": "consumer", "operation": "obs-billing", "store": "memory"}
+    assert sinks.prom("oncely_operations_total", **labels, outcome="replayed") == 1
+    assert sinks.otel("oncely.operations", **labels, outcome="acquired") == 3
+    verdicts = {"operation": "obs-billing"}
+    assert (
+        sinks.prom("oncely_consumer_verdicts_total", **verdicts, action="ack", reason="duplicate")
+        == 1
+    )
+    assert (
+        sinks.prom(
+            "oncely_dead_letters_total",
+            surface="consumer",
+            operation="obs-billing",
+            reason="mismatch",
+        )
+        == 1
+    )
+    assert sinks.otel("oncely.consumer.verdicts", reason="processed") == 2
+
+
+@pytest.fixture
+def stream() -> Iterator[tuple[redis.Redis, str]]:
+    client = redis.Redis.from_url(service_url("ONCELY_TEST_REDIS_URL"))
+    name = f"oncely-obs-{uuid.uuid4().hex[:12]}"
+    yield client, name
+    client.delete(name, f"{name}:dead")
+    client.close()
+
+
+@pytest.mark.redis
+def test_redis_streams_adapter_spans_each_delivery(
+    sinks: Sinks, stream: tuple[redis.Redis, str]
+) -> None:
+    client, name = stream
+    handled: list[str] = []
+
+    def handle(entry: StreamEntry) -> None:
+        handled.append(entry.id)
+
+    consumer = RedisStreamConsumer(
+        client, name, "billing", handle, store=oncely.open_store("memory://"), block=0.05
+    )
+    consumer.create_group()
+    for _ in range(2):  # the same key twice: processed, then a duplicate
+        client.xadd(name, redis_fields("order-1", {"body": json.dumps({"order": 1})}))
+    assert consumer.poll() == 2
+    assert len(handled) == 1
+    # Decided as one batch (claim_many): a span per delivery, named by the consumer's scope.
+    spans = sinks.finished(f"process {name}:billing")
+    assert [span.attributes["oncely.outcome"] for span in spans] == ["acquired", "replayed"]
+    assert all(span.status.is_ok for span in spans)
+    assert spans[0].kind.name == "CONSUMER"
+    assert "order-1" not in str([dict(span.attributes) for span in spans])
+    assert (
+        sinks.prom(
+            "oncely_consumer_verdicts_total",
+            operation=f"{name}:billing",
+            action="ack",
+            reason="duplicate",
+        )
+        == 1
+    )
