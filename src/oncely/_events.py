@@ -204,14 +204,12 @@ class OutboxPublished:
         attempts: Publish attempts, this one included.
         error: The class name of the publish error (``None``: published).
         headers: The event's headers (a ``traceparent`` there links to the writer's trace).
-        duration: Seconds the publish of its batch took.
     """
 
     destination: str
     attempts: int
     error: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
-    duration: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,6 @@ under it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -267,12 +266,10 @@ class _Exporter:
         linked = _trace.get_current_span(parent).get_span_context()
         if linked.is_valid:
             links.append(_trace.Link(linked))
-        started = time.time_ns() - int((event.duration or 0.0) * 1e9)
         span = self.tracer.start_span(
             f"send {event.destination}",
             kind=_trace.SpanKind.PRODUCER,
             links=links,
-            start_time=started,
             attributes={
                 "messaging.operation.type": "send",
                 "messaging.operation.name": "send",
