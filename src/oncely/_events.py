@@ -106,6 +106,8 @@ class Started:
         handle: Shared with the operation's `Operation` event.
         destination: Where a consumed message came from (a queue, topic, subject or stream),
             where the broker's message says.
+        headers: A consumed message's headers (its ``traceparent`` names the trace that
+            produced it); empty for other operations.
     """
 
     surface: Surface
@@ -113,6 +115,7 @@ class Started:
     store: str
     handle: Handle = field(compare=False, repr=False)
     destination: str | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

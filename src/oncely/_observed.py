@@ -35,6 +35,7 @@ __all__ = [
     "beat",
     "beat_answered",
     "call",
+    "consuming",
     "django",
     "claimed",
     "entering",
@@ -44,6 +45,8 @@ __all__ = [
     "operation_of",
     "outbox_headers",
     "perform",
+    "process",
+    "aprocess",
     "backlog",
     "refused",
     "relayed",
@@ -119,11 +122,14 @@ class Observation:
         self.handle = _events.Handle()
         self.started = time.perf_counter()
 
-    def start(self, destination: str | None = None) -> None:
+    def start(
+        self, destination: str | None = None, headers: Mapping[str, Any] | None = None
+    ) -> None:
         """Report the start (exporters open their span: it is current while the operation runs)."""
-        _events.emit(
-            _events.Started(self.surface, self.operation, self.store, self.handle, destination)
+        started = _events.Started(
+            self.surface, self.operation, self.store, self.handle, destination, headers or {}
         )
+        _events.emit(started)
 
     def claimed(
         self, outcome: _events.Outcome, key: str, token: int | None, attempt: int = 0
@@ -498,6 +504,54 @@ def _store_failed(observation: Observation) -> bool:
 # -- consumers --------------------------------------------------------------------------------
 
 
+_consuming: contextvars.ContextVar[bool] = contextvars.ContextVar("oncely_consuming", default=False)
+
+
+def consuming() -> bool:
+    """Whether this delivery is already observed (`process` re-enters the consumer)."""
+    return _consuming.get()
+
+
+def process(consumer: Any, delivery: Any, handler: Any) -> Any:
+    """`IdempotentConsumer.process` of one delivery, observed: timed, its verdict reported."""
+    observation = _delivery_observation(consumer, delivery)
+    reset, consuming_reset = _current.set(observation), _consuming.set(True)
+    try:
+        decided = consumer.process(delivery, handler)
+    except BaseException as exc:
+        observation.finish(exc)
+        raise
+    finally:
+        _consuming.reset(consuming_reset)
+        _current.reset(reset)
+    if observation.detail is not None:  # its verdict was reported into it
+        observation.finish(decided.error)
+    return decided
+
+
+async def aprocess(consumer: Any, delivery: Any, handler: Any) -> Any:
+    """`IdempotentConsumer.aprocess`, observed (see `process`)."""
+    observation = _delivery_observation(consumer, delivery)
+    reset, consuming_reset = _current.set(observation), _consuming.set(True)
+    try:
+        decided = await consumer.aprocess(delivery, handler)
+    except BaseException as exc:
+        observation.finish(exc)
+        raise
+    finally:
+        _consuming.reset(consuming_reset)
+        _current.reset(reset)
+    if observation.detail is not None:  # its verdict was reported into it
+        observation.finish(decided.error)
+    return decided
+
+
+def _delivery_observation(consumer: Any, delivery: Any) -> Observation:
+    observation = Observation("consumer", consumer.scope, store_name(consumer.store))
+    observation.start(_destination(delivery.raw), delivery.headers)
+    return observation
+
+
 def handling(flow: Flow[T], message: Any, consumer_store: Any = None) -> Flow[T]:
     """One delivery's flow (a `Handle`), observed: timed, its verdict reported by `verdict`."""
     observation = Observation("consumer", "", store_name(consumer_store))
@@ -508,7 +562,7 @@ def handling(flow: Flow[T], message: Any, consumer_store: Any = None) -> Flow[T]
     finally:
         with contextlib.suppress(ValueError):  # ended in another context: it ends with it
             _current.reset(reset)
-        if observation.outcome is not None:
+        if observation.detail is not None:  # its verdict was reported into it
             observation.finish(None)
 
 
@@ -533,10 +587,13 @@ def verdict(consumer: Any, decided: Any) -> None:
         return
     outcome = _REASON_OUTCOMES.get(reason, "acquired")
     observation = _current.get()
-    timed_here = observation is not None and observation.surface == "consumer"
-    if observation is None or not timed_here or observation.outcome is not None:
+    # The delivery's own observation (`process`, `handling`) until its verdict is in; a
+    # batch's deliveries are decided together, each reported here.
+    timed_here = (
+        observation is not None and observation.surface == "consumer" and observation.detail is None
+    )
+    if observation is None or not timed_here:
         observation = Observation("consumer", scope, store_name(consumer.store))
-        timed_here = False
     observation.operation = scope
     observation.store = store_name(consumer.store)
     observation.outcome = outcome

@@ -59,6 +59,34 @@ def test_runner_reports_each_verdict(sinks: Sinks) -> None:
         == 1
     )
     assert sinks.otel("oncely.consumer.verdicts", reason="processed") == 2
+    assert all(event.duration is not None for event in sinks.operations(surface="consumer"))
+    assert sinks.prom("oncely_operation_duration_seconds_count", **labels, outcome="acquired") == 3
+    spans = sinks.finished("process obs-billing")
+    assert [span.attributes["oncely.reason"] for span in spans] == [
+        "processed",
+        "duplicate",
+        "mismatch",
+        "invalid_key",
+        "exhausted",
+        "processed",
+    ]
+    assert [span.status.is_ok for span in spans] == [True, True, False, True, False, True]
+
+
+def test_a_consumer_span_links_to_the_producers_trace(sinks: Sinks) -> None:
+    from opentelemetry.propagate import inject
+
+    tracer = sinks.tracer_provider.get_tracer("producer")
+    headers: dict[str, str] = {"Idempotency-Key": "t-1"}
+    with tracer.start_as_current_span("send orders") as producer:
+        inject(headers)
+    store = oncely.open_store("memory://")
+    consumer = IdempotentConsumer(store, scope="obs-linked")
+    consumer.process(Delivery(b"{}", headers, None, None), lambda: None)
+    (span,) = sinks.finished("process obs-linked")
+    assert span.kind.name == "CONSUMER"
+    producer_trace = producer.get_span_context().trace_id
+    assert [link.context.trace_id for link in span.links] == [producer_trace]
 
 
 @pytest.fixture

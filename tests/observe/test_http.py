@@ -13,6 +13,7 @@ from anyio.from_thread import BlockingPortal
 from opentelemetry import trace
 
 import oncely
+import oncely.observe
 from oncely.http.client import IdempotentTransport
 from tests.http.conftest import adapter, make_api, portal, store  # noqa: F401  (fixtures)
 from tests.observe.conftest import Sinks
@@ -54,6 +55,14 @@ def test_each_outcome_is_reported(make_api: Any, adapter: str, sinks: Sinks) -> 
     labels = {"surface": "http", "operation": "POST /payments", "store": http[0].store}
     assert sinks.prom("oncely_operations_total", **labels, outcome="replayed") == 1
     assert sinks.otel("oncely.operations", **labels, outcome="acquired") == 1
+    verbs = {event.verb for event in sinks.events if isinstance(event, oncely.observe.StoreCall)}
+    assert {"claim", "complete"} <= verbs
+    failed = [
+        event
+        for event in sinks.events
+        if isinstance(event, oncely.observe.StoreCall) and event.error is not None
+    ]
+    assert [(event.verb, event.error) for event in failed] == [("claim", "StoreUnavailableError")]
 
 
 def test_outcome_goes_on_the_server_span(sinks: Sinks) -> None:

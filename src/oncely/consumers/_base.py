@@ -1198,6 +1198,8 @@ class IdempotentConsumer:
         Returns:
             The `Verdict` the adapter translates for the broker.
         """
+        if _events.on and not _observed.consuming():
+            return _observed.process(self, delivery, handler)  # type: ignore[no-any-return]
         store = _require(self.store, SyncStore)
         return _execution.run(self.flow(delivery), store, handler)
 
@@ -1213,6 +1215,8 @@ class IdempotentConsumer:
         completes, a finished duplicate) is a straight line; every other answer goes through
         the batch path's decisions.
         """
+        if _events.on and not _observed.consuming():
+            return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
         groups = self._async_calls
         if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
             groups = self._async_store()

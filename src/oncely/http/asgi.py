@@ -176,6 +176,8 @@ class IdempotencyMiddleware:
         # The straight line: a claim that acquires (run, complete) or replays. Any other answer
         # or error goes on in `_flow.begin` from the point reached.
         calls, core = self._calls, policy.core
+        if _events.on:
+            calls = _observed.timed(calls)
         answer: ClaimResult | Exception
         try:
             answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
@@ -211,7 +213,7 @@ class IdempotencyMiddleware:
     ) -> None:
         # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
         # a task only if the request outlives a third of its lease); settling stops it.
-        calls = self._calls
+        calls = self._calls if not _events.on else _observed.timed(self._calls)
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message

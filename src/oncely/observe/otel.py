@@ -31,7 +31,7 @@ under it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from oncely import _events
@@ -210,6 +210,7 @@ class _Exporter:
             span = self.tracer.start_span(
                 f"process {destination}",
                 kind=_trace.SpanKind.CONSUMER,
+                links=_producer_links(event.headers),
                 attributes={
                     "messaging.operation.type": "process",
                     "messaging.operation.name": "process",
@@ -281,6 +282,19 @@ class _Exporter:
             span.set_attribute("error.type", event.error)
             span.set_status(_trace.Status(_trace.StatusCode.ERROR))
         span.end()
+
+
+def _producer_links(headers: Mapping[str, Any]) -> list[Any]:
+    """A link to the trace that produced a message, from its ``traceparent`` header."""
+    carrier = {
+        str(name).lower(): value.decode("latin-1") if isinstance(value, bytes) else str(value)
+        for name, value in headers.items()
+        if str(name).lower() in ("traceparent", "tracestate")
+    }
+    if "traceparent" not in carrier:
+        return []
+    linked = _trace.get_current_span(_propagate.extract(carrier)).get_span_context()
+    return [_trace.Link(linked)] if linked.is_valid else []
 
 
 def _db_system(store: str) -> str:
