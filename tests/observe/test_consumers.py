@@ -131,3 +131,37 @@ def test_redis_streams_adapter_spans_each_delivery(
         )
         == 1
     )
+
+
+def test_runner_reports_in_progress_and_store_errors(sinks: Sinks) -> None:
+    from datetime import timedelta
+
+    store = oncely.open_store("memory://")
+    consumer = IdempotentConsumer(store, scope="obs-busy", fingerprint=None)
+    store.claim("obs-busy|b-1", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1))
+    busy = consumer.process(Delivery(b"{}", {"Idempotency-Key": "b-1"}, None, None), lambda: None)
+    assert busy.reason.value == "in_progress"
+
+    class Down:
+        backend = "broken"
+
+        def claim(self, *args: object, **kwargs: object) -> object:
+            raise oncely.StoreUnavailableError("down", backend="broken")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+    broken = IdempotentConsumer(Down(), scope="obs-busy", fingerprint=None)  # type: ignore[arg-type]
+    down = broken.process(Delivery(b"{}", {"Idempotency-Key": "b-2"}, None, None), lambda: None)
+    assert down.reason.value == "store_unavailable"
+    outcomes = [event.outcome for event in sinks.operations(operation="obs-busy")]
+    assert outcomes == ["in_progress", "error"]
+    assert (
+        sinks.prom(
+            "oncely_consumer_verdicts_total",
+            operation="obs-busy",
+            action="retry",
+            reason="in_progress",
+        )
+        == 1
+    )

@@ -13,6 +13,7 @@ import oncely
 import oncely.observe
 from oncely import _events
 from oncely.observe import prometheus
+from oncely.stores import MemoryStore
 from tests.observe.conftest import Sinks
 
 SCOPE = "obs.charge"
@@ -226,3 +227,22 @@ def test_no_exporter_no_extra_calls() -> None:
     for what in before:
         assert during[what][0] > before[what][0]
         assert after[what][0] == before[what][0]
+
+
+def test_guard_in_progress_and_store_error(sinks: Sinks) -> None:
+    store = oncely.open_store("memory://")
+    with oncely.Guard(store, "g-9", scope="obs.guard2") as outer:
+        with pytest.raises(oncely.InProgressError):  # noqa: SIM117
+            with oncely.Guard(store, "g-9", scope="obs.guard2", on_conflict="raise"):
+                pass
+        outer.complete(1)
+
+    class Down(MemoryStore):
+        def claim(self, *args: Any, **kwargs: Any) -> Any:
+            raise oncely.StoreUnavailableError("down", backend="memory")
+
+    with pytest.raises(oncely.StoreUnavailableError):  # noqa: SIM117
+        with oncely.Guard(Down(), "g-10", scope="obs.guard2"):
+            pass
+    outcomes = [event.outcome for event in sinks.operations(operation="obs.guard2")]
+    assert outcomes == ["in_progress", "acquired", "error"]
