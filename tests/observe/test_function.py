@@ -246,3 +246,43 @@ def test_guard_in_progress_and_store_error(sinks: Sinks) -> None:
             pass
     outcomes = [event.outcome for event in sinks.operations(operation="obs.guard2")]
     assert outcomes == ["in_progress", "acquired", "error"]
+
+
+def test_otel_install_is_idempotent_and_removable() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from oncely.observe import otel
+
+    reader = InMemoryMetricReader()
+    meter_provider, tracer_provider = MeterProvider([reader]), TracerProvider()
+    remove = otel.install(meter_provider, tracer_provider)
+    assert otel.install(meter_provider, tracer_provider) == remove  # the same installation
+    charge_function(oncely.open_store("memory://"), [])("o-1", 1)
+    remove()
+    charge_function(oncely.open_store("memory://"), [])("o-2", 1)  # not counted
+    assert not _events.on
+    assert not _events.injectors
+    points = [
+        point.value
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "oncely.operations"
+        for point in metric.data.data_points
+    ]
+    assert points == [1]
+    meter_provider.shutdown()
+
+
+def test_importing_the_event_api_loads_no_exporter() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, oncely.observe; "
+        "print([m for m in ('prometheus_client', 'opentelemetry') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
