@@ -169,16 +169,34 @@ class _Exporter:
             ),
         ]
 
+        # The labelled children of the per-call series, kept: `labels()` costs a lock and a
+        # validation per call.
+        counted: dict[tuple[str, ...], Any] = {}
+        timed: dict[tuple[str, ...], Any] = {}
+        verbs: dict[tuple[str, str], Any] = {}
+
         def on_event(event: _events.Event) -> None:
             if isinstance(event, _events.Operation):
                 labels = (event.surface, event.operation, event.store, event.outcome)
-                operations.labels(*labels).inc()
+                counter = counted.get(labels)
+                if counter is None:
+                    counter = counted[labels] = operations.labels(*labels)
+                counter.inc()
                 if event.duration is not None:
-                    durations.labels(*labels).observe(event.duration)
+                    histogram = timed.get(labels)
+                    if histogram is None:
+                        histogram = timed[labels] = durations.labels(*labels)
+                    histogram.observe(event.duration)
             elif isinstance(event, _events.StoreCall):
-                system = _db_system(event.store)
-                store_durations.labels(system, event.verb).observe(event.duration)
+                verb = verbs.get((event.store, event.verb))
+                if verb is None:
+                    system = _db_system(event.store)
+                    verb = verbs[event.store, event.verb] = store_durations.labels(
+                        system, event.verb
+                    )
+                verb.observe(event.duration)
                 if event.error is not None:
+                    system = _db_system(event.store)
                     store_errors.labels(system, event.verb, event.error).inc()
             elif isinstance(event, _events.LeaseLost):
                 lost.labels(event.operation, event.during).inc()
