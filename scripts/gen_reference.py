@@ -15,6 +15,8 @@ SECTIONS = [
     ("oncely.testing", ["override_store", "disabled", "FrozenClock", "StoreConformance"]),
     ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
     ("oncely.stores.tiered", ["TieredStore"]),
+    ("oncely.stores.bloom", ["BloomStore"]),
+    ("oncely.dashboard", None),
     ("oncely.http", None),
     ("oncely.http.asgi", ["IdempotencyMiddleware"]),
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
@@ -29,6 +31,7 @@ SECTIONS = [
 OPTIONAL = [
     ("oncely.observe.prometheus", ["install", "uninstall"]),
     ("oncely.observe.otel", ["install", "uninstall"]),
+    ("oncely.bloom", None),
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
     (

@@ -13,6 +13,8 @@ import oncely.keys
 
 SUBMODULES = {
     "aggregates",
+    "bloom",
+    "dashboard",
     "cli",
     "consumers",
     "decorator",
@@ -22,6 +24,7 @@ SUBMODULES = {
     "guard",
     "inbox",
     "keys",
+    "observe",
     "outbox",
     "pytest_plugin",
     "stores",

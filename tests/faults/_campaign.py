@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _brokers, _http, _kafka, _streams, _workers
+from tests.faults import _brokers, _http, _kafka, _relay, _streams, _tiered, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -48,6 +48,8 @@ ENTRIES = (
     "faststream",
     "celery",
     "kafka_group",
+    _tiered.ENTRY,
+    _relay.ENTRY,
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
@@ -71,6 +73,8 @@ FAULTS = (
     "redelivery",
     "rebalance@join",
     "rebalance@kill",
+    *_tiered.FAULTS,
+    *_relay.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -80,6 +84,11 @@ _PROXYABLE = {"postgres", "redis", "tiered"}
 
 def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
+    tiered = _tiered.applicable(store, entry, fault)
+    if tiered is not None:
+        return tiered
+    if entry == _relay.ENTRY or fault in _relay.FAULTS:
+        return _relay.applicable(store, entry, fault)
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
             return store in ("redis", "postgres")
@@ -652,6 +661,10 @@ def run_group_history(plan: Plan, services: Services) -> Result:
 
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.entry == _tiered.ENTRY:
+        return _tiered.run_history(plan, services)
+    if plan.entry == _relay.ENTRY:
+        return _relay.run_history(plan, services)  # type: ignore[no-any-return]
     if plan.entry == "kafka_group":
         return run_group_history(plan, services)
     if plan.entry in BROKER_ENTRIES:

@@ -21,6 +21,8 @@ The promise, as the checker reads it:
 - ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
   told it ran and its result cannot be had is finished: a response cut short is never
   replayed, by design).
+- ``stale_replay``, ``split_answer``: a tiered cache replayed a forgotten or expired result past
+  its bound (`tests.faults._tiered`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ KINDS = (
     "phantom_in_progress",
     "acked_not_run",
     "unfinished",
+    "stale_replay",
+    "split_answer",
 )
 
 

@@ -393,9 +393,41 @@ def check(ctx: click.Context) -> None:
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the retry-storm demo (`oncely demo --help` lists its options)."""
-    from oncely._demo import main as demo_main
+    from oncely._demos.storm import main as demo_main
 
     ctx.exit(demo_main(list(ctx.args), prog="oncely demo"))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any).")
+@click.option(
+    "--token",
+    envvar="ONCELY_DASHBOARD_TOKEN",
+    help="Require this token (16+ characters): Bearer header, or open /?token=... once.",
+)
+@_common_options
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """Serve a read-only dashboard of the store (and Prometheus text at /metrics)."""
+    from oncely.dashboard import serve
+
+    with _store(ctx) as store:
+        try:
+            server = serve(store, host=host, port=port, token=token or None)
+        except OSError as exc:
+            raise SetupError(f"cannot listen on {host}:{port}: {exc}") from exc
+        except oncely.ConfigurationError as exc:
+            raise SetupError(str(exc)) from exc
+        if host not in ("127.0.0.1", "::1", "localhost") and not token:
+            click.echo(f"dashboard: listening on {host} without a token", err=True)
+        click.echo(f"dashboard: http://{host}:{server.server_port}/", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
 
 
 @cli.command()
@@ -473,3 +505,75 @@ def outbox_stats(ctx: click.Context) -> None:
     with _store(ctx) as store:
         counts = backend_stats(store)
     _emit(ctx, counts, [f"{name:15} {value}" for name, value in counts.items()])
+
+
+@outbox.command(name="dead")
+@click.option("--limit", default=100, show_default=True, help="At most this many.")
+@_common_options
+@click.pass_context
+def outbox_dead(ctx: click.Context, limit: int) -> None:
+    """List dead-lettered outbox events, oldest first."""
+    from oncely.outbox import _admin
+
+    with _store(ctx) as store:
+        events = _admin.dead_letters(store, limit)
+    _emit(
+        ctx,
+        [dataclasses.asdict(event) for event in events],
+        [
+            f"{event.id}  {event.message_id}  to={event.destination} key={event.ordering_key} "
+            f"attempts={event.attempts} dead_at={event.dead_at}  {event.last_error}"
+            for event in events
+        ]
+        or ["no dead letters"],
+    )
+
+
+def _outbox_verb(ctx: click.Context, verb: str, event_id: int) -> None:
+    from oncely.outbox import _admin
+
+    change = {
+        "retry": _admin.retry,
+        "dead-letter": _admin.dead_letter,
+        "resend": _admin.resend,
+    }[verb]
+    with _store(ctx) as store:
+        try:
+            event = change(store, event_id)
+        except _admin.NoSuchEventError as exc:
+            raise NotFoundError(str(exc)) from exc
+        except _admin.StateError as exc:
+            raise FailedError(str(exc)) from exc
+    data = {**dataclasses.asdict(event), "state": event.state}
+    moved = "" if event.id == event_id else f" as event {event.id}"
+    _emit(ctx, data, [f"{verb}: outbox event {event_id} is {event.state}{moved}"])
+
+
+@outbox.command(name="retry")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_retry(ctx: click.Context, event_id: int) -> None:
+    """Publish event ID again soon: a dead letter is queued again after its key's pending
+    events, a pending event waiting out its backoff is due now."""
+    _outbox_verb(ctx, "retry", event_id)
+
+
+@outbox.command(name="dead-letter")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_dead_letter(ctx: click.Context, event_id: int) -> None:
+    """Set pending event ID aside as a dead letter: the later events of its key and
+    destination go on without it."""
+    _outbox_verb(ctx, "dead-letter", event_id)
+
+
+@outbox.command(name="resend")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_resend(ctx: click.Context, event_id: int) -> None:
+    """Publish published (or dead) event ID again, with its message id, after its key's
+    pending events (an oncely consumer that had it deduplicates it)."""
+    _outbox_verb(ctx, "resend", event_id)
