@@ -286,3 +286,37 @@ def test_importing_the_event_api_loads_no_exporter() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_grafana_dashboard_charts_series_the_exporter_makes() -> None:
+    """Every oncely series the shipped Grafana dashboard queries is one this exporter registers
+    (or one the `oncely dashboard` page serves itself): no panel stays empty after a rename."""
+    import json
+    import re
+    from importlib.resources import files
+
+    from prometheus_client import CollectorRegistry
+
+    dashboard = json.loads(files("oncely.dashboard").joinpath("grafana.json").read_text())
+    queried: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == "expr" and isinstance(value, str):
+                    queried.update(re.findall(r"\boncely_[a-z_]+", value))
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(dashboard)
+    registry = CollectorRegistry()
+    remove = prometheus.install(registry)
+    try:
+        registered = set(registry._names_to_collectors)
+    finally:
+        remove()
+    served_by_the_page = {"oncely_records", "oncely_stuck_leases"}
+    assert queried, "the dashboard queries no oncely series"
+    assert queried - served_by_the_page <= registered
