@@ -7,6 +7,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -165,3 +166,54 @@ def test_runner_reports_in_progress_and_store_errors(sinks: Sinks) -> None:
         )
         == 1
     )
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_adapter_spans_each_delivery_by_its_queue(sinks: Sinks) -> None:
+    """One delivery at a time (`aprocess`): timed, its span named by the queue and linked to
+    the trace that published it; the duplicate ends OK."""
+    import aio_pika
+    from opentelemetry.propagate import inject
+
+    from oncely.consumers.rabbitmq import IdempotentHandler
+
+    name = f"oncely-obs-{uuid.uuid4().hex[:12]}"
+    tracer = sinks.tracer_provider.get_tracer("producer")
+    headers: dict[str, Any] = {"Idempotency-Key": "order-1"}
+    with tracer.start_as_current_span("send orders") as producer:
+        inject(headers)
+    handled: list[bytes] = []
+
+    async def on_order(message: Any) -> None:
+        handled.append(message.body)
+
+    async def scenario() -> None:
+        connection = await aio_pika.connect_robust(service_url("ONCELY_TEST_RABBITMQ_URL"))
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(name, auto_delete=False)
+            try:
+                handler = IdempotentHandler(
+                    on_order, oncely.open_store("memory://"), group="obs-rabbit"
+                )
+                for _ in range(2):
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(b"{}", headers=headers), routing_key=name
+                    )
+                for _ in range(2):
+                    message = await queue.get(timeout=10, fail=True)
+                    assert message is not None
+                    await handler(message)
+            finally:
+                await queue.delete(if_unused=False, if_empty=False)
+
+    asyncio.run(scenario())
+    assert len(handled) == 1
+    spans = sinks.finished(f"process {name}")
+    assert [span.attributes["oncely.outcome"] for span in spans] == ["acquired", "replayed"]
+    assert all(span.status.is_ok for span in spans)
+    assert spans[0].attributes["messaging.destination.name"] == name
+    producer_trace = producer.get_span_context().trace_id
+    assert all([link.context.trace_id for link in span.links] == [producer_trace] for span in spans)
+    timed = sinks.operations(surface="consumer", operation="obs-rabbit")
+    assert [event.duration is not None for event in timed] == [True, True]
