@@ -320,3 +320,34 @@ def test_the_grafana_dashboard_charts_series_the_exporter_makes() -> None:
     served_by_the_page = {"oncely_records", "oncely_stuck_leases"}
     assert queried, "the dashboard queries no oncely series"
     assert queried - served_by_the_page <= registered
+
+
+def test_heartbeat_failures_and_a_lease_lost_to_a_heartbeat(sinks: Sinks) -> None:
+    from oncely import LeaseLost
+
+    answers: list[Any] = [oncely.StoreUnavailableError("blip", backend="memory")]
+
+    class Flaky(MemoryStore):
+        def extend(self, key: str, token: int, *, lease: Any) -> Any:
+            answer = answers.pop(0) if answers else LeaseLost()
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    store = Flaky()
+
+    @oncely.idempotent(store=store, key="k", scope="obs.flaky", lease=0.03)
+    def slow(k: str) -> None:
+        for _ in range(500):
+            if any(isinstance(e, oncely.observe.LeaseLost) for e in sinks.events):
+                return
+            __import__("time").sleep(0.01)
+        raise AssertionError("no lease lost")
+
+    slow("x")  # the store's own record says otherwise: its complete lands
+    assert sinks.prom("oncely_heartbeats_total", operation="obs.flaky", result="failed") >= 1
+    assert sinks.prom("oncely_lease_lost_total", operation="obs.flaky", during="heartbeat") == 1
+    errors = {"db_system_name": "memory", "db_operation_name": "extend"}
+    assert (
+        sinks.prom("oncely_store_errors_total", **errors, error_type="StoreUnavailableError") == 1
+    )

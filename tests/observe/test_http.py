@@ -117,3 +117,56 @@ def test_httpx_transport_reports_the_servers_answers(sinks: Sinks) -> None:
     assert {event.operation for event in client_ops} == {"POST payments.test"}
     labels = {"surface": "client", "operation": "POST payments.test", "store": "none"}
     assert sinks.prom("oncely_operations_total", **labels, outcome="replayed") == 1
+
+
+def test_httpx_transport_reports_an_unknown_outcome_as_an_error(sinks: Sinks) -> None:
+    from oncely.http.client import OutcomeUnknownError
+
+    def timed_out(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    transport = IdempotentTransport(httpx.MockTransport(timed_out), max_attempts=2, backoff=0.001)
+    with (
+        httpx.Client(transport=transport, base_url="http://payments.test") as client,
+        pytest.raises(OutcomeUnknownError),
+    ):
+        client.post("/charges", json={})
+    (event,) = sinks.operations(surface="client")
+    assert (event.outcome, event.attempt, event.error) == ("error", 2, "OutcomeUnknownError")
+
+
+def test_a_request_while_the_first_runs_is_in_progress(sinks: Sinks) -> None:
+    import io
+    import threading
+
+    from oncely.http.wsgi import IdempotencyMiddleware
+
+    statuses: list[str] = []
+
+    def request() -> dict[str, Any]:
+        return {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/orders",
+            "HTTP_IDEMPOTENCY_KEY": "o-2",
+            "wsgi.input": io.BytesIO(b""),
+        }
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        # A copy of this request arrives (on another thread) while this one runs.
+        duplicate = threading.Thread(
+            target=protected, args=(request(), lambda status, *_: statuses.append(status))
+        )
+        duplicate.start()
+        duplicate.join()
+        start_response("201 Created", [])
+        return [b""]
+
+    protected = IdempotencyMiddleware(app, store=oncely.open_store("memory://"))
+    protected(request(), lambda status, *_: statuses.append(status))
+    assert [status[:3] for status in statuses] == ["409", "201"]
+    assert [event.outcome for event in sinks.operations(surface="http")] == [
+        "in_progress",
+        "acquired",
+    ]
+    labels = {"surface": "http", "operation": "POST /orders", "store": "memory"}
+    assert sinks.prom("oncely_operations_total", **labels, outcome="in_progress") == 1
