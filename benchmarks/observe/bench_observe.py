@@ -24,8 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import oncely  # noqa: E402
-from benchmarks.stores import hotpath  # noqa: E402
+from benchmarks.stores import hotpath
+
+import oncely
 
 
 def install(setting: str) -> Callable[[], None]:
@@ -95,7 +96,9 @@ def main() -> None:
     for setting in settings:
         new = statistics.median(t[0] for t in timings[setting])
         replay = statistics.median(t[1] for t in timings[setting])
-        print(f"| {setting} | {new:.1f} | {replay:.1f} | {calls[setting][0]} | {calls[setting][1]} |")
+        print(
+            f"| {setting} | {new:.1f} | {replay:.1f} | {calls[setting][0]} | {calls[setting][1]} |"
+        )
 
 
 if __name__ == "__main__":
