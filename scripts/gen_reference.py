@@ -26,8 +26,11 @@ SECTIONS = [
     ("oncely.aggregates", None),
     ("oncely.outbox", None),
     ("oncely.consumers", None),
+    ("oncely.observe", None),
 ]
 OPTIONAL = [
+    ("oncely.observe.prometheus", ["install", "uninstall"]),
+    ("oncely.observe.otel", ["install", "uninstall"]),
     ("oncely.bloom", None),
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),

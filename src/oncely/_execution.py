@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from oncely import _events, _observed
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
@@ -205,6 +206,8 @@ def acquire(
             suppressed(key, answer)
             return answer
         if isinstance(answer, Mismatch):
+            if _events.on:
+                _observed.claimed(key, "mismatch")
             logger.info(
                 "fingerprint mismatch key=%s", key, extra=fields(key=key, outcome="mismatch")
             )
@@ -213,6 +216,8 @@ def acquire(
             raise TypeError(f"claim answered {answer!r}")
         remaining = deadline - time.monotonic()
         if policy.on_conflict == "raise" or remaining <= 0:
+            if _events.on:
+                _observed.claimed(key, "in_progress")
             logger.info(
                 "duplicate in progress key=%s", key, extra=fields(key=key, outcome="in_progress")
             )
@@ -224,6 +229,8 @@ def acquire(
 
 def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
     """The lease of a claim that answered *answer* (logged if it was recovered)."""
+    if _events.on:
+        _observed.claimed(key, answer)
     if answer.recovered:
         logger.warning(
             "lease recovered key=%s token=%d attempt=%d",
@@ -237,6 +244,8 @@ def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
 
 def suppressed(key: str, answer: Replay) -> None:
     """Log a duplicate answered from its finished record."""
+    if _events.on:
+        _observed.claimed(key, answer)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "duplicate suppressed key=%s status=%s",
@@ -312,6 +321,8 @@ def settle(
             return
     if isinstance(answer, LeaseLost):
         lease.lost = True
+        if _events.on:
+            _observed.lease_lost(lease.key, lease.token, verb)
         logger.error(
             "lease lost key=%s token=%d on %s",
             lease.key,
@@ -467,6 +478,8 @@ def run(flow: Flow[T], store: SyncStore, invoke: Callable[[], Any] | None = None
 
 def perform(op: Any, store: SyncStore, invoke: Callable[[], Any] | None = None) -> Any:
     """Perform one operation of a flow against a sync store (what `run` does with each)."""
+    if _events.on:
+        store = _observed.timed(store)
     kind = type(op)
     if kind is StoreCall:
         return getattr(store, op.verb)(*op.args, **op.kwargs)
@@ -499,6 +512,8 @@ async def arun(
     """Run *flow* against an async store; *invoke* runs the protected coroutine function."""
     # `adrive`'s loop, written out: this driver runs three times per protected HTTP request,
     # so it creates no closure per flow, and store calls (most operations) no coroutine.
+    if _events.on:
+        store = _observed.timed(store)
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -521,6 +536,8 @@ async def aperform(
     op: Any, store: AsyncStore, invoke: Callable[[], Awaitable[Any]] | None = None
 ) -> Any:
     """Perform one operation of a flow against an async store (what `arun` does with each)."""
+    if _events.on:
+        store = _observed.timed(store)
     kind = type(op)
     if kind is StoreCall:
         call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
@@ -781,6 +798,8 @@ def _beat_timeout(interval: float, expires: float, now: float) -> float:
 
 def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
     """Record an extend's answer; return whether the heartbeat should go on."""
+    if _events.on:
+        _observed.beat_answered(lease.key, lease.token, answer, lease.settling)
     if isinstance(answer, LeaseLost):
         if not lease.settling:  # else the settle's own answer decides: this one may follow it
             lease.lost = True
@@ -795,6 +814,8 @@ def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
 
 
 def _no_answer(lease: Lease, timeout: float) -> None:
+    if _events.on:
+        _observed.beat(lease.key, lease.token, False)
     logger.warning(
         "heartbeat failed key=%s: %s",
         lease.key,
@@ -837,6 +858,8 @@ async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
                     answer = task.result()
                 except Exception as exc:  # the next beat may succeed; the lease is not lost yet
                     if not lease.settling:
+                        if _events.on:
+                            _observed.beat(lease.key, lease.token, False)
                         logger.warning(
                             "heartbeat failed key=%s: %s",
                             lease.key,
@@ -1034,6 +1057,8 @@ class _HeartbeatScheduler:
                 beating.expires = max(beating.expires, extend.sent + lease.lease.total_seconds())
         if error is not None:  # the next beat may succeed; the lease is not lost yet
             if not lease.settling:
+                if _events.on:
+                    _observed.beat(lease.key, lease.token, False)
                 logger.warning(
                     "heartbeat failed key=%s: %s",
                     lease.key,

@@ -26,7 +26,7 @@ import uuid
 from types import TracebackType
 from typing import Any, Literal
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow
@@ -176,6 +176,8 @@ class Guard:
     def __enter__(self) -> Guard:
         store = _require(self.store, SyncStore, "with")
         flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        if _events.on:
+            flow = _observed.entering(self, flow, "function", self.key, store)
         return self._entered(_execution.run(flow, store))
 
     def __exit__(
@@ -184,6 +186,8 @@ class Guard:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         _execution.run(self._exit_flow(exc), _require(self.store, SyncStore, "with"))
 
     def complete(self, value: Any = None) -> None:
@@ -210,6 +214,8 @@ class Guard:
     async def __aenter__(self) -> Guard:
         store = _require(self.store, AsyncStore, "async with")
         flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        if _events.on:
+            flow = _observed.entering(self, flow, "function", self.key, store)
         return self._entered(await _execution.arun(flow, store))
 
     async def __aexit__(
@@ -219,6 +225,8 @@ class Guard:
         traceback: TracebackType | None,
     ) -> None:
         store = _require(self.store, AsyncStore, "async with")
+        if _events.on:
+            _observed.exited(self, exc)
         await _execution.arun(self._exit_flow(exc), store)
 
     async def acomplete(self, value: Any = None) -> None:

@@ -60,7 +60,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _execution, _switches, _txn
+from oncely import _events, _execution, _observed, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -664,7 +664,10 @@ class InboxEntry(_EntryState):
     def __enter__(self) -> InboxEntry:
         if self._unprotected():
             return self
-        self._entered(drive(_enter(self._inbox, self._plan), self._perform))
+        flow = _enter(self._inbox, self._plan)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        self._entered(drive(flow, self._perform))
         return self
 
     def __exit__(
@@ -673,6 +676,8 @@ class InboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         flow = self._exit_flow(exc)
         if flow is not None:
             drive(flow, self._perform)
@@ -694,7 +699,10 @@ class AsyncInboxEntry(_EntryState):
         if self._unprotected():
             return self
         perform = await self._performer.bind()
-        self._entered(await adrive(_enter(self._inbox, self._plan), perform))
+        flow = _enter(self._inbox, self._plan)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        self._entered(await adrive(flow, perform))
         return self
 
     async def __aexit__(
@@ -703,6 +711,8 @@ class AsyncInboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         flow = self._exit_flow(exc)
         if flow is not None:
             await adrive(flow, await self._performer.bind())

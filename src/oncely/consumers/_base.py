@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
@@ -432,6 +432,8 @@ class IdempotentConsumer:
 
     def _verdict(self, verdict: Verdict) -> Verdict:
         self.stats.add(verdict.reason)
+        if _events.on:
+            _observed.verdict(self, verdict)
         return verdict
 
     def _retry_delay(self, limit: timedelta | None = None) -> timedelta:
@@ -1196,6 +1198,8 @@ class IdempotentConsumer:
         Returns:
             The `Verdict` the adapter translates for the broker.
         """
+        if _events.on and not _observed.consuming():
+            return _observed.process(self, delivery, handler)  # type: ignore[no-any-return]
         store = _require(self.store, SyncStore)
         return _execution.run(self.flow(delivery), store, handler)
 
@@ -1211,6 +1215,8 @@ class IdempotentConsumer:
         completes, a finished duplicate) is a straight line; every other answer goes through
         the batch path's decisions.
         """
+        if _events.on and not _observed.consuming():
+            return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
         groups = self._async_calls
         if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
             groups = self._async_store()
@@ -1728,7 +1734,8 @@ def run_with(
             if kind is _Decide or kind is _Wait:
                 return None
             if kind is Handle:
-                return drive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return drive(flow, performer(op.message))
             if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
             if isinstance(op, BrokerOp):
@@ -1793,7 +1800,8 @@ async def arun_with(
                     slot.decide()
                 return None
             if kind is Handle:
-                return await adrive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return await adrive(flow, performer(op.message))
             if kind is Parallel:
                 nonlocal sharing
                 several = len(op.flows) > 1

@@ -45,6 +45,7 @@ from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl
 
+from oncely import _events, _observed
 from oncely._core.fingerprint import canonical_body, digest
 from oncely._core.keys import MAX_KEY_LENGTH, scope_key
 from oncely.errors import InvalidKeyError
@@ -604,6 +605,8 @@ def problem(
 
 def key_missing(policy: HttpPolicy) -> Response:
     """400: the route requires a key and the request has none."""
+    if _events.on:
+        _observed.refused()
     return problem(
         400,
         "idempotency-key-missing",
@@ -614,6 +617,8 @@ def key_missing(policy: HttpPolicy) -> Response:
 
 def key_invalid(policy: HttpPolicy, reason: str) -> Response:
     """400: the key is malformed; nothing was stored."""
+    if _events.on:
+        _observed.refused()
     return problem(
         400,
         "idempotency-key-invalid",
@@ -624,6 +629,8 @@ def key_invalid(policy: HttpPolicy, reason: str) -> Response:
 
 def request_too_large(policy: HttpPolicy) -> Response:
     """413: the body is larger than `HttpPolicy.max_request_bytes`; nothing was run or stored."""
+    if _events.on:
+        _observed.refused()
     limit = policy.max_request_bytes
     return problem(
         413,

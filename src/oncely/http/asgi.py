@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
@@ -112,6 +112,8 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Handle one ASGI connection (non-HTTP scopes and safe methods pass straight through)."""
+        if _events.on and not _observed.serving():
+            return await _observed.asgi(self, scope, receive, send)
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
@@ -175,6 +177,8 @@ class IdempotencyMiddleware:
         # The straight line: a claim that acquires (run, complete) or replays. Any other answer
         # or error goes on in `_flow.begin` from the point reached.
         calls, core = self._calls, policy.core
+        if _events.on:
+            calls = _observed.timed(calls)
         answer: ClaimResult | Exception
         try:
             answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
@@ -210,7 +214,7 @@ class IdempotencyMiddleware:
     ) -> None:
         # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
         # a task only if the request outlives a third of its lease); settling stops it.
-        calls = self._calls
+        calls = self._calls if not _events.on else _observed.timed(self._calls)
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message

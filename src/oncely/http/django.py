@@ -39,7 +39,7 @@ from functools import partial
 from typing import Any
 
 import oncely
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely.errors import ConfigurationError
@@ -132,6 +132,8 @@ class IdempotencyMiddleware:
     def __call__(self, request: Any) -> Any:
         """Handle one Django request (safe methods pass straight through); in an async stack,
         return the coroutine that does."""
+        if _events.on and not _observed.serving():
+            return _observed.django(self, request)
         if self.async_mode:
             return self._acall(request)
         admitted = self._admit(request)

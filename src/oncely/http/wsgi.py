@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.protocols import SyncStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -92,6 +92,8 @@ class IdempotencyMiddleware:
 
     def __call__(self, environ: WSGIEnviron, start_response: StartResponse) -> Iterable[bytes]:
         """Handle one WSGI request (safe methods pass straight through)."""
+        if _events.on and not _observed.serving():
+            return _observed.wsgi(self, environ, start_response)  # type: ignore[no-any-return]
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         if method in _semantics.SAFE_METHODS:
             return self.app(environ, start_response)

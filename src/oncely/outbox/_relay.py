@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
+from oncely import _events as _stream
+from oncely import _observed
 from oncely._core.policy import Duration, to_timedelta
 from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError, MissingDependencyError, SchemaMissingError
@@ -220,6 +222,8 @@ class Relay:
     def _settle(
         self, events: Sequence[OutboxEvent], outcomes: Sequence[Outcome], note: str | None
     ) -> _Settlement:
+        if _stream.on:
+            _observed.relayed(events, outcomes, self.max_attempts)
         settlement = _Settlement(note=note)
         for event, outcome in zip(events, outcomes, strict=True):
             if outcome is None:
@@ -288,6 +292,8 @@ class Relay:
                         next_purge = time.monotonic() + self.purge_interval.total_seconds()
                         await self.purge()
                     published = await self.run_once()
+                    if _stream.on:
+                        await _observed.backlog(self._backend)
                 except _SETUP_ERRORS:
                     raise  # waiting would not help: the schema, a setting, a missing library
                 except Exception as exc:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from oncely import _txn
+from oncely import _events, _observed, _txn
 from oncely._core.keys import validate_key
 from oncely.errors import ConfigurationError, ConflictError
 from oncely.outbox import _sql
@@ -92,6 +92,8 @@ class Outbox:
             ConflictError: The message id is in the outbox already (the transaction stays
                 usable).
         """
+        if _events.on:
+            headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
         raw = _txn.raw_connection(connection, _USER)
         if self._pg is None:
@@ -113,6 +115,8 @@ class Outbox:
         message_id: str | None = None,
     ) -> str:
         """`add` for an async connection or session (psycopg's, or SQLAlchemy's over it)."""
+        if _events.on:
+            headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
         if self._pg is None:
             raise ConfigurationError("aadd needs PostgreSQL (async psycopg): SQLite is sync")
