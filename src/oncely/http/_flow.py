@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any, Final
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore
@@ -155,9 +155,11 @@ def _mismatched(plan: Plan, stored: str, policy: HttpPolicy) -> Flow[Response]:
         verdict,
         extra=fields(key=plan.key, outcome="mismatch"),
     )
-    if verdict == "owned":
-        return _semantics.owned_elsewhere(policy)
-    if verdict == "reused":
+    if verdict in ("owned", "reused"):
+        if _events.on:
+            _observed.claimed(plan.key, "mismatch")
+        if verdict == "owned":
+            return _semantics.owned_elsewhere(policy)
         return _semantics.mismatch(policy)
     # An anonymous record of this very request (its response may have set the cookie this
     # request carries): it answers as it would its own owner. Claimed with its fingerprint,
@@ -166,6 +168,8 @@ def _mismatched(plan: Plan, stored: str, policy: HttpPolicy) -> Flow[Response]:
     answer = yield _execution.StoreCall(
         "claim", (plan.key, stored), {"lease": core.lease, "ttl": core.ttl}
     )
+    if _events.on:
+        _observed.claimed(plan.key, answer if isinstance(answer, Replay) else "in_progress")
     if isinstance(answer, Replay):
         _execution.suppressed(plan.key, answer)
         return replay(answer, policy)
