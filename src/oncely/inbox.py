@@ -302,12 +302,13 @@ class Inbox:
                             f"(async psycopg or SQLAlchemy), not {type(opened).__name__}"
                         )
                     async with opened as connection:
+                        # checked before the handler: its writes would otherwise commit alone
+                        perform = await _AsyncPerformer(self, connection).bind()
                         reset = _TRANSACTION.set(connection)
                         try:
                             value = await handler(*args, **kwargs)
                         finally:
                             _TRANSACTION.reset(reset)
-                        perform = await _AsyncPerformer(self, connection).bind()
                         _committing(lease, await perform(self._settle(lease, value)))
                     lease.committed = True
                     return value
@@ -323,12 +324,13 @@ class Inbox:
                         f"begin() must return a context manager, not {type(opened).__name__}"
                     )
                 with opened as connection:
+                    # checked before the handler: its writes would otherwise commit alone
+                    perform = _sync_performer(self, connection)
                     reset = _TRANSACTION.set(connection)
                     try:
                         value = handler(*args, **kwargs)
                     finally:
                         _TRANSACTION.reset(reset)
-                    perform = _sync_performer(self, connection)
                     _committing(lease, perform(self._settle(lease, value)))
                 lease.committed = True
                 return value
@@ -965,11 +967,7 @@ class _AsyncPerformer:
 
 class _SQLitePerformer:
     def __init__(self, store: Any, connection: Any) -> None:
-        if not getattr(connection, "in_transaction", False):
-            raise ConfigurationError(
-                "the inbox writes in the caller's transaction, and this sqlite3 connection has "
-                "none: run BEGIN IMMEDIATE first (or write something in the transaction)"
-            )
+        _txn.check_sqlite_transaction(connection, _USER)
         self._store = store
         self._connection = connection
 

@@ -445,8 +445,9 @@ class IdempotentConsumer:
 
         It yields the shared operations of `oncely._execution` (store calls, the handler's
         ``Invoke``, heartbeats) and returns the `Verdict`. It raises only what the handler
-        raised that is not an `Exception` (cancellation, interpreter exit), after releasing
-        the lease.
+        raised that is not an `Exception` (cancellation, interpreter exit) and a
+        `ConfigurationError` (the application's setup is wrong, not the message), after
+        releasing the lease.
         """
         try:
             key = self.key_for(delivery)
@@ -492,6 +493,9 @@ class IdempotentConsumer:
             return self._verdict((yield from self._exhausted(lease)))
         try:
             value = yield _execution.Invoke(lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -1009,6 +1013,9 @@ class IdempotentConsumer:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
         try:
             value = yield Run(message, lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(lease.key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -1258,6 +1265,9 @@ class IdempotentConsumer:
             await perform(_execution.StartHeartbeat(lease))
         try:
             value = await _execution.ainvoke_under(lease, handler)
+        except ConfigurationError:
+            await adrive(self._release(lease), perform)  # not the message's failure
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             await adrive(self._settle_failure(lease, verdict, exc), perform)
