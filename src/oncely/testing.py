@@ -5,7 +5,8 @@
 * `disabled`: run decorated functions unprotected inside a block (each call logs a warning).
 * `FrozenClock`: a clock that moves only when told, for deterministic expiry tests.
 * `StoreConformance`: the one test suite every store must pass (docs/contract.md).
-  Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis.
+  Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis
+  (``pip install 'oncely[testing]'``).
 
 .. code-block:: python
 
