@@ -294,7 +294,7 @@ class Inbox:
 
                 @functools.wraps(handler)
                 async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                    lease = _running_lease()
+                    lease = None if _switches.disabled else _running_lease()
                     opened = begin()
                     if not hasattr(opened, "__aenter__"):
                         raise ConfigurationError(
@@ -309,6 +309,8 @@ class Inbox:
                             value = await handler(*args, **kwargs)
                         finally:
                             _TRANSACTION.reset(reset)
+                        if lease is None:  # disabled: the caller warned, nothing is written
+                            return value
                         _committing(lease, await perform(self._settle(lease, value)))
                     lease.committed = True
                     return value
@@ -317,7 +319,7 @@ class Inbox:
 
             @functools.wraps(handler)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                lease = _running_lease()
+                lease = None if _switches.disabled else _running_lease()
                 opened = begin()
                 if not hasattr(opened, "__enter__"):
                     raise ConfigurationError(
@@ -331,6 +333,8 @@ class Inbox:
                         value = handler(*args, **kwargs)
                     finally:
                         _TRANSACTION.reset(reset)
+                    if lease is None:  # disabled: the caller warned, nothing is written
+                        return value
                     _committing(lease, perform(self._settle(lease, value)))
                 lease.committed = True
                 return value

@@ -779,3 +779,20 @@ def test_disabled_async_inbox(pg: tuple[str, str], pg_store: Any, scope: str) ->
     with disabled():
         asyncio.run(main())
     assert pg_store.get(f"{scope}|o-1") is None
+
+
+def test_disabled_consumer_runs_a_transactional_handler_unprotected(
+    pg: tuple[str, str], pg_store: Any, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler still gets its transaction (its writes commit); no record is written."""
+    consumer = IdempotentConsumer(pg_store, scope=scope, policy=POLICY)
+    message = delivery(f"{scope}-1")
+    run = Inbox(pg_store).transactional(pg_begin(pg))(handler_for(message))
+    with caplog.at_level(logging.WARNING, logger="oncely"), disabled():
+        verdicts = [consumer.process(message, run) for _ in "ab"]
+    assert [(v.reason, v.result) for v in verdicts] == [
+        (Reason.PROCESSED, f"charged {scope}-1")
+    ] * 2
+    assert charges(pg, scope) == [f"{scope}-1"] * 2
+    assert pg_store.get(consumer.key_for(message)) is None
+    assert sum("runs UNPROTECTED" in r.getMessage() for r in caplog.records) == 2
