@@ -294,7 +294,7 @@ class Inbox:
 
                 @functools.wraps(handler)
                 async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                    lease = _running_lease()
+                    lease = None if _switches.disabled else _running_lease()
                     opened = begin()
                     if not hasattr(opened, "__aenter__"):
                         raise ConfigurationError(
@@ -302,12 +302,15 @@ class Inbox:
                             f"(async psycopg or SQLAlchemy), not {type(opened).__name__}"
                         )
                     async with opened as connection:
+                        # checked before the handler: its writes would otherwise commit alone
+                        perform = await _AsyncPerformer(self, connection).bind()
                         reset = _TRANSACTION.set(connection)
                         try:
                             value = await handler(*args, **kwargs)
                         finally:
                             _TRANSACTION.reset(reset)
-                        perform = await _AsyncPerformer(self, connection).bind()
+                        if lease is None:  # disabled: the caller warned, nothing is written
+                            return value
                         _committing(lease, await perform(self._settle(lease, value)))
                     lease.committed = True
                     return value
@@ -316,19 +319,22 @@ class Inbox:
 
             @functools.wraps(handler)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                lease = _running_lease()
+                lease = None if _switches.disabled else _running_lease()
                 opened = begin()
                 if not hasattr(opened, "__enter__"):
                     raise ConfigurationError(
                         f"begin() must return a context manager, not {type(opened).__name__}"
                     )
                 with opened as connection:
+                    # checked before the handler: its writes would otherwise commit alone
+                    perform = _sync_performer(self, connection)
                     reset = _TRANSACTION.set(connection)
                     try:
                         value = handler(*args, **kwargs)
                     finally:
                         _TRANSACTION.reset(reset)
-                    perform = _sync_performer(self, connection)
+                    if lease is None:  # disabled: the caller warned, nothing is written
+                        return value
                     _committing(lease, perform(self._settle(lease, value)))
                 lease.committed = True
                 return value
@@ -975,11 +981,7 @@ class _AsyncPerformer:
 
 class _SQLitePerformer:
     def __init__(self, store: Any, connection: Any) -> None:
-        if not getattr(connection, "in_transaction", False):
-            raise ConfigurationError(
-                "the inbox writes in the caller's transaction, and this sqlite3 connection has "
-                "none: run BEGIN IMMEDIATE first (or write something in the transaction)"
-            )
+        _txn.check_sqlite_transaction(connection, _USER)
         self._store = store
         self._connection = connection
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _brokers, _http, _kafka, _relay, _streams, _tiered, _workers
+from tests.faults import _brokers, _http, _kafka, _relay, _streams, _tiered, _txn_begin, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -51,6 +51,7 @@ ENTRIES = (
     _tiered.ENTRY,
     _relay.ENTRY,
     "identity",
+    _txn_begin.ENTRY,
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
@@ -90,6 +91,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return tiered
     if entry == _relay.ENTRY or fault in _relay.FAULTS:
         return _relay.applicable(store, entry, fault)
+    if entry == _txn_begin.ENTRY:
+        return _txn_begin.applicable(store, fault)
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
             return store in ("redis", "postgres")
@@ -710,7 +713,7 @@ def run_history(plan: Plan, services: Services) -> Result:
         hold = 3 * lease
     elif plan.fault == "reset":
         hold = lease / 2
-    if plan.entry == "txn":
+    if plan.entry in ("txn", _txn_begin.ENTRY):
         base["txn_url"] = services.effects.url
     a = {
         **base,
@@ -724,7 +727,7 @@ def run_history(plan: Plan, services: Services) -> Result:
         "worker": "B",
         "store": services.store_spec(plan, None, own),
         "ops": [{"op": f"B-{key}", "key": key} for key in keys],
-        "retry_for": 4 * lease + 15,
+        "retry_for": _txn_begin.RETRY_FOR if plan.entry == _txn_begin.ENTRY else 4 * lease + 15,
         "retry_gap": 0.1,
     }
     if plan.entry == "txn" and proxy is not None:  # A's transactions meet the store's faults
@@ -822,7 +825,8 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault.startswith("cut") and proxy is not None and proxy.cuts:
         faults.append(plan.fault)  # counted only when a reply was actually cut
     rows = services.effects.rows(keys)
-    return Result(plan, history, check(history, rows), faults, now() - started)
+    judge = _txn_begin.check if plan.entry == _txn_begin.ENTRY else check
+    return Result(plan, history, judge(history, rows), faults, now() - started)
 
 
 # -- a campaign ------------------------------------------------------------------------------

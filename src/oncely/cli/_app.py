@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -59,6 +61,9 @@ def _open(ctx: click.Context) -> Any:
     options: dict[str, Any] = {"namespace": ctx.obj["namespace"]}
     if url.startswith("sqlite") and ctx.info_name != "migrate":
         options["migrate"] = False  # only `oncely migrate` changes a schema
+        path = _sqlite_file(url)
+        if path is not None and not path.exists():  # opening it would create an empty file
+            raise SetupError(f"no SQLite database at {str(path)!r}: `oncely migrate` creates one")
     try:
         return oncely.open_store(url, **options)
     except oncely.OncelyError as exc:
@@ -350,9 +355,61 @@ def migrate(ctx: click.Context, sql: bool) -> None:
     if sql:
         click.echo(_schema_sql(ctx), nl=False)
         return
+    url = ctx.obj.get("store_url") or ""
+    path = _sqlite_file(url.removeprefix("tiered+"))
+    before = None if path is None else _sqlite_version(path)  # read before opening migrates
     with _store(ctx) as store:
+        if path is None:
+            before = _schema_version(store)
         _require(store, "migrate")()
-    _emit(ctx, {"migrated": True}, ["schema is up to date"])
+        after = _schema_version(store)
+    if before == after:
+        line = f"the oncely schema is already up to date (version {after})"
+    elif before is None:
+        line = f"created the oncely schema (version {after})"
+    else:
+        line = f"upgraded the oncely schema from version {before} to {after}"
+    _emit(ctx, {"migrated": True, "before": before, "after": after}, [line])
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file a ``sqlite:///`` URL names (``None``: not one, or in memory)."""
+    if not url.startswith("sqlite://"):
+        return None
+    name = url.partition("://")[2][1:].partition("?")[0]
+    return None if name in ("", ":memory:") else Path(name)
+
+
+def _sqlite_version(path: Path) -> int | None:
+    """The oncely schema version in the SQLite file at *path*, read without creating it."""
+    if not path.exists():
+        return None
+    try:
+        with contextlib.closing(
+            sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        ) as db:
+            row = db.execute("SELECT version FROM oncely_schema WHERE id = 1").fetchone()
+    except sqlite3.Error:  # no such table: no schema
+        return None
+    return None if row is None else int(row[0])
+
+
+def _schema_version(opened: Any) -> int | None:
+    """The oncely schema version *opened* holds (``None``: none), an older one included."""
+    store = getattr(opened, "inner", opened)  # a tiered store's schema is its inner one's
+    try:
+        version: int | None = store.check().schema_version
+    except oncely.SchemaMissingError:
+        if store.backend != "postgres":
+            return None
+        from oncely._core.flow import drive
+        from oncely.stores.postgres import _sql
+
+        try:  # `check` refuses an older schema: read its version as it is
+            version = drive(_sql.schema_version(store._queries), store._execute)
+        except oncely.SchemaMissingError:  # no version table
+            return None
+    return version
 
 
 def _schema_sql(ctx: click.Context) -> str:

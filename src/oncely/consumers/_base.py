@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
-from oncely import _events, _execution, _observed
+from oncely import _events, _execution, _observed, _switches
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
@@ -447,9 +447,12 @@ class IdempotentConsumer:
 
         It yields the shared operations of `oncely._execution` (store calls, the handler's
         ``Invoke``, heartbeats) and returns the `Verdict`. It raises only what the handler
-        raised that is not an `Exception` (cancellation, interpreter exit), after releasing
-        the lease.
+        raised that is not an `Exception` (cancellation, interpreter exit) and a
+        `ConfigurationError` (the application's setup is wrong, not the message), after
+        releasing the lease.
         """
+        if _switches.disabled:
+            return (yield from self._unprotected(delivery))
         try:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
@@ -494,6 +497,9 @@ class IdempotentConsumer:
             return self._verdict((yield from self._exhausted(lease)))
         try:
             value = yield _execution.Invoke(lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -557,7 +563,7 @@ class IdempotentConsumer:
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
         operations.
         """
-        if not self.batches:
+        if not self.batches or _switches.disabled:  # one by one through `flow`
             verdicts: list[Verdict] = []
             for delivery in deliveries:
                 if ordered and any(v.action is Action.RETRY for v in verdicts):
@@ -566,6 +572,24 @@ class IdempotentConsumer:
                 verdicts.append((yield Handle(delivery.raw, self.flow(delivery))))
             return verdicts
         return (yield from self._batched(deliveries, ordered, {} if held is None else held))
+
+    def _unprotected(self, delivery: Delivery) -> Flow[Verdict]:
+        """Under ``ONCELY_DISABLED`` (or `oncely.testing.disabled`): the handler runs, under a
+        lease of token 0 that is never written, the store is not touched, a warning says so;
+        a failure is retried (or dead-lettered, for ``dead_letter_on``) with no attempt count."""
+        try:
+            key: str | None = self.key_for(delivery)
+        except Exception:  # no key: it would be dead-lettered, but nothing is checked now
+            key = None
+        _switches.warn_unprotected(key or self.scope, key=key, scope=self.scope)
+        lease = _execution.Lease(key or self.scope, 0, self.policy.lease)
+        try:
+            value = yield _execution.Invoke(lease)
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            return self._verdict(self._failed(lease.key, 1, exc))
+        return self._verdict(Verdict(Action.ACK, Reason.PROCESSED, key, result=value))
 
     def release_flow(self, held: dict[str, _execution.Lease]) -> Flow[None]:
         """Release the leases `batch_flow` kept in *held* (the deliveries were abandoned)."""
@@ -1011,6 +1035,9 @@ class IdempotentConsumer:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
         try:
             value = yield Run(message, lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(lease.key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -1215,6 +1242,10 @@ class IdempotentConsumer:
         completes, a finished duplicate) is a straight line; every other answer goes through
         the batch path's decisions.
         """
+        if _switches.disabled:
+            return await _execution.arun(
+                self.flow(delivery), _require(self.store, AsyncStore), handler
+            )
         if _events.on and not _observed.consuming():
             return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
         groups = self._async_calls
@@ -1264,6 +1295,9 @@ class IdempotentConsumer:
             await perform(_execution.StartHeartbeat(lease))
         try:
             value = await _execution.ainvoke_under(lease, handler)
+        except ConfigurationError:
+            await adrive(self._release(lease), perform)  # not the message's failure
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             await adrive(self._settle_failure(lease, verdict, exc), perform)

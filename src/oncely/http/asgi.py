@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
-from oncely import _events, _execution, _observed
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
@@ -117,6 +117,8 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
+        if _switches.off(scope["method"], scope.get("path", "")):
+            return await self.app(scope, receive, send)
         method: str = scope["method"]
         path: str = scope.get("path", "")
         policy, route = self.routes.select(method, path, self._resolve(scope))

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-from oncely import _events, _observed
+from oncely import _events, _observed, _switches
 from oncely._core.flow import adrive, drive
 from oncely._core.policy import Duration
 from oncely.errors import ConfigurationError, MissingDependencyError
@@ -126,7 +126,7 @@ class _Idempotent:
 
     def _covers(self, request: httpx.Request) -> bool:
         """Whether *request* is retried; if so, make sure it carries a key."""
-        if request.method not in self.methods:
+        if request.method not in self.methods or _switches.off(request.method, request.url.path):
             return False
         if self.header not in request.headers:
             request.headers[self.header] = self.key_factory()

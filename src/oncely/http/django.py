@@ -39,7 +39,7 @@ from functools import partial
 from typing import Any
 
 import oncely
-from oncely import _events, _execution, _observed
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely.errors import ConfigurationError
@@ -215,7 +215,7 @@ class IdempotencyMiddleware:
         """What the request's method, route, key and size decide: ``None`` to pass it through,
         a `Response` to answer at once, else the request admitted for a claim."""
         method = str(request.method or "GET").upper()
-        if method in _semantics.SAFE_METHODS:
+        if method in _semantics.SAFE_METHODS or _switches.off(method, str(request.path)):
             return None
         path = str(request.path)
         route_match = resolve_django(request.path_info, getattr(request, "urlconf", None))

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
-from oncely import _events, _execution, _observed
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.protocols import SyncStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -95,7 +95,7 @@ class IdempotencyMiddleware:
         if _events.on and not _observed.serving():
             return _observed.wsgi(self, environ, start_response)  # type: ignore[no-any-return]
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        if method in _semantics.SAFE_METHODS:
+        if method in _semantics.SAFE_METHODS or _switches.off(method, environ.get("PATH_INFO")):
             return self.app(environ, start_response)
         path = _text(environ.get("SCRIPT_NAME", "")) + _text(environ.get("PATH_INFO", ""))
         policy, route = self.routes.select(method, path, self._resolve(environ))
