@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -397,3 +401,53 @@ def test_default_principal() -> None:
         default_principal(object())
     with pytest.raises(ConfigurationError):
         idempotent_for(sync_user, principal="id")  # type: ignore[arg-type]
+
+
+def test_client_gone_after_the_claim_runs_once_over_a_socket() -> None:
+    """uvicorn: the client gives up while the handler runs (a read timeout) and retries with a
+    refreshed token. The handler finishes for the client that left, its response is stored,
+    and the retry replays it: the payment ran once."""
+    store = MemoryStore()
+    charges: list[str] = []
+    release = threading.Event()
+    app = FastAPI()
+
+    @app.post("/payments", status_code=201, dependencies=[Depends(idempotent_for(async_user))])
+    async def pay(user: str = Depends(async_user)) -> dict[str, Any]:
+        charges.append(user)
+        await asyncio.to_thread(release.wait, 30)
+        return {"charge": len(charges), "user": user}
+
+    app.add_middleware(
+        IdempotencyMiddleware, store=store, policy=HttpPolicy(principal=FROM_DEPENDENCY)
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=0.3)) as client:
+            headers = {"idempotency-key": "k1", "authorization": "Bearer alice-token"}
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/payments", json=PAYMENT, headers=headers)
+        assert charges == ["alice"]  # claimed and running when the client left
+        release.set()
+        deadline = time.monotonic() + 30  # a safety net: the handler finishes at once
+        while (record := store.get(RECORD)) is None or record.status is Status.IN_PROGRESS:
+            assert time.monotonic() < deadline, record
+            time.sleep(0.01)
+        with httpx.Client(base_url=base, timeout=10) as client:
+            headers["authorization"] = "Bearer alice-token-refreshed"
+            retry = client.post("/payments", json=PAYMENT, headers=headers)
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert retry.status_code == 201
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json() == {"charge": 1, "user": "alice"}
+    assert charges == ["alice"]

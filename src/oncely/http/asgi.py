@@ -46,7 +46,7 @@ from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
 from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
-from oncely.http.fastapi import Parked, parking
+from oncely.http.fastapi import _Parked, _parking
 from oncely.stores._coalesce import CoalescingStore
 
 __all__ = ["IdempotencyMiddleware"]
@@ -123,7 +123,7 @@ class IdempotencyMiddleware:
         method: str = scope["method"]
         path: str = scope.get("path", "")
         policy, route = self.routes.select(method, path, self._resolve(scope))
-        scope, parked = parking(policy, route, scope)  # a route that claims in a dependency
+        scope, parked = _parking(policy, route, scope)  # a route that claims in a dependency
         if not policy.covers(method):
             await self.app(scope, receive, send)
             return
@@ -221,7 +221,7 @@ class IdempotencyMiddleware:
         scope: Scope,
         receive: Receive,
         send: Send,
-        parked: Parked | None = None,
+        parked: _Parked | None = None,
     ) -> None:
         # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
         # a task only if the request outlives a third of its lease); settling stops it.

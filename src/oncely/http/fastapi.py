@@ -55,11 +55,11 @@ from oncely.http._policy import HttpPolicy
 from oncely.http._semantics import Header, Response
 from oncely.http._types import Message, Scope, Send
 
-__all__ = ["FROM_DEPENDENCY", "idempotent_for"]
+__all__ = ["FROM_DEPENDENCY", "default_principal", "idempotent_for"]
 
 logger = get_logger("oncely.http")
 
-PARKED: Final = "oncely.parked"
+_PARKED: Final = "oncely.parked"
 """The ASGI scope key of a request whose claim waits for the dependency."""
 
 _WARNED_LIMIT: Final = 1024
@@ -95,7 +95,7 @@ class _State(enum.Enum):
     UNPROTECTED = "unprotected"  # no claim for this request (no key, not covered, fail-open)
 
 
-class Parked:
+class _Parked:
     """A request of a `FROM_DEPENDENCY` route, between the middleware and the dependency."""
 
     __slots__ = ("answer", "calls", "lease", "parts", "policy", "route", "sent", "state")
@@ -183,12 +183,12 @@ class Parked:
             await send({"type": "http.response.body", "body": self.answer.body})
 
 
-def parking(policy: HttpPolicy, route: str, scope: Scope) -> tuple[Scope, Parked | None]:
+def _parking(policy: HttpPolicy, route: str, scope: Scope) -> tuple[Scope, _Parked | None]:
     """*scope* marked for the dependency when *policy* takes the principal from it."""
     if policy.principal is not FROM_DEPENDENCY:
         return scope, None
-    parked = Parked(policy, route)
-    return {**scope, PARKED: parked}, parked
+    parked = _Parked(policy, route)
+    return {**scope, _PARKED: parked}, parked
 
 
 def _warn_if_missing(scope: Scope, route: str) -> None:
@@ -247,12 +247,10 @@ def default_principal(user: object) -> str | None:
     )
 
 
-PrincipalOf = Callable[[Any], "str | Awaitable[str | None] | None"]
-"""What `idempotent_for` turns the user into its principal with (sync or async)."""
-
-
 def idempotent_for(
-    current_user: Callable[..., Any], *, principal: PrincipalOf = default_principal
+    current_user: Callable[..., Any],
+    *,
+    principal: Callable[[Any], str | Awaitable[str | None] | None] = default_principal,
 ) -> Callable[..., Awaitable[Any]]:
     """A FastAPI dependency that claims the request's key for the user *current_user* returns.
 
@@ -283,8 +281,8 @@ def idempotent_for(
 
     async def dependency(request: Any, user: Any) -> Any:
         scope: Scope = request.scope
-        parked = scope.get(PARKED)
-        if not isinstance(parked, Parked):
+        parked = scope.get(_PARKED)
+        if not isinstance(parked, _Parked):
             method = scope.get("method", "")
             if method in _semantics.SAFE_METHODS or _switches.off(method, scope.get("path", "")):
                 return user
