@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 import oncely
 from oncely._core.keys import scope_key
@@ -78,6 +79,7 @@ class Payments:
     ) -> None:
         self.store = MemoryStore()
         self.charges: list[str] = []
+        self.leases: list[Any] = []
         self.entered = asyncio.Event()
         self.proceed: asyncio.Event | None = None
         self.status = status
@@ -87,6 +89,7 @@ class Payments:
         @app.post("/payments", status_code=201, dependencies=extra)
         async def pay(response: Response, user: str = Depends(current_user)) -> dict[str, Any]:
             self.charges.append(user)
+            self.leases.append(oncely.current_lease())
             self.entered.set()
             if self.proceed is not None:
                 await self.proceed.wait()
@@ -136,6 +139,8 @@ def test_token_refresh_replays_the_first_response(current_user: Callable[..., An
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content == b'{"charge":1,"user":"alice"}'
     assert app.charges == ["alice"]
+    assert [lease.key for lease in app.leases] == [RECORD]  # the handler runs under the lease
+    assert oncely.current_lease() is None
 
 
 @pytest.mark.parametrize("current_user", [sync_user, async_user], ids=["sync", "async"])
@@ -451,3 +456,41 @@ def test_client_gone_after_the_claim_runs_once_over_a_socket() -> None:
     assert retry.headers["idempotent-replayed"] == "true"
     assert retry.json() == {"charge": 1, "user": "alice"}
     assert charges == ["alice"]
+
+
+class Order(BaseModel):
+    amount: int
+
+
+def test_body_reaches_the_handler_and_an_invalid_one_releases_the_key() -> None:
+    """The handler reads the body the middleware fingerprinted; a body FastAPI refuses (422,
+    after the dependency claimed) releases the key, so the corrected request runs."""
+    store = MemoryStore()
+    amounts: list[int] = []
+    app = FastAPI()
+
+    @app.post("/payments", status_code=201, dependencies=[Depends(idempotent_for(sync_user))])
+    def pay(order: Order) -> dict[str, int]:
+        amounts.append(order.amount)
+        return {"amount": order.amount}
+
+    app.add_middleware(
+        IdempotencyMiddleware, store=store, policy=HttpPolicy(principal=FROM_DEPENDENCY)
+    )
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://a") as client:
+            headers = {"idempotency-key": "k1", "authorization": "Bearer alice-token"}
+            return [
+                await client.post("/payments", json={"amount": "lots"}, headers=headers),
+                await client.post("/payments", json={"amount": 5}, headers=headers),
+                await client.post("/payments", json={"amount": 5}, headers=headers),
+            ]
+
+    invalid, first, again = asyncio.run(go())
+    assert invalid.status_code == 422
+    assert "idempotency" not in invalid.text
+    assert (first.status_code, first.json()) == (201, {"amount": 5})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert amounts == [5]
