@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 import oncely
+import oncely.observe
 from oncely._core.keys import scope_key
 from oncely._core.records import Status
 from oncely.errors import ConfigurationError
@@ -76,9 +77,11 @@ class Payments:
         catch_all: bool = False,
         status: int = 201,
         routes: dict[str, RouteOptions] | None = None,
+        outside: bool = False,
     ) -> None:
         self.store = MemoryStore()
         self.charges: list[str] = []
+        self.caught: list[str] = []
         self.leases: list[Any] = []
         self.entered = asyncio.Event()
         self.proceed: asyncio.Event | None = None
@@ -100,16 +103,21 @@ class Payments:
 
             @app.exception_handler(Exception)
             async def everything(request: Request, exc: Exception) -> JSONResponse:
+                self.caught.append(type(exc).__name__)
                 return JSONResponse({"caught": type(exc).__name__}, status_code=500)
 
-        if middleware:
+        self.app: Any = app
+        if outside:  # around the whole app: FastAPI's error middleware runs inside it
+            self.app = IdempotencyMiddleware(
+                app, store=self.store, policy=HttpPolicy(lease=LEASE, principal=FROM_DEPENDENCY)
+            )
+        elif middleware:
             app.add_middleware(
                 IdempotencyMiddleware,
                 store=self.store,
                 policy=policy or HttpPolicy(lease=LEASE, principal=FROM_DEPENDENCY),
                 routes=routes,
             )
-        self.app = app
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://a")
@@ -183,9 +191,11 @@ def test_server_error_releases_the_key() -> None:
     assert app.charges == ["alice", "alice"]
 
 
-def test_auth_failure_claims_nothing() -> None:
+def test_auth_failure_claims_nothing(caplog: pytest.LogCaptureFixture) -> None:
     app = Payments()
-    refused, *_ = app.attempts(None)
+    with caplog.at_level(logging.WARNING, logger="oncely.http"):
+        refused, *_ = app.attempts(None)
+    assert not caplog.records  # the route has the dependency: its own 401 came first
     assert refused.status_code == 401
     assert refused.json() == {"detail": "Unauthorized"}
     assert app.store.get(RECORD) is None
@@ -195,15 +205,18 @@ def test_auth_failure_claims_nothing() -> None:
     assert "idempotent-replayed" not in ok.headers
 
 
-def test_catch_all_exception_handler_cannot_run_a_refused_request() -> None:
-    """An app-wide ``exception_handler(Exception)`` never sees the refusal: it stops the
-    handler as a FastAPI ``HTTPException``, and the middleware answers in its place."""
-    app = Payments(catch_all=True)
+@pytest.mark.parametrize("outside", [False, True], ids=["add_middleware", "around-the-app"])
+def test_catch_all_exception_handler_never_sees_a_refusal(outside: bool) -> None:
+    """An app-wide ``exception_handler(Exception)`` never sees the refusal, wherever the
+    middleware sits: it stops the handler as a FastAPI ``HTTPException``, which FastAPI answers
+    itself, and the middleware answers in its place."""
+    app = Payments(catch_all=True, outside=outside)
     first, again, bob = app.attempts("alice-token", "alice-token-refreshed", "bob-token")
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert bob.json()["code"] == OWNED
     assert app.charges == ["alice"]
+    assert app.caught == []
 
 
 def test_cancelled_after_the_claim_releases_the_key() -> None:
@@ -494,3 +507,24 @@ def test_body_reaches_the_handler_and_an_invalid_one_releases_the_key() -> None:
     assert (first.status_code, first.json()) == (201, {"amount": 5})
     assert again.headers["idempotent-replayed"] == "true"
     assert amounts == [5]
+
+
+def test_each_outcome_is_reported_to_the_event_stream() -> None:
+    """The claim made in the dependency is observed like one made up front."""
+    app = Payments()
+
+    async def go() -> list[Any]:
+        with oncely.observe.outcomes() as seen:
+            async with app.client() as client:
+                for token in ("alice-token", "alice-token-refreshed", "bob-token"):
+                    await app.pay(client, token)
+        return seen
+
+    seen = asyncio.run(go())
+    assert [(event.surface, event.outcome) for event in seen] == [
+        ("http", "acquired"),
+        ("http", "replayed"),
+        ("http", "mismatch"),
+    ]
+    assert seen[0].operation == "POST /payments"
+    assert seen[2].detail == "422"

@@ -237,7 +237,6 @@ class IdempotencyMiddleware:
                 assert parked is not None
                 lease = parked.lease
                 if lease is None:
-                    settled = True
                     await parked.unclaimed(message, send, scope)
                     return
             if not settled:

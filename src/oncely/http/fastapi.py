@@ -90,7 +90,7 @@ FROM_DEPENDENCY: Final = _FromDependency()
 
 class _State(enum.Enum):
     WAITING = "waiting"  # the dependency has not run
-    CLAIMED = "claimed"  # it holds the lease: `_run` captures and settles the response
+    CLAIMED = "claimed"  # it holds the lease: the middleware captures and settles the response
     REFUSED = "refused"  # it prepared an answer: the app's response to the refusal is replaced
     UNPROTECTED = "unprotected"  # no claim for this request (no key, not covered, fail-open)
 
@@ -128,9 +128,8 @@ class _Parked:
 
     async def claim(self, principal: str | None) -> None:
         """Claim the parked request's key, owned by *principal* (`_flow.begin`'s rules)."""
-        if self.parts is None or self.calls is None:
-            self.state = _State.UNPROTECTED
-            return
+        assert self.parts is not None, "claimed before parked"
+        assert self.calls is not None, "claimed before parked"
         method, path, query, headers, body, user, key = self.parts
         policy = self.policy
         plan = _semantics.plan_parts(
