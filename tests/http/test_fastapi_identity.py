@@ -528,3 +528,25 @@ def test_each_outcome_is_reported_to_the_event_stream() -> None:
     ]
     assert seen[0].operation == "POST /payments"
     assert seen[2].detail == "422"
+
+
+def test_an_http_middleware_between_runs_the_app_in_its_own_task() -> None:
+    """``@app.middleware("http")`` inside oncely's runs the app in a task of its own: the
+    dependency's claim and the handler's lease live there, and the response still settles."""
+    app = Payments()
+
+    @app.app.middleware("http")
+    async def timing(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        response.headers["x-timing"] = "1"
+        return response
+
+    app.app.user_middleware.reverse()  # oncely's outside, the http middleware inside it
+    first, again, bob = app.attempts("alice-token", "alice-token-refreshed", "bob-token")
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert again.headers["x-timing"] == "1"  # stored with the response
+    assert bob.json()["code"] == OWNED
+    assert "x-timing" not in bob.headers  # oncely answered, outside the http middleware
+    assert [lease.key for lease in app.leases] == [RECORD]
+    assert app.charges == ["alice"]
