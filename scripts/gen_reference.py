@@ -22,6 +22,7 @@ SECTIONS = [
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
     ("oncely.http.flask", ["Idempotency"]),
     ("oncely.http.django", ["IdempotencyMiddleware"]),
+    ("oncely.http.fastapi", None),
     ("oncely.inbox", ["InboxEntry", "AsyncInboxEntry"]),
     ("oncely.aggregates", None),
     ("oncely.outbox", None),

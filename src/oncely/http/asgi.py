@@ -46,6 +46,7 @@ from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
 from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
+from oncely.http.fastapi import _Parked, _parking
 from oncely.stores._coalesce import CoalescingStore
 
 __all__ = ["IdempotencyMiddleware"]
@@ -122,6 +123,7 @@ class IdempotencyMiddleware:
         method: str = scope["method"]
         path: str = scope.get("path", "")
         policy, route = self.routes.select(method, path, self._resolve(scope))
+        scope, parked = _parking(policy, route, scope)  # a route that claims in a dependency
         if not policy.covers(method):
             await self.app(scope, receive, send)
             return
@@ -165,6 +167,12 @@ class IdempotencyMiddleware:
         user = scope.get("user")  # set by Starlette's AuthenticationMiddleware run before this
         principal = None if user is None else _semantics.user_principal(user)
         query = scope.get("query_string", b"")
+        if parked is not None:  # `oncely.http.fastapi.idempotent_for` claims, inside the app
+            calls = self._calls if not _events.on else _observed.timed(self._calls)
+            parked.park(calls, method, path, query, tuple(headers), body, principal, decision)
+            receive = _BufferedReceive(messages, receive)
+            await self._run(None, policy, _app_scope(scope), receive, send, parked)
+            return
         given = None
         if policy.principal is not None:  # the request is built only for it to see
             request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
@@ -208,11 +216,12 @@ class IdempotencyMiddleware:
 
     async def _run(
         self,
-        lease: _execution.Lease,
+        lease: _execution.Lease | None,
         policy: HttpPolicy,
         scope: Scope,
         receive: Receive,
         send: Send,
+        parked: _Parked | None = None,
     ) -> None:
         # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
         # a task only if the request outlives a third of its lease); settling stops it.
@@ -223,7 +232,13 @@ class IdempotencyMiddleware:
         trailers = False
 
         async def capture_send(message: Message) -> None:
-            nonlocal settled, held, trailers
+            nonlocal settled, held, trailers, lease
+            if lease is None:  # parked: claimed by the dependency, or not at all
+                assert parked is not None
+                lease = parked.lease
+                if lease is None:
+                    await parked.unclaimed(message, send, scope)
+                    return
             if not settled:
                 kind = message["type"]
                 if kind == "http.response.start":
@@ -259,7 +274,12 @@ class IdempotencyMiddleware:
             finally:
                 _execution._CURRENT.reset(reset)
         except BaseException as exc:
-            if not settled:
+            if lease is None and parked is not None:
+                lease = parked.lease
+            if lease is None:  # parked, and never claimed: nothing to settle
+                if parked is not None and await parked.answers(exc, send):
+                    return
+            elif not settled:
                 settled = True
                 if capture.started:  # the handler ran and started answering: never again
                     cause = f"{type(exc).__name__} while it was sent"
@@ -269,7 +289,12 @@ class IdempotencyMiddleware:
                 else:
                     await _flow.asettle(partial(_flow.abort, lease, exc, policy), lease, calls)
             raise
-        if not settled:
+        if lease is None and parked is not None:
+            lease = parked.lease
+        if lease is None:
+            if parked is not None:
+                await parked.answers(None, send)
+        elif not settled:
             settled = True
             if capture.started:
                 cause = "the app returned before completing it"
