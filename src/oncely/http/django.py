@@ -219,11 +219,18 @@ class IdempotencyMiddleware:
             return decision
         limit = policy.max_request_bytes
         length = str(meta.get("CONTENT_LENGTH") or "").strip()
-        if length.isascii() and length.isdigit() and int(length) > limit:
+        declared = None
+        if length.isascii() and length.isdigit():  # "²" is a digit to isdigit, not to int
+            declared = int(length) if len(length) <= 20 else 10**20
+        if declared is not None and declared > limit:
             return _semantics.request_too_large(policy)
         body = bytes(request.body)  # cached by Django: the view reads it again
         if len(body) > limit:
             return _semantics.request_too_large(policy)
+        if declared is not None and len(body) < declared:
+            # Django's WSGI request reads a body cut short (the client half-closed or left)
+            # without complaint: run nothing, as the other middleware do.
+            return _semantics.request_incomplete(declared, len(body))
         return _Admitted(method, path, route, decision, body, policy)
 
 
