@@ -509,8 +509,7 @@ async def arun(
         send, error = None, None
         try:
             if type(op) is StoreCall:
-                call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-                send = await (shielded(call) if op.shield else call)
+                send = await _astore_call(op, store)
             else:
                 send = await aperform(op, store, invoke)
         except BaseException as exc:  # the flow decides: release the lease, map the error...
@@ -523,8 +522,7 @@ async def aperform(
     """Perform one operation of a flow against an async store (what `arun` does with each)."""
     kind = type(op)
     if kind is StoreCall:
-        call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-        return await (shielded(call) if op.shield else call)
+        return await _astore_call(op, store)
     if kind is Invoke and invoke is not None:
         return await ainvoke_under(op.lease, invoke)
     if kind is StartHeartbeat:
@@ -539,6 +537,78 @@ async def aperform(
         await asyncio.sleep(op.seconds)
         return None
     raise TypeError(f"cannot perform {op!r}")
+
+
+def _astore_call(op: StoreCall, store: AsyncStore) -> Awaitable[Any]:
+    call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+    if op.shield:
+        return shielded(call)
+    if op.verb == "claim":
+        return given_back_if_cancelled(call, store, op.args[0])
+    return call  # type: ignore[no-any-return]
+
+
+async def aclaim(
+    store: AsyncStore, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+) -> ClaimResult:
+    """``store.aclaim(...)``, whose lease is given back if the caller is cancelled meanwhile
+    (see `given_back_if_cancelled`)."""
+    call = store.aclaim(key, fingerprint, lease=lease, ttl=ttl)
+    if getattr(type(store), "_inline_async", None) is type(store):
+        return await call  # never suspends: no claim is ever in flight
+    return await given_back_if_cancelled(call, store, key)
+
+
+async def given_back_if_cancelled(
+    claim: Awaitable[ClaimResult], store: AsyncStore, key: str
+) -> ClaimResult:
+    """Await *claim* of *key*; if the caller is cancelled while it is in flight, wait for its
+    answer, release a lease it took (shielded), then be cancelled.
+
+    The claim may have been applied with only its reply still to come: cancelling it would
+    leave the key in progress for a whole lease, with nothing running under it. A store whose
+    verbs never suspend (``memory://``) has no claim in flight to wait for.
+    """
+    if getattr(type(store), "_inline_async", None) is type(store):
+        return await claim
+    task = asyncio.ensure_future(claim)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.cancelled():  # the caller was cancelled, not the claim (its loop closing)
+            await shielded(give_back(task, store, key))
+        raise
+
+
+async def give_back(claim: asyncio.Future[Any], store: AsyncStore, key: str) -> None:
+    """Release the lease *claim* takes, once it answers (its caller was cancelled)."""
+    await asyncio.wait((claim,))
+    if not claim.cancelled() and claim.exception() is None:
+        await release_unused(store, key, claim.result())
+    # else nothing was taken, or it is not known: a lease taken expires on its own
+
+
+async def release_unused(store: AsyncStore, key: str, answer: object) -> None:
+    """Release the lease of claim *answer* of *key* if it is `Acquired`: its caller was
+    cancelled before it could run anything under it."""
+    if type(answer) is not Acquired:
+        return
+    try:
+        await store.arelease(key, answer.token)
+    except Exception as exc:
+        logger.warning(
+            "could not release key=%s after its caller was cancelled: %s; it recovers after "
+            "its lease",
+            key,
+            exc,
+            extra=fields(key=key, token=answer.token, outcome="store_unavailable"),
+        )
+        return
+    logger.info(
+        "claim released key=%s: its caller was cancelled before it could run",
+        key,
+        extra=fields(key=key, token=answer.token, outcome="released"),
+    )
 
 
 def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
@@ -709,7 +779,7 @@ async def acall(
     invoke: Callable[[], Awaitable[T]],
 ) -> T:
     """``await arun(protected_call(...), store, invoke)``, with no flow on the common paths."""
-    answer = await store.aclaim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    answer = await aclaim(store, key, fingerprint, lease=policy.lease, ttl=policy.ttl)
     if type(answer) is Replay:
         suppressed(key, answer)
         return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]

@@ -176,7 +176,9 @@ class IdempotencyMiddleware:
         calls, core = self._calls, policy.core
         answer: ClaimResult | Exception
         try:
-            answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
+            answer = await _execution.aclaim(
+                calls, plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl
+            )
         except Exception as exc:
             answer = exc
         if isinstance(answer, Acquired):
