@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _brokers, _http, _kafka, _streams, _workers
+from tests.faults import _brokers, _edges, _http, _kafka, _streams, _workers
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -71,6 +71,7 @@ FAULTS = (
     "redelivery",
     "rebalance@join",
     "rebalance@kill",
+    *_edges.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -80,6 +81,8 @@ _PROXYABLE = {"postgres", "redis", "tiered"}
 
 def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
+    if fault in _edges.FAULTS:
+        return _edges.applicable(store, entry, fault)
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
             return store in ("redis", "postgres")
@@ -652,6 +655,9 @@ def run_group_history(plan: Plan, services: Services) -> Result:
 
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.fault in _edges.FAULTS:
+        started = now()
+        return Result(plan, *_edges.run(plan, services), now() - started)
     if plan.entry == "kafka_group":
         return run_group_history(plan, services)
     if plan.entry in BROKER_ENTRIES:
