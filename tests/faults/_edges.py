@@ -1,12 +1,13 @@
 """Histories at the edges: async callers cancelled mid-call, WSGI request bodies cut short.
 
-``cancel@claim``, ``cancel@run``, ``cancel@complete``: client A's async call (the decorator, or
-``async with Guard``) is cancelled while its claim's reply is on the way, while its body runs,
-or while its completion's reply is on the way; the store is real, and a reply "on the way" is
-one the store has applied and that arrives late (the wrapper below holds it). A cancelled call
-is neither an ``ok`` nor a ``fail``: its event is ``cancelled``, which the checker reads as no
-claim of its own (a cancelled call leaves no lease behind), so client B's retry told "in
-progress" with no run holding the key is a ``phantom_in_progress``.
+``cancel@claim``, ``cancel@run``, ``cancel@complete``: client A's async call (the decorator,
+``async with Guard``, a request through the ASGI middleware) is cancelled while its claim's
+reply is on the way, while its body runs, or while its completion's reply is on the way. The
+store is real; a reply "on the way" is one the store has applied and that arrives late (the
+wrapper below holds it). A cancelled call is neither an ``ok`` nor a ``fail``: its event is
+``cancelled``, which the checker reads as no claim of its own (a cancelled call leaves no
+lease behind), so client B's retry told "in progress" with no run holding the key is a
+``phantom_in_progress``.
 
 ``short-body``: client A sends half of a request body to the WSGI middleware (wsgiref, which
 hands the app a short ``wsgi.input``) and half-closes; client B sends the whole request with
@@ -24,7 +25,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
@@ -44,7 +45,7 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     if fault in CANCELS:
         if entry == "async":
             return store == "redis" or (store == "postgres" and fault == "cancel@claim")
-        return entry == "guard_async" and store == "redis" and fault == "cancel@claim"
+        return entry in ("guard_async", "asgi") and store == "redis" and fault == "cancel@claim"
     return fault == "short-body" and entry == "wsgi" and store == "redis"
 
 
@@ -176,6 +177,9 @@ async def _cancelled(
 
             return event, guarded
 
+        if plan.entry == "asgi":
+            return event, _asgi_post(seen, key, body, event, plan.lease, history.ttl)
+
         @oncely.idempotent(
             store=seen, key="key", scope="faults", fingerprint=None, lease=lease, ttl=ttl
         )
@@ -200,7 +204,7 @@ async def _cancelled(
         except asyncio.CancelledError:
             event_a("cancelled", "A-0", key)
         except Exception as exc:
-            event_a("fail", "A-0", key, error=type(exc).__name__, message=str(exc)[:200])
+            event_a("fail", "A-0", key, error=_error(exc), message=str(exc)[:200])
         else:
             event_a("ok", "A-0", key, value=value)
         event_b, call_b = caller("B", store)
@@ -213,7 +217,7 @@ async def _cancelled(
             try:
                 value = await call_b(op)
             except Exception as exc:
-                event_b("fail", op, key, error=type(exc).__name__, message=str(exc)[:200])
+                event_b("fail", op, key, error=_error(exc), message=str(exc)[:200])
                 await asyncio.sleep(0.1)
                 continue
             event_b("ok", op, key, value=value)
@@ -222,6 +226,56 @@ async def _cancelled(
         await conn.close()
         await store.aclose()
     return injected
+
+
+class _Refused(Exception):
+    """An HTTP answer other than 201, named as the exception the decorator would raise."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        names = {409: "InProgressError", 422: "FingerprintMismatchError"}
+        self.error = names.get(status, f"HTTP{status}")
+
+
+def _error(exc: Exception) -> str:
+    return exc.error if isinstance(exc, _Refused) else type(exc).__name__
+
+
+def _asgi_post(store: Any, key: str, body: Any, event: Any, lease: float, ttl: float) -> Any:
+    """A POST with *key* through the ASGI middleware, whose app runs *body*."""
+    from oncely.http import HttpPolicy
+    from oncely.http.asgi import IdempotencyMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        op = dict(scope["headers"])[b"x-op"].decode()
+        current = oncely.current_lease()
+        assert current is not None
+        value = await body(event, op, current.token)
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(value).encode()})
+
+    policy = HttpPolicy(lease=lease, ttl=ttl)
+    middleware = IdempotencyMiddleware(app, store=store, policy=policy)
+
+    async def post(op: str) -> Any:
+        sent: list[dict[str, Any]] = []
+        headers = [(b"idempotency-key", key.encode()), (b"x-op", op.encode())]
+        scope = {"type": "http", "method": "POST", "path": "/orders", "headers": headers}
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": key.encode(), "more_body": False}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
+
+        await middleware(scope, receive, send)
+        status = int(sent[0]["status"])
+        if status != 201:
+            raise _Refused(status)
+        return json.loads(b"".join(message.get("body", b"") for message in sent[1:]))
+
+    return post
 
 
 # -- WSGI bodies cut short -------------------------------------------------------------------
