@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -545,6 +545,8 @@ def _astore_call(op: StoreCall, store: AsyncStore) -> Awaitable[Any]:
         return shielded(call)
     if op.verb == "claim":
         return given_back_if_cancelled(call, store, op.args[0])
+    if op.verb == "claim_many":
+        return given_back_if_cancelled(call, store, [key for key, _ in op.args[0]])
     return call  # type: ignore[no-any-return]
 
 
@@ -560,10 +562,10 @@ async def aclaim(
 
 
 async def given_back_if_cancelled(
-    claim: Awaitable[ClaimResult], store: AsyncStore, key: str
-) -> ClaimResult:
-    """Await *claim* of *key*; if the caller is cancelled while it is in flight, wait for its
-    answer, release a lease it took (shielded), then be cancelled.
+    claim: Awaitable[T], store: AsyncStore, key: str | Sequence[str]
+) -> T:
+    """Await *claim* of *key* (a batch claim of these keys); if the caller is cancelled while
+    it is in flight, wait for its answer, release a lease it took (shielded), then be cancelled.
 
     The claim may have been applied with only its reply still to come: cancelling it would
     leave the key in progress for a whole lease, with nothing running under it. A store whose
@@ -580,12 +582,20 @@ async def given_back_if_cancelled(
         raise
 
 
-async def give_back(claim: asyncio.Future[Any], store: AsyncStore, key: str) -> None:
-    """Release the lease *claim* takes, once it answers (its caller was cancelled)."""
+async def give_back(
+    claim: asyncio.Future[Any], store: AsyncStore, key: str | Sequence[str]
+) -> None:
+    """Release the leases *claim* of *key* (a batch claim of these keys) takes, once it
+    answers (its caller was cancelled)."""
     await asyncio.wait((claim,))
-    if not claim.cancelled() and claim.exception() is None:
-        await release_unused(store, key, claim.result())
-    # else nothing was taken, or it is not known: a lease taken expires on its own
+    if claim.cancelled() or claim.exception() is not None:
+        return  # nothing was taken, or it is not known: a lease taken expires on its own
+    answer = claim.result()
+    if isinstance(key, str):
+        await release_unused(store, key, answer)
+    else:
+        for each, one in zip(key, answer, strict=False):
+            await release_unused(store, each, one)
 
 
 async def release_unused(store: AsyncStore, key: str, answer: object) -> None:

@@ -66,13 +66,18 @@ def _entry(name: str, store: GatedClaims, runs: list[str]) -> Callable[[], Await
         return "charged"
 
     async def process() -> Any:
-        verdict = await consumer.aprocess(delivery, handler)
+        if name == "consumer-batch":
+            (verdict,) = await consumer.aprocess_batch([delivery], lambda raw: handler())
+        else:
+            verdict = await consumer.aprocess(delivery, handler)
         return verdict.reason
 
     return process
 
 
-@pytest.mark.parametrize("name", ["decorator", "guard", "consumer", "consumer-coalesced"])
+@pytest.mark.parametrize(
+    "name", ["decorator", "guard", "consumer", "consumer-coalesced", "consumer-batch"]
+)
 def test_a_call_cancelled_while_its_claim_is_in_flight_releases_the_lease(name: str) -> None:
     """The retry after the cancellation runs the body at once (no `InProgressError`)."""
 
