@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "docs" / "guides" / page for page in ("performance.md", "inbox.md", "outbox.md")]
+PAGES = [
+    ROOT / "docs" / "guides" / page
+    for page in ("performance.md", "inbox.md", "outbox.md", "consumers.md")
+]
 BLOCK = re.compile(
     r"(<!-- figures: (?P<source>[^#\s]+)#(?P<section>[^>]+?) -->\n)"
     r"(?P<body>.*?)(<!-- /figures -->)",

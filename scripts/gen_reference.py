@@ -15,6 +15,8 @@ SECTIONS = [
     ("oncely.testing", ["override_store", "disabled", "FrozenClock", "StoreConformance"]),
     ("oncely.stores", ["MemoryStore", "SQLiteStore"]),
     ("oncely.stores.tiered", ["TieredStore"]),
+    ("oncely.stores.bloom", ["BloomStore"]),
+    ("oncely.dashboard", None),
     ("oncely.http", None),
     ("oncely.http.asgi", ["IdempotencyMiddleware"]),
     ("oncely.http.wsgi", ["IdempotencyMiddleware"]),
@@ -24,8 +26,12 @@ SECTIONS = [
     ("oncely.aggregates", None),
     ("oncely.outbox", None),
     ("oncely.consumers", None),
+    ("oncely.observe", None),
 ]
 OPTIONAL = [
+    ("oncely.observe.prometheus", ["install", "uninstall"]),
+    ("oncely.observe.otel", ["install", "uninstall"]),
+    ("oncely.bloom", None),
     ("oncely.stores.postgres", ["PostgresStore"]),
     ("oncely.stores.redis", ["RedisStore", "RedisClusterStore"]),
     (

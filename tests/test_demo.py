@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from oncely._demo import main
+from oncely._demos.storm import main
 
 SMALL = [
     "--payments", "40", "--attempts", "4", "--processes", "2", "--threads", "2",

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from oncely._demo_outbox import crash_planned, message_id, order_key
+from oncely._demos.outbox import crash_planned, message_id, order_key
 
 SEEDS = (1, 2)
 ORDERS = 16

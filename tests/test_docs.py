@@ -1,4 +1,4 @@
-"""Every Python example in the README and the guides runs as written."""
+"""Every Python example in the README and the docs runs as written, and runs again."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 import uuid
 from collections.abc import Iterator
@@ -18,7 +19,10 @@ import pytest
 from tests.conftest import service_url
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCUMENTS = [
+    ROOT / "README.md",
+    *sorted(path for path in (ROOT / "docs").rglob("*.md") if "_build" not in path.parts),
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP_MARK = "<!-- not run -->"
 DATABASE_MARK = "DATABASE_URL"
@@ -59,22 +63,26 @@ def _database() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("code", _examples())
-def test_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The example runs as a fresh module, in a fresh working directory, without raising (with
-    a PostgreSQL database of its own if it reads DATABASE_URL; in a process of its own if it
-    configures Django)."""
+def test_example_runs_twice(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example runs as a fresh module, in a fresh working directory, without raising; then
+    it runs again, as a reader who runs it a second time would: a new module, the same working
+    directory (its files are still there), the same database and servers (their rows and keys
+    are too). With a PostgreSQL database of its own if it reads DATABASE_URL; in a process of
+    its own if it configures Django."""
     with contextlib.ExitStack() as stack:
         if DATABASE_MARK in code:
             monkeypatch.setenv(DATABASE_MARK, stack.enter_context(_database()))
-        if DJANGO_MARK in code:
-            _run_in_a_process(code, tmp_path)
-        else:
-            _run_here(code, tmp_path, monkeypatch)
+        run = _run_in_a_process if DJANGO_MARK in code else _run_here
+        for attempt in ("first", "second"):
+            try:
+                run(code, tmp_path, monkeypatch)
+            except Exception as error:
+                raise AssertionError(f"the example failed on its {attempt} run") from error
 
 
-def _run_in_a_process(code: str, tmp_path: Path) -> None:
+def _run_in_a_process(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "error"}
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "error", "TMPDIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -88,14 +96,35 @@ def _run_in_a_process(code: str, tmp_path: Path) -> None:
 
 def _run_here(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the example's temporary files
     module = types.ModuleType("__docs__")  # a real module, as a reader's code would be
     monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace = module.__dict__
-    exec(compile(code, "<docs>", "exec"), namespace)
-    for value in namespace.values():
-        close = getattr(value, "close", None)
-        if callable(close) and type(value).__name__.endswith("Store"):
-            close()
+    try:
+        exec(compile(code, "<docs>", "exec"), namespace)
+    finally:
+        for value in namespace.values():
+            close = getattr(value, "close", None)
+            if callable(close) and type(value).__name__.endswith("Store"):
+                close()
+
+
+RECIPES = sorted((ROOT / "docs" / "recipes").glob("*.md"))
+
+
+def test_every_recipe_has_code_that_runs_and_is_linked_from_a_guide() -> None:
+    """Each recipe holds a Python block the examples test runs, and a guide links to it."""
+    assert len(RECIPES) >= 10
+    guides = "".join(path.read_text() for path in (ROOT / "docs" / "guides").glob("*.md"))
+    for recipe in RECIPES:
+        text = recipe.read_text()
+        run = [
+            match
+            for match in BLOCK.finditer(text)
+            if text[: match.start()].rstrip().splitlines()[-1:] != [SKIP_MARK]
+        ]
+        assert run, recipe.name
+        assert f"(../recipes/{recipe.name}" in guides, recipe.name
 
 
 def test_api_reference_is_current() -> None:

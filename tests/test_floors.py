@@ -60,3 +60,21 @@ def test_the_floors_script_pins_the_extras_floors() -> None:
     # redis[hiredis] 5.3 requires hiredis>=3.0.0.
     assert floors["redis"] == "5.3"
     assert pins["hiredis"] == "3.0.0"
+
+
+def test_the_supported_versions_table_says_the_extras_floors() -> None:
+    """docs/guides/releasing.md names, for every driver an extra admits, the floor pyproject.toml
+    declares, and names no other."""
+    text = (ROOT / "docs" / "guides" / "releasing.md").read_text()
+    table = text.split("<!-- supported-versions", 1)[1].split("<!-- /supported-versions -->")[0]
+    documented = set(
+        re.findall(r"^\| `(\w+)` \| ([\w-]+)[^|]*\| ([\w.]+) \|$", table, re.MULTILINE)
+    )
+    declared = {
+        (extra, *_floor(requirement))
+        for extra, requirements in _extras().items()
+        if extra not in {"all", "bench", "dev", "demo", "pydantic", "testing"}
+        for requirement in requirements
+        if not requirement.startswith("oncely")
+    }
+    assert documented == declared

@@ -13,6 +13,8 @@ import oncely.keys
 
 SUBMODULES = {
     "aggregates",
+    "bloom",
+    "dashboard",
     "cli",
     "consumers",
     "decorator",
@@ -22,6 +24,7 @@ SUBMODULES = {
     "guard",
     "inbox",
     "keys",
+    "observe",
     "outbox",
     "pytest_plugin",
     "stores",
@@ -58,7 +61,8 @@ def test_import_loads_no_driver() -> None:
     code = (
         "import sys, oncely; oncely.open_store('memory://'); "
         "bad = [m for m in ('redis', 'psycopg', 'click', 'httpx', 'pydantic', 'sqlite3', "
-        "'hypothesis', 'pytest') if m in sys.modules]; print(bad)"
+        "'hypothesis', 'pytest', 'prometheus_client', 'opentelemetry') if m in sys.modules]; "
+        "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

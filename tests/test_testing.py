@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,28 @@ def test_the_pytest_fixture_gives_each_test_a_fresh_store(tmp_path: Path) -> Non
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
+
+
+def test_store_conformance_without_hypothesis_names_the_extra(tmp_path: Path) -> None:
+    """With hypothesis missing, StoreConformance fails with MissingDependencyError naming
+    oncely[testing], the extra that installs what the suite needs."""
+    (tmp_path / "hypothesis.py").write_text("raise ImportError('no hypothesis here')\n")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "try:\n    from oncely.testing import StoreConformance\n"
+        "except ImportError as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert "MissingDependencyError" in done.stdout
+    assert "oncely[testing]" in done.stdout
+
+
+def test_the_testing_extra_installs_what_store_conformance_imports() -> None:
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras["testing"]}
+    assert {"pytest", "hypothesis"} <= names

@@ -34,7 +34,10 @@ sys.path[:0] = [str(ROOT)]
 sys.path.append(str(ROOT / "src"))
 
 from tests.faults import _campaign  # noqa: E402
-from tests.faults._checker import KINDS  # noqa: E402
+from tests.faults._checker import KINDS as _STORE_KINDS  # noqa: E402
+from tests.faults._relay import KINDS as _RELAY_KINDS  # noqa: E402
+
+KINDS = (*_STORE_KINDS, *_RELAY_KINDS)
 
 RESULTS = ROOT / "benchmarks" / "results" / "faults.md"
 DOCS = ROOT / "docs" / "guides" / "reliability.md"

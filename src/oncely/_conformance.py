@@ -20,16 +20,24 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
-import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    invariant,
-    rule,
-    run_state_machine_as_test,
-)
+from oncely.errors import MissingDependencyError
+
+try:
+    import pytest
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        Bundle,
+        RuleBasedStateMachine,
+        invariant,
+        rule,
+        run_state_machine_as_test,
+    )
+except ImportError as exc:
+    raise MissingDependencyError(
+        "StoreConformance needs pytest and hypothesis; install them with: "
+        "pip install 'oncely[testing]'"
+    ) from exc
 
 from oncely._core import machine
 from oncely._core.protocols import BatchStore, CheckableStore, Store

@@ -20,11 +20,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from oncely import _events, _observed
+from oncely._cancel import given_back_if_cancelled, shielded
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
@@ -205,6 +207,8 @@ def acquire(
             suppressed(key, answer)
             return answer
         if isinstance(answer, Mismatch):
+            if _events.on:
+                _observed.claimed(key, "mismatch")
             logger.info(
                 "fingerprint mismatch key=%s", key, extra=fields(key=key, outcome="mismatch")
             )
@@ -213,6 +217,8 @@ def acquire(
             raise TypeError(f"claim answered {answer!r}")
         remaining = deadline - time.monotonic()
         if policy.on_conflict == "raise" or remaining <= 0:
+            if _events.on:
+                _observed.claimed(key, "in_progress")
             logger.info(
                 "duplicate in progress key=%s", key, extra=fields(key=key, outcome="in_progress")
             )
@@ -224,6 +230,8 @@ def acquire(
 
 def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
     """The lease of a claim that answered *answer* (logged if it was recovered)."""
+    if _events.on:
+        _observed.claimed(key, answer)
     if answer.recovered:
         logger.warning(
             "lease recovered key=%s token=%d attempt=%d",
@@ -237,6 +245,8 @@ def acquired(key: str, answer: Acquired, policy: Policy) -> Lease:
 
 def suppressed(key: str, answer: Replay) -> None:
     """Log a duplicate answered from its finished record."""
+    if _events.on:
+        _observed.claimed(key, answer)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "duplicate suppressed key=%s status=%s",
@@ -312,6 +322,8 @@ def settle(
             return
     if isinstance(answer, LeaseLost):
         lease.lost = True
+        if _events.on:
+            _observed.lease_lost(lease.key, lease.token, verb)
         logger.error(
             "lease lost key=%s token=%d on %s",
             lease.key,
@@ -467,6 +479,8 @@ def run(flow: Flow[T], store: SyncStore, invoke: Callable[[], Any] | None = None
 
 def perform(op: Any, store: SyncStore, invoke: Callable[[], Any] | None = None) -> Any:
     """Perform one operation of a flow against a sync store (what `run` does with each)."""
+    if _events.on:
+        store = _observed.timed(store)
     kind = type(op)
     if kind is StoreCall:
         return getattr(store, op.verb)(*op.args, **op.kwargs)
@@ -499,6 +513,8 @@ async def arun(
     """Run *flow* against an async store; *invoke* runs the protected coroutine function."""
     # `adrive`'s loop, written out: this driver runs three times per protected HTTP request,
     # so it creates no closure per flow, and store calls (most operations) no coroutine.
+    if _events.on:
+        store = _observed.timed(store)
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -520,6 +536,8 @@ async def aperform(
     op: Any, store: AsyncStore, invoke: Callable[[], Awaitable[Any]] | None = None
 ) -> Any:
     """Perform one operation of a flow against an async store (what `arun` does with each)."""
+    if _events.on:
+        store = _observed.timed(store)
     kind = type(op)
     if kind is StoreCall:
         return await _astore_call(op, store)
@@ -561,66 +579,6 @@ async def aclaim(
     return await given_back_if_cancelled(call, store, key)
 
 
-async def given_back_if_cancelled(
-    claim: Awaitable[T], store: AsyncStore, key: str | Sequence[str]
-) -> T:
-    """Await *claim* of *key* (a batch claim of these keys); if the caller is cancelled while
-    it is in flight, wait for its answer, release a lease it took (shielded), then be cancelled.
-
-    The claim may have been applied with only its reply still to come: cancelling it would
-    leave the key in progress for a whole lease, with nothing running under it. A store whose
-    verbs never suspend (``memory://``) has no claim in flight to wait for.
-    """
-    if getattr(type(store), "_inline_async", None) is type(store):
-        return await claim
-    task = asyncio.ensure_future(claim)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if not task.cancelled():  # the caller was cancelled, not the claim (its loop closing)
-            await shielded(give_back(task, store, key))
-        raise
-
-
-async def give_back(
-    claim: asyncio.Future[Any], store: AsyncStore, key: str | Sequence[str]
-) -> None:
-    """Release the leases *claim* of *key* (a batch claim of these keys) takes, once it
-    answers (its caller was cancelled)."""
-    await asyncio.wait((claim,))
-    if claim.cancelled() or claim.exception() is not None:
-        return  # nothing was taken, or it is not known: a lease taken expires on its own
-    answer = claim.result()
-    if isinstance(key, str):
-        await release_unused(store, key, answer)
-    else:
-        for each, one in zip(key, answer, strict=False):
-            await release_unused(store, each, one)
-
-
-async def release_unused(store: AsyncStore, key: str, answer: object) -> None:
-    """Release the lease of claim *answer* of *key* if it is `Acquired`: its caller was
-    cancelled before it could run anything under it."""
-    if type(answer) is not Acquired:
-        return
-    try:
-        await store.arelease(key, answer.token)
-    except Exception as exc:
-        logger.warning(
-            "could not release key=%s after its caller was cancelled: %s; it recovers after "
-            "its lease",
-            key,
-            exc,
-            extra=fields(key=key, token=answer.token, outcome="store_unavailable"),
-        )
-        return
-    logger.info(
-        "claim released key=%s: its caller was cancelled before it could run",
-        key,
-        extra=fields(key=key, token=answer.token, outcome="released"),
-    )
-
-
 def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
     """Stop the heartbeat of *state*; return its task, cancelled, if it had started: the caller
     awaits ``asyncio.wait((task,))`` (not the task under ``suppress(CancelledError)``, which
@@ -633,22 +591,6 @@ def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
     if type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
         beat.stopped += 1
     return None
-
-
-async def shielded(call: Awaitable[T]) -> T:
-    """Await *call* to its end even if this task is cancelled meanwhile, then be cancelled."""
-    task = asyncio.ensure_future(call)
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is None:
-        return task.result()
-    if not task.cancelled():
-        task.exception()  # retrieved: what the caller sees is its cancellation
-    raise cancelled
 
 
 async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -861,6 +803,8 @@ def _beat_timeout(interval: float, expires: float, now: float) -> float:
 
 def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
     """Record an extend's answer; return whether the heartbeat should go on."""
+    if _events.on:
+        _observed.beat_answered(lease.key, lease.token, answer, lease.settling)
     if isinstance(answer, LeaseLost):
         if not lease.settling:  # else the settle's own answer decides: this one may follow it
             lease.lost = True
@@ -875,6 +819,8 @@ def _beat_answered(lease: Lease, answer: LeaseLost | None) -> bool:
 
 
 def _no_answer(lease: Lease, timeout: float) -> None:
+    if _events.on:
+        _observed.beat(lease.key, lease.token, False)
     logger.warning(
         "heartbeat failed key=%s: %s",
         lease.key,
@@ -917,6 +863,8 @@ async def _async_heartbeat(store: AsyncStore, lease: Lease) -> None:
                     answer = task.result()
                 except Exception as exc:  # the next beat may succeed; the lease is not lost yet
                     if not lease.settling:
+                        if _events.on:
+                            _observed.beat(lease.key, lease.token, False)
                         logger.warning(
                             "heartbeat failed key=%s: %s",
                             lease.key,
@@ -1114,6 +1062,8 @@ class _HeartbeatScheduler:
                 beating.expires = max(beating.expires, extend.sent + lease.lease.total_seconds())
         if error is not None:  # the next beat may succeed; the lease is not lost yet
             if not lease.settling:
+                if _events.on:
+                    _observed.beat(lease.key, lease.token, False)
                 logger.warning(
                     "heartbeat failed key=%s: %s",
                     lease.key,

@@ -1,5 +1,6 @@
-"""Process-wide switches the decorator reads on each call: set by `oncely.testing`, or by the
-``ONCELY_DISABLED`` environment variable in an emergency."""
+"""Process-wide switches every entry point reads on each call (a module attribute: no cost to
+speak of): set by `oncely.testing`, or by the ``ONCELY_DISABLED`` environment variable in an
+emergency."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ disabled: bool = os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in (
     "false",
     "no",
 )
-"""When true, decorated functions run unprotected (every call logs a warning)."""
+"""When true, every entry point runs its operation unprotected, touching no store (every call
+logs a warning): the decorator, `Guard`, the inbox, the HTTP middlewares and client transport,
+and the consumers."""
 
 store: Any = None
 """When set, every decorated function uses this store instead of its own."""
@@ -30,3 +33,12 @@ def warn_unprotected(name: str, **extra: Any) -> None:
         name,
         extra=fields(outcome="unprotected", **extra),
     )
+
+
+def off(method: str, target: object) -> bool:
+    """Whether oncely is disabled, for an HTTP entry point: if so, say that the request
+    *method* *target* runs unprotected (the caller passes it straight through)."""
+    if not disabled:
+        return False
+    warn_unprotected(f"{method} {target}")
+    return True

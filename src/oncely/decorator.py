@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
-from oncely import _execution, _switches
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import arguments_digest, digest
 from oncely._core.keys import MAX_KEY_LENGTH, code_scope, name_key, scope_key, validate_key
@@ -338,6 +338,8 @@ def _sync_wrapper(plan: _CallPlan) -> Any:
             if _switches.disabled:
                 _unprotected(plan)
                 return plan.fn(*args, **kwargs)
+            if _events.on:
+                return _observed.call(plan, args, kwargs, key)
             return _execution.call(*plan.invocation(args, kwargs, key))
 
         return wrapper
@@ -352,6 +354,8 @@ def _async_wrapper(plan: _CallPlan) -> Any:
             if _switches.disabled:
                 _unprotected(plan)
                 return await plan.fn(*args, **kwargs)
+            if _events.on:
+                return await _observed.acall(plan, args, kwargs, key)
             return await _execution.acall(*plan.invocation(args, kwargs, key))
 
         return wrapper

@@ -26,7 +26,7 @@ import uuid
 from types import TracebackType
 from typing import Any, Literal
 
-from oncely import _execution
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
 from oncely._core.flow import Flow
@@ -100,6 +100,7 @@ class Guard:
         self._lease: _execution.Lease | None = None
         self._replay: Replay | None = None
         self._settled = False
+        self._off = False
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -150,6 +151,8 @@ class Guard:
         if self._settled:
             raise OncelyError(f"the guard for {self.key!r} was already settled")
         self._settled = True
+        if self._off:
+            return _nothing()
         if verb == "complete":
             return _execution.complete_or_raise(lease, value, self.codec, self.policy)
         if verb == "fail":
@@ -157,12 +160,22 @@ class Guard:
         return _execution.settle(lease, "release", None, self.policy)
 
     def _exit_flow(self, exc: BaseException | None) -> Flow[None]:
-        if self._lease is None or self._settled:
+        if self._lease is None or self._settled or self._off:
             return _nothing()
         if exc is None:
             return self._settle_flow("complete", None)
         self._settled = True
         return _execution.settle_error(self._lease, exc, self.policy)
+
+    def _unprotected(self) -> bool:
+        """Under ``ONCELY_DISABLED`` (or `oncely.testing.disabled`): the block runs with a
+        lease of token 0 that is never written, the store is not touched, a warning says so."""
+        if not _switches.disabled:
+            return False
+        _switches.warn_unprotected(self.key, key=self.key)
+        self._off = True
+        self._lease = _execution.Lease(self.key, 0, self.policy.lease)
+        return True
 
     def _entered(self, outcome: _execution.Lease | Replay) -> Guard:
         if isinstance(outcome, Replay):
@@ -174,8 +187,12 @@ class Guard:
     # -- sync ----------------------------------------------------------------------------------
 
     def __enter__(self) -> Guard:
+        if self._unprotected():
+            return self
         store = _require(self.store, SyncStore, "with")
         flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        if _events.on:
+            flow = _observed.entering(self, flow, "function", self.key, store)
         return self._entered(_execution.run(flow, store))
 
     def __exit__(
@@ -184,6 +201,8 @@ class Guard:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         _execution.run(self._exit_flow(exc), _require(self.store, SyncStore, "with"))
 
     def complete(self, value: Any = None) -> None:
@@ -208,8 +227,12 @@ class Guard:
     # -- async ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Guard:
+        if self._unprotected():
+            return self
         store = _require(self.store, AsyncStore, "async with")
         flow = _execution.acquire(self.key, self.fingerprint, self.policy)
+        if _events.on:
+            flow = _observed.entering(self, flow, "function", self.key, store)
         return self._entered(await _execution.arun(flow, store))
 
     async def __aexit__(
@@ -219,6 +242,8 @@ class Guard:
         traceback: TracebackType | None,
     ) -> None:
         store = _require(self.store, AsyncStore, "async with")
+        if _events.on:
+            _observed.exited(self, exc)
         await _execution.arun(self._exit_flow(exc), store)
 
     async def acomplete(self, value: Any = None) -> None:

@@ -60,7 +60,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _execution, _switches, _txn
+from oncely import _events, _execution, _observed, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -294,7 +294,7 @@ class Inbox:
 
                 @functools.wraps(handler)
                 async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                    lease = _running_lease()
+                    lease = None if _switches.disabled else _running_lease()
                     opened = begin()
                     if not hasattr(opened, "__aenter__"):
                         raise ConfigurationError(
@@ -302,12 +302,15 @@ class Inbox:
                             f"(async psycopg or SQLAlchemy), not {type(opened).__name__}"
                         )
                     async with opened as connection:
+                        # checked before the handler: its writes would otherwise commit alone
+                        perform = await _AsyncPerformer(self, connection).bind()
                         reset = _TRANSACTION.set(connection)
                         try:
                             value = await handler(*args, **kwargs)
                         finally:
                             _TRANSACTION.reset(reset)
-                        perform = await _AsyncPerformer(self, connection).bind()
+                        if lease is None:  # disabled: the caller warned, nothing is written
+                            return value
                         _committing(lease, await perform(self._settle(lease, value)))
                     lease.committed = True
                     return value
@@ -316,19 +319,22 @@ class Inbox:
 
             @functools.wraps(handler)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                lease = _running_lease()
+                lease = None if _switches.disabled else _running_lease()
                 opened = begin()
                 if not hasattr(opened, "__enter__"):
                     raise ConfigurationError(
                         f"begin() must return a context manager, not {type(opened).__name__}"
                     )
                 with opened as connection:
+                    # checked before the handler: its writes would otherwise commit alone
+                    perform = _sync_performer(self, connection)
                     reset = _TRANSACTION.set(connection)
                     try:
                         value = handler(*args, **kwargs)
                     finally:
                         _TRANSACTION.reset(reset)
-                    perform = _sync_performer(self, connection)
+                    if lease is None:  # disabled: the caller warned, nothing is written
+                        return value
                     _committing(lease, perform(self._settle(lease, value)))
                 lease.committed = True
                 return value
@@ -664,7 +670,10 @@ class InboxEntry(_EntryState):
     def __enter__(self) -> InboxEntry:
         if self._unprotected():
             return self
-        self._entered(drive(_enter(self._inbox, self._plan), self._perform))
+        flow = _enter(self._inbox, self._plan)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        self._entered(drive(flow, self._perform))
         return self
 
     def __exit__(
@@ -673,6 +682,8 @@ class InboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         flow = self._exit_flow(exc)
         if flow is not None:
             drive(flow, self._perform)
@@ -694,7 +705,10 @@ class AsyncInboxEntry(_EntryState):
         if self._unprotected():
             return self
         perform = await self._performer.bind()
-        self._entered(await adrive(_enter(self._inbox, self._plan), perform))
+        flow = _enter(self._inbox, self._plan)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        self._entered(await adrive(flow, perform))
         return self
 
     async def __aexit__(
@@ -703,6 +717,8 @@ class AsyncInboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if _events.on:
+            _observed.exited(self, exc)
         flow = self._exit_flow(exc)
         if flow is not None:
             await adrive(flow, await self._performer.bind())
@@ -965,11 +981,7 @@ class _AsyncPerformer:
 
 class _SQLitePerformer:
     def __init__(self, store: Any, connection: Any) -> None:
-        if not getattr(connection, "in_transaction", False):
-            raise ConfigurationError(
-                "the inbox writes in the caller's transaction, and this sqlite3 connection has "
-                "none: run BEGIN IMMEDIATE first (or write something in the transaction)"
-            )
+        _txn.check_sqlite_transaction(connection, _USER)
         self._store = store
         self._connection = connection
 

@@ -2,10 +2,11 @@
 
 * `override_store`: route decorated functions to a test store (a fresh ``memory://`` one) inside
   a ``with`` block; the pytest fixture ``oncely_store`` does it for one test.
-* `disabled`: run decorated functions unprotected inside a block (each call logs a warning).
+* `disabled`: turn oncely off inside a block, at every entry point (each call logs a warning).
 * `FrozenClock`: a clock that moves only when told, for deterministic expiry tests.
 * `StoreConformance`: the one test suite every store must pass (docs/contract.md).
-  Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis.
+  Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis
+  (``pip install 'oncely[testing]'``).
 
 .. code-block:: python
 
@@ -101,7 +102,9 @@ def override_store(store: S, *functions: Callable[..., Any]) -> Iterator[S]:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Inside the block, decorated functions run unprotected: no store, every call logged.
+    """Inside the block, every entry point runs its operation unprotected: decorated
+    functions, `oncely.Guard`, the inbox, the HTTP middlewares and client transport, and the
+    consumers. No store is called; every call is logged. (The outbox stays on.)
 
     The same switch as the ``ONCELY_DISABLED=1`` environment variable, which turns protection
     off for a whole process in an emergency (each call then logs a WARNING naming it).

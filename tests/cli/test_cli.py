@@ -282,3 +282,54 @@ def test_stats_counts_the_same_through_a_tiered_store(url: str) -> None:
     code, out = run("--store", url.replace("sqlite", "tiered+sqlite", 1), "--json", "stats")
     assert code == 0
     assert json.loads(out) == {"completed": 2, "failed": 0, "in_progress": 2, "released": 0}
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["stats"], ["leases"], ["inspect", "k"], ["check"], ["purge"], ["forget", "k"]],
+)
+def test_a_verb_on_a_missing_sqlite_file_says_so_and_creates_nothing(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    path = tmp_path / "x.db"
+    code, out = run("--store", f"sqlite:///{path}", *verb)
+    assert code == 2
+    assert f"no SQLite database at {str(path)!r}" in out
+    assert "oncely migrate" in out
+    assert list(tmp_path.iterdir()) == []  # not even the file
+
+
+def test_migrate_says_what_it_did_on_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/x.db"
+    code, out = run("--store", url, "migrate")
+    assert (code, out.strip()) == (0, "created the oncely schema (version 2)")
+    code, out = run("--store", url, "migrate")
+    assert (code, out.strip()) == (0, "the oncely schema is already up to date (version 2)")
+    code, out = run("--store", url, "--json", "migrate")
+    assert json.loads(out) == {"migrated": True, "before": 2, "after": 2}
+
+
+@pytest.mark.postgres
+def test_migrate_says_what_it_did_on_postgres() -> None:
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    schema = f"oncely_cli_{uuid.uuid4().hex[:8]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}"
+    try:
+        code, out = run("--store", url, "--json", "migrate")
+        assert (code, json.loads(out)["before"]) == (0, None)
+        after = json.loads(out)["after"]
+        code, out = run("--store", url, "migrate")
+        assert (code, out.strip()) == (
+            0,
+            f"the oncely schema is already up to date (version {after})",
+        )
+        with psycopg.connect(base, autocommit=True) as connection:  # an older schema
+            connection.execute(f'UPDATE "{schema}".oncely_schema SET version = version - 1')
+        code, out = run("--store", url, "migrate")
+        assert (code, out.strip()) == (
+            0,
+            f"upgraded the oncely schema from version {after - 1} to {after}",
+        )
+    finally:
+        with psycopg.connect(base, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -16,7 +16,7 @@ from oncely import Status
 from oncely.consumers import ConsumerPolicy, Delivery, Reason
 from oncely.consumers.celery import IdempotentTask, _arguments, celery_options
 from oncely.consumers.rabbitmq import dead_letter_arguments
-from oncely.errors import ConfigurationError, FingerprintError
+from oncely.errors import ConfigurationError, FingerprintError, FingerprintMismatchError
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
 from tests.conftest import service_url
@@ -108,7 +108,7 @@ def test_failing_task_is_retried_then_dead_lettered(
     with app.connection_for_write() as connection:
         dead = connection.default_channel.basic_get(f"{name}.dead", no_ack=True)
     assert dead is not None
-    assert dead.headers["id"] == "charge-a"
+    assert dead.headers["id"].startswith("charge-a.")  # the key, then the arguments' digest
     assert ledger.counts() == {}
 
 
@@ -167,7 +167,7 @@ def test_dead_letter_queue_option_keeps_a_copy(
         finally:
             channel.queue_delete(f"{name}.parked")
     assert parked is not None
-    assert parked.headers["oncely-original-id"] == "charge-a"
+    assert parked.headers["oncely-original-id"].startswith("charge-a.")
     assert parked.headers["oncely-dead-letter-reason"] == "exhausted"
 
 
@@ -219,7 +219,7 @@ def test_dead_letter_copy_headers(app: Celery, store: RedisStore, name: str) -> 
     assert parked is not None
     assert parked.headers["id"] != "charge-a"
     assert "Idempotency-Key" not in parked.headers
-    assert parked.headers["oncely-original-id"] == "charge-a"
+    assert parked.headers["oncely-original-id"].startswith("charge-a.")
     assert parked.headers["oncely-original-key"] == "charge-a"
     assert parked.headers["oncely-dead-letter-reason"] == "exhausted"
 
@@ -278,3 +278,43 @@ def test_dead_letter_copy_that_cannot_be_sent_keeps_the_task(
         charge.apply_async(("a",), **celery_options("charge-a"))
         eventually(lambda: runner(charge).stats[Reason.HANDLER_FAILED] >= 3, timeout=60)
     assert calls == ["a"]
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")  # Celery's
+def test_a_key_reused_with_other_arguments_fails_the_callers_result(
+    app: Celery, store: RedisStore, ledger: Ledger, name: str, redis_url: str
+) -> None:
+    """The reuse is dead-lettered on the worker, and its caller's result says why; the first
+    caller's result is still the first run's."""
+    import redis
+
+    app.conf.update(
+        result_backend=redis_url,
+        result_backend_transport_options={"global_keyprefix": f"{name}:"},
+        task_ignore_result=False,
+    )
+
+    @app.task(name="orders.charge", **options(store))
+    def charge(order: str, cents: int) -> str:
+        ledger.write(order)
+        return f"receipt-{order}-{cents}"
+
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+            # One at a time: Celery follows one pending result per task id in a process.
+            first = charge.apply_async(("a", 500), **celery_options("charge-a"))
+            assert first.get(timeout=30) == "receipt-a-500"
+            again = charge.apply_async(("a", 500), **celery_options("charge-a"))  # a retry
+            assert (again.id, again.get(timeout=30)) == (first.id, "receipt-a-500")
+            reused = charge.apply_async(("a", 900), **celery_options("charge-a"))
+            with pytest.raises(FingerprintMismatchError):
+                reused.get(timeout=30)
+            assert app.AsyncResult(first.id).get(timeout=30) == "receipt-a-500"  # still
+        assert ledger.counts() == {"a": 1}
+        assert runner(charge).stats[Reason.MISMATCH] == 1
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        names = list(client.scan_iter(match=f"{name}:*", count=500))
+        if names:
+            client.delete(*names)
+        client.close()

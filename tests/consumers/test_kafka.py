@@ -668,3 +668,81 @@ def test_dead_letter_that_cannot_be_produced_never_runs_the_handler_again(
         dead.close()
     assert [header_key(m) for m in records] == ["order-1"]
     assert dict(records[0].headers())["oncely-dead-letter-reason"] == b"handler_failed"
+
+
+@pytest.mark.slow
+def test_aiokafka_leases_held_by_a_batch_revoked_past_revoke_timeout_are_released(
+    bootstrap: str, topic: str, store: RedisStore, ledger: Ledger
+) -> None:
+    """A member's batch outlives revoke_timeout (its first record's handler is slow, then
+    fails): the records behind it are blocked and their leases kept for the next round, by a
+    partition already revoked. Those leases are released, not dropped while still held (the
+    next owner would find the keys in progress for a whole lease, 60 s here)."""
+    import aiokafka
+
+    keys = ["order-0", "order-1", "order-2"]
+    produce(bootstrap, topic, keys, partition=0)
+    policy = ConsumerPolicy(
+        lease=timedelta(seconds=60), ttl=timedelta(minutes=5), retry_delay=FAST.retry_delay
+    )
+    go = asyncio.Event()
+    started: list[str] = []
+
+    async def main() -> list[AsyncIdempotentKafkaConsumer]:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        members: list[AsyncIdempotentKafkaConsumer] = []
+
+        async def handle(record: Any) -> None:
+            key = header_key(record)
+            started.append(key)
+            if key == keys[0] and started.count(key) == 1:
+                await go.wait()  # outlives the revocation, then fails
+                raise RuntimeError("the first attempt fails")
+            await ledger.awrite(key)
+
+        async def join() -> AsyncIdempotentKafkaConsumer:
+            client = _aiokafka_consumer(bootstrap, topic)
+            made = AsyncIdempotentKafkaConsumer(
+                client,
+                [topic],
+                handle,
+                store=store,
+                producer=producer,
+                policy=policy,
+                batch_size=3,
+                revoke_timeout=0.2,
+            )
+            await client.start()
+            members.append(made)
+            return made
+
+        stop = asyncio.Event()
+        tasks = []
+        try:
+            first = await join()
+            revoked = asyncio.Event()
+            revoke = first._revoked
+
+            async def watched(partitions: Any) -> None:
+                await revoke(partitions)  # times out: the first record's handler still runs
+                revoked.set()
+
+            first._revoked = watched  # type: ignore[method-assign]
+            tasks.append(asyncio.create_task(first.arun(stop)))
+            await _until_async(lambda: keys[0] in started)
+            second = await join()  # the rebalance revokes the first member's partitions
+            tasks.append(asyncio.create_task(second.arun(stop)))
+            await asyncio.wait_for(revoked.wait(), 30)
+            go.set()
+            await _until_async(lambda: sorted(ledger.counts()) == keys, timeout=30)
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            for made in members:
+                await made.client.stop()
+            await producer.stop()
+        return members
+
+    asyncio.run(main())
+    assert ledger.counts() == {key: 1 for key in keys}

@@ -416,10 +416,139 @@ def test_misuse_is_a_configuration_error(pg: tuple[str, str], pg_store: Any) -> 
         pass
 
     consumer = IdempotentConsumer(pg_store, scope=f"misuse-{uuid.uuid4().hex[:8]}", policy=POLICY)
-    verdict = asyncio.run(consumer.aprocess(delivery("m-1"), ahandle))
-    assert verdict.reason is Reason.HANDLER_FAILED
-    assert isinstance(verdict.error, ConfigurationError)
-    assert "async context manager" in str(verdict.error)
+    with pytest.raises(ConfigurationError, match="async context manager"):
+        asyncio.run(consumer.aprocess(delivery("m-1"), ahandle))  # to the app, not redelivered
+    assert pg_store.get(consumer.key_for(delivery("m-1"))).status is Status.RELEASED
+
+
+# -- a begin() that opens no transaction ----------------------------------------------------------
+
+
+def test_a_begin_without_a_transaction_is_refused_before_the_handler_runs(
+    pg: tuple[str, str], pg_store: Any, scope: str
+) -> None:
+    """A pool in autocommit: the handler's write would commit on its own, so it never runs; the
+    error goes to the application (not a handler failure redelivered), the key is released."""
+    from psycopg_pool import ConnectionPool
+
+    consumer = IdempotentConsumer(pg_store, scope=scope, policy=POLICY)
+    message = delivery(f"{scope}-1")
+    with ConnectionPool(
+        pg[0],
+        min_size=1,
+        max_size=1,
+        kwargs={"autocommit": True, "options": f"-c search_path={pg[1]}"},
+    ) as pool:
+        run = Inbox(pg_store).transactional(pool.connection)(handler_for(message))
+        for _ in range(3):  # each redelivery
+            with pytest.raises(ConfigurationError, match="has none"):
+                consumer.process(message, run)
+    assert charges(pg, scope) == []
+    assert pg_store.get(consumer.key_for(message)).status is Status.RELEASED
+
+
+def test_a_sqlite_begin_without_begin_is_refused_before_the_handler_runs(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    store = oncely.open_store(f"sqlite:///{path}")
+    db = sqlite3.connect(path, isolation_level=None)  # autocommit: no BEGIN in begin()
+    db.execute("CREATE TABLE charges (key TEXT)")
+
+    @contextmanager
+    def begin() -> Iterator[sqlite3.Connection]:
+        yield db
+
+    @Inbox(store).transactional(begin)
+    def handle() -> None:
+        current_transaction().execute("INSERT INTO charges VALUES ('c-1')")
+
+    consumer = IdempotentConsumer(store, scope="billing", policy=POLICY)
+    for _ in range(3):
+        with pytest.raises(ConfigurationError, match="BEGIN IMMEDIATE"):
+            consumer.process(delivery("c-1"), handle)
+    assert db.execute("SELECT count(*) FROM charges").fetchone() == (0,)
+    db.close()
+    store.close()
+
+
+def test_under_the_decorator_a_begin_without_a_transaction_runs_nothing(
+    pg: tuple[str, str], pg_store: Any, scope: str
+) -> None:
+    @contextmanager
+    def begin() -> Iterator[psycopg.Connection[Any]]:
+        with psycopg.connect(pg[0], autocommit=True) as connection:
+            connection.execute(f'SET search_path TO "{pg[1]}"')
+            yield connection
+
+    @oncely.idempotent(store=pg_store, key="order", scope=scope)
+    @Inbox(pg_store).transactional(begin)
+    def place(order: str) -> None:
+        current_transaction().execute("INSERT INTO charges (key) VALUES (%s)", (order,))
+
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match="has none"):
+            place(f"{scope}-1")
+    assert charges(pg, scope) == []
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_a_begin_without_a_transaction_is_raised_not_redelivered(
+    pg: tuple[str, str], scope: str
+) -> None:
+    """Under the adapter: the handler never runs, the error reaches the application, and the
+    message is neither acked, requeued as a failure, nor dead-lettered (it waits, unacked)."""
+    import aio_pika
+    from psycopg_pool import AsyncConnectionPool
+
+    from oncely.consumers.producer import amqp_message
+    from oncely.consumers.rabbitmq import dead_letter_arguments, idempotent_handler
+
+    key = f"{scope}-1"
+    ran: list[str] = []
+
+    async def main() -> None:
+        store = oncely.open_store(schema_url(*pg))
+        pool = AsyncConnectionPool(
+            pg[0],
+            min_size=1,
+            max_size=1,
+            open=False,
+            kwargs={"autocommit": True, "options": f"-c search_path={pg[1]}"},
+        )
+        await pool.open()
+        connection = await aio_pika.connect(service_url("ONCELY_TEST_RABBITMQ_URL"))
+        try:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(
+                scope, arguments=dead_letter_arguments(f"{scope}.dead")
+            )
+            dead = await channel.declare_queue(f"{scope}.dead")
+
+            @idempotent_handler(store, group=scope, policy=POLICY)
+            @Inbox(store).transactional(pool.connection)
+            async def handle(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                ran.append(key)
+                await current_transaction().execute("INSERT INTO charges (key) VALUES (%s)", (key,))
+
+            body = json.dumps({"key": key}).encode()
+            await channel.default_exchange.publish(amqp_message(body, key), routing_key=scope)
+            for redelivered in (False, True):
+                worker = await connection.channel()
+                message = await (await worker.get_queue(scope)).get(timeout=10)
+                assert message.redelivered is redelivered
+                with pytest.raises(ConfigurationError, match="has none"):
+                    await handle(message)
+                await worker.close()  # unacked: back in the queue, not dead-lettered
+            assert await dead.get(fail=False) is None
+            await queue.delete(if_unused=False, if_empty=False)
+            await dead.delete(if_unused=False, if_empty=False)
+        finally:
+            await connection.close()
+            await pool.close()
+            await store.aclose()
+
+    asyncio.run(main())
+    assert ran == []
+    assert charges(pg, scope) == []
 
 
 # -- SQLite ----------------------------------------------------------------------------------------
@@ -650,3 +779,20 @@ def test_disabled_async_inbox(pg: tuple[str, str], pg_store: Any, scope: str) ->
     with disabled():
         asyncio.run(main())
     assert pg_store.get(f"{scope}|o-1") is None
+
+
+def test_disabled_consumer_runs_a_transactional_handler_unprotected(
+    pg: tuple[str, str], pg_store: Any, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler still gets its transaction (its writes commit); no record is written."""
+    consumer = IdempotentConsumer(pg_store, scope=scope, policy=POLICY)
+    message = delivery(f"{scope}-1")
+    run = Inbox(pg_store).transactional(pg_begin(pg))(handler_for(message))
+    with caplog.at_level(logging.WARNING, logger="oncely"), disabled():
+        verdicts = [consumer.process(message, run) for _ in "ab"]
+    assert [(v.reason, v.result) for v in verdicts] == [
+        (Reason.PROCESSED, f"charged {scope}-1")
+    ] * 2
+    assert charges(pg, scope) == [f"{scope}-1"] * 2
+    assert pg_store.get(consumer.key_for(message)) is None
+    assert sum("runs UNPROTECTED" in r.getMessage() for r in caplog.records) == 2

@@ -205,6 +205,26 @@ def test_unstorable_values_are_refused_when_encoding() -> None:
         CODEC.encode(Path("/tmp"))
 
 
+def test_a_class_defined_again_under_its_name_is_stored_and_rebuilt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A notebook cell or a script run again in one process, a reloaded module: the class
+    now under the name is the one stored and rebuilt, not its first definition."""
+    import sys
+    import types
+
+    module = types.ModuleType("oncely_test_redefined")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    source = "import dataclasses\n@dataclasses.dataclass\nclass Receipt:\n    cents: int\n"
+    exec(source, module.__dict__)
+    first = CODEC.encode(module.Receipt(500))
+    assert CODEC.decode(first, Any) == module.Receipt(500)
+    exec(source, module.__dict__)  # defined again
+    again = CODEC.encode(module.Receipt(900))
+    assert CODEC.decode(again, Any) == module.Receipt(900)
+    assert type(CODEC.decode(first, Any)) is module.Receipt  # an earlier record too
+
+
 @pytest.mark.parametrize(
     "annotation",
     [int, decimal.Decimal, list[Charge], dict[int, Point], Refund | None, Summary, tuple[int, ...]],

@@ -24,7 +24,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _brokers, _edges, _http, _kafka, _streams, _workers
+from tests.faults import (
+    _brokers,
+    _edges,
+    _http,
+    _kafka,
+    _relay,
+    _streams,
+    _tiered,
+    _txn_begin,
+    _workers,
+)
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -48,6 +58,10 @@ ENTRIES = (
     "faststream",
     "celery",
     "kafka_group",
+    _tiered.ENTRY,
+    _relay.ENTRY,
+    "identity",
+    _txn_begin.ENTRY,
 )
 HTTP_ENTRIES = ("asgi", "wsgi", "httpx")
 BROKER_ENTRIES = ("rabbitmq", "nats", "faststream", "celery")
@@ -71,6 +85,8 @@ FAULTS = (
     "redelivery",
     "rebalance@join",
     "rebalance@kill",
+    *_tiered.FAULTS,
+    *_relay.FAULTS,
     *_edges.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
@@ -83,9 +99,18 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if fault in _edges.FAULTS:
         return _edges.applicable(store, entry, fault)
+    tiered = _tiered.applicable(store, entry, fault)
+    if tiered is not None:
+        return tiered
+    if entry == _relay.ENTRY or fault in _relay.FAULTS:
+        return _relay.applicable(store, entry, fault)
+    if entry == _txn_begin.ENTRY:
+        return _txn_begin.applicable(store, fault)
     if entry in HTTP_ENTRIES:  # a server process per store: Redis and PostgreSQL
         if entry == "asgi" and fault in HTTP_KILLS:  # uvicorn workers of the history's own
             return store in ("redis", "postgres")
+        return store in ("redis", "postgres") and fault in ("none", "disconnect")
+    if entry == "identity":  # clients whose credentials change between attempts (`_identity`)
         return store in ("redis", "postgres") and fault in ("none", "disconnect")
     if entry == "redis_streams":  # a member killed mid-handler, its entry reclaimed
         return store == "redis" and fault in ("none", "kill@mid")
@@ -658,6 +683,10 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault in _edges.FAULTS:
         started = now()
         return Result(plan, *_edges.run(plan, services), now() - started)
+    if plan.entry == _tiered.ENTRY:
+        return _tiered.run_history(plan, services)
+    if plan.entry == _relay.ENTRY:
+        return _relay.run_history(plan, services)  # type: ignore[no-any-return]
     if plan.entry == "kafka_group":
         return run_group_history(plan, services)
     if plan.entry in BROKER_ENTRIES:
@@ -668,6 +697,10 @@ def run_history(plan: Plan, services: Services) -> Result:
         return run_http_history(plan, services)
     if plan.entry == "kafka":
         return run_kafka_history(plan, services)
+    if plan.entry == "identity":
+        from tests.faults import _identity
+
+        return _identity.run_history(plan, services)  # type: ignore[no-any-return]
     started = now()
     rng = random.Random(plan.seed)
     lease = plan.lease
@@ -696,7 +729,7 @@ def run_history(plan: Plan, services: Services) -> Result:
         hold = 3 * lease
     elif plan.fault == "reset":
         hold = lease / 2
-    if plan.entry == "txn":
+    if plan.entry in ("txn", _txn_begin.ENTRY):
         base["txn_url"] = services.effects.url
     a = {
         **base,
@@ -710,7 +743,7 @@ def run_history(plan: Plan, services: Services) -> Result:
         "worker": "B",
         "store": services.store_spec(plan, None, own),
         "ops": [{"op": f"B-{key}", "key": key} for key in keys],
-        "retry_for": 4 * lease + 15,
+        "retry_for": _txn_begin.RETRY_FOR if plan.entry == _txn_begin.ENTRY else 4 * lease + 15,
         "retry_gap": 0.1,
     }
     if plan.entry == "txn" and proxy is not None:  # A's transactions meet the store's faults
@@ -808,7 +841,8 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault.startswith("cut") and proxy is not None and proxy.cuts:
         faults.append(plan.fault)  # counted only when a reply was actually cut
     rows = services.effects.rows(keys)
-    return Result(plan, history, check(history, rows), faults, now() - started)
+    judge = _txn_begin.check if plan.entry == _txn_begin.ENTRY else check
+    return Result(plan, history, judge(history, rows), faults, now() - started)
 
 
 # -- a campaign ------------------------------------------------------------------------------

@@ -23,6 +23,10 @@ The promise, as the checker reads it:
 - ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
   told it ran and its result cannot be had is finished: a response cut short is never
   replayed, by design).
+- ``stale_replay``, ``split_answer``: a tiered cache replayed a forgotten or expired result past
+  its bound (`tests.faults._tiered`).
+- ``foreign_replay``: a client was given the result of a run made for another principal
+  (`tests.faults._identity.foreign_replays`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ KINDS = (
     "phantom_in_progress",
     "acked_not_run",
     "unfinished",
+    "stale_replay",
+    "split_answer",
+    "foreign_replay",
     "truncated_run",
 )
 

@@ -35,13 +35,17 @@ UNKNOWN_ERRORS = frozenset(
         "killed",
         "ResultUnavailableError",
         "OutcomeUnknownError",
+        "OwnedByAnotherPrincipal",
     }
 )
 """Client errors that leave the outcome unknown: the operation may or may not have run."""
 
-FINAL_ERRORS = frozenset({"ResultUnavailableError", "OutcomeUnknownError"})
+FINAL_ERRORS = frozenset(
+    {"ResultUnavailableError", "OutcomeUnknownError", "OwnedByAnotherPrincipal"}
+)
 """Client errors that end the client's story: the operation ran (or may have) and will not run
-again, but its result cannot be had (a response cut short is never replayed, by design)."""
+again, but its result cannot be had (a response cut short is never replayed, by design; a key
+that a client's refreshed credentials no longer own is refused, never run again)."""
 
 
 def now() -> float:

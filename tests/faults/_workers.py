@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 import oncely
+from tests.faults import _txn_begin
 from tests.faults._effects import Effects, Fenced
 from tests.faults._history import Event, now
 
@@ -228,6 +229,8 @@ class _Client:
         guard = self.config["entry"] == "guard"
         if self.config["entry"] == "txn":
             function = self.txn_function(hold)
+        elif self.config["entry"] == _txn_begin.ENTRY:
+            function = _txn_begin.function(self, hold)
         elif not guard:
             function = self.protected(lambda key, op: self.body(op, key, _token(), hold))
         attempts = self.attempts(spec)

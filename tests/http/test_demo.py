@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from oncely._demo import build_parser
-from oncely.http._demo import Settings, build_http_parser
+from oncely._demos.api import Settings, build_http_parser
+from oncely._demos.storm import build_parser
 
 SMALL = [
     "--payments",
@@ -33,7 +33,7 @@ SMALL = [
 def run_demo(*args: str) -> tuple[int, dict[str, Any]]:
     """Run the HTTP demo with --json in a subprocess; return its exit code and summary."""
     done = subprocess.run(
-        [sys.executable, "-m", "oncely.http._demo", *args, "--json"],
+        [sys.executable, "-m", "oncely._demos.api", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=120,

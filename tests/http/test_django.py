@@ -163,8 +163,8 @@ def test_async_stack_awaits_the_async_verbs_on_the_event_loop(tmp_path: Path) ->
 
 
 def test_async_stack_reads_the_user_with_auser(tmp_path: Path) -> None:
-    """In an async stack the principal comes from ``await request.auser()``: two users with
-    the same key and body run two operations, one user's repeat replays."""
+    """In an async stack the principal comes from ``await request.auser()``: another user with
+    the same key and body is refused, one user's repeat replays."""
     module = importlib.import_module("django_async_app")
     middleware = [
         f"{module.__name__}.AsyncViewsMiddleware",
@@ -181,11 +181,11 @@ def test_async_stack_reads_the_user_with_auser(tmp_path: Path) -> None:
         ],
     )
 
-    assert (alice.status_code, bob.status_code, again.status_code) == (201, 201, 201)
-    assert "idempotent-replayed" not in bob.headers
+    assert (alice.status_code, bob.status_code, again.status_code) == (201, 422, 201)
+    assert bob.json()["code"] == "idempotency-key-owned-by-another-principal"
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == alice.content
-    assert importlib.import_module("django_app").LEDGER.count() == 2
+    assert importlib.import_module("django_app").LEDGER.count() == 1
 
 
 def test_store_without_the_verbs_of_the_stack_is_a_configuration_error(tmp_path: Path) -> None:

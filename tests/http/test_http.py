@@ -311,41 +311,39 @@ class TestConflicts:
         assert api.ledger.count() == 1
 
     def test_principals_are_isolated(self, api: Api, key: str) -> None:
-        """The same key from two clients names two operations; neither sees the other's."""
+        """The same key from another client is refused: it never runs, never sees the owner's
+        response, and the owner still replays its own (test_identity.py has the table)."""
         alice = [("authorization", "Bearer alice")]
         bob = [("authorization", "Bearer bob")]
         alice_first = api.post(key=key, json_body=PAYMENT, headers=alice)
         bob_first = api.post(key=key, json_body={"amount": 9, "currency": "USD"}, headers=bob)
-        anonymous = api.post(key=key, json_body={"amount": 1, "currency": "GBP"})
+        anonymous = api.post(key=key, json_body=PAYMENT)
 
-        assert alice_first.status == bob_first.status == anonymous.status == 201
-        assert not bob_first.replayed
-        assert not anonymous.replayed
-        assert api.ledger.count() == 3
+        assert alice_first.status == 201
+        for refused in (bob_first, anonymous):
+            problem(refused, 422, "idempotency-key-owned-by-another-principal")
+            assert alice_first.body not in refused.body
+        assert api.ledger.count() == 1
         alice_again = api.post(key=key, json_body=PAYMENT, headers=alice)
-        bob_again = api.post(key=key, json_body={"amount": 9, "currency": "USD"}, headers=bob)
         assert alice_again.replayed
         assert alice_again.body == alice_first.body
-        assert bob_again.replayed
-        assert bob_again.body == bob_first.body
-        assert api.ledger.count() == 3
+        assert api.ledger.count() == 1
 
     def test_cookie_sessions_are_isolated(self, api: Api, key: str) -> None:
-        """Without Authorization, the cookies name the principal: a second session with the same
-        key and body runs its own operation instead of receiving the first one's response."""
+        """Without Authorization, the cookies name the owner: a second session with the same
+        key and body is refused instead of receiving the first one's response."""
         alice = [("cookie", "sessionid=alice; theme=dark")]
         bob = [("cookie", "sessionid=bob; theme=dark")]
         alice_first = api.post(key=key, json_body=PAYMENT, headers=alice)
         bob_first = api.post(key=key, json_body=PAYMENT, headers=bob)
 
-        assert alice_first.status == bob_first.status == 201
-        assert not bob_first.replayed
-        assert bob_first.body != alice_first.body
-        assert api.ledger.count() == 2
+        assert alice_first.status == 201
+        problem(bob_first, 422, "idempotency-key-owned-by-another-principal")
+        assert api.ledger.count() == 1
         alice_again = api.post(key=key, json_body=PAYMENT, headers=alice)
         assert alice_again.replayed
         assert alice_again.body == alice_first.body
-        assert api.ledger.count() == 2
+        assert api.ledger.count() == 1
 
     def test_same_key_on_another_route_is_another_operation(self, api: Api, key: str) -> None:
         """The default scope includes the route."""

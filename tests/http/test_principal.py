@@ -1,7 +1,6 @@
-"""The principal in the default scope: the framework's user where it knows one (Starlette's
-``scope["user"]``, WSGI's ``REMOTE_USER``), else ``Authorization``, else the cookies.
-Cookie sessions across every adapter are in ``test_http.py``
-(``test_cookie_sessions_are_isolated``)."""
+"""The principal that owns a record: the framework's user where it knows one (Starlette's
+``scope["user"]``, Django's ``request.user``, WSGI's ``REMOTE_USER``), else ``Authorization``,
+else the cookies. The identity table across every adapter is in ``test_identity.py``."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import oncely
-from oncely.http import HttpPolicy, HttpRequest, default_scope
+from oncely.http import HttpPolicy, HttpRequest, _semantics, default_scope
 from oncely.http._semantics import user_principal
 from oncely.http.asgi import IdempotencyMiddleware as AsgiMiddleware
 from oncely.http.wsgi import IdempotencyMiddleware as WsgiMiddleware
@@ -43,8 +42,9 @@ class _HeaderUser(AuthenticationBackend):
 
 
 def test_starlette_user_is_the_principal() -> None:
-    """Two users with the same key and body, no Authorization and no cookie, run two
-    operations; one user's requests replay whatever their cookies."""
+    """Two users with the same key and body, no Authorization and no cookie: the second is
+    refused, never given the first one's response; one user's requests replay whatever their
+    cookies."""
     runs = itertools.count(1)
 
     async def pay(request: Request) -> JSONResponse:
@@ -72,9 +72,9 @@ def test_starlette_user_is_the_principal() -> None:
 
     alice, bob, again = anyio.run(go)
 
-    assert (alice.status_code, bob.status_code, again.status_code) == (201, 201, 201)
-    assert "idempotent-replayed" not in bob.headers
-    assert bob.json() == {"run": 2, "user": "bob"}
+    assert (alice.status_code, bob.status_code, again.status_code) == (201, 422, 201)
+    assert bob.json()["code"] == "idempotency-key-owned-by-another-principal"
+    assert "alice" not in bob.text
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json() == {"run": 1, "user": "alice"}
 
@@ -106,7 +106,8 @@ def test_wsgi_remote_user_is_the_principal() -> None:
         return b"".join(protected(environ, start_response)), headers
 
     assert post("alice")[0] == b"1"
-    assert post("bob")[0] == b"2"
+    refused, _ = post("bob")
+    assert b"idempotency-key-owned-by-another-principal" in refused
     body, headers = post("alice")
     assert body == b"1"
     assert headers["idempotent-replayed"] == "true"
@@ -116,36 +117,42 @@ def _request(*headers: tuple[bytes, bytes], principal: str | None = None) -> Htt
     return HttpRequest("POST", "/payments", "/payments", b"", headers, b"{}", principal)
 
 
-class TestDefaultScope:
-    def test_cookies_name_the_principal_without_authorization(self) -> None:
-        anonymous = default_scope(_request())
-        alice = default_scope(_request((b"cookie", b"sessionid=alice")))
-        bob = default_scope(_request((b"cookie", b"sessionid=bob")))
+def _owner(request: HttpRequest) -> str:
+    planned = _semantics.plan(request, "k", HttpPolicy())
+    assert isinstance(planned, _semantics.Plan)
+    assert default_scope(request) == "POST /payments"  # who is asking is not in the scope
+    return planned.fingerprint.partition(" ")[0]
 
-        assert anonymous == "POST /payments"
+
+class TestDefaultOwner:
+    def test_cookies_name_the_owner_without_authorization(self) -> None:
+        anonymous = _owner(_request())
+        alice = _owner(_request((b"cookie", b"sessionid=alice")))
+        bob = _owner(_request((b"cookie", b"sessionid=bob")))
+
+        assert anonymous == _semantics.ANONYMOUS
         assert len({anonymous, alice, bob}) == 3
         assert "alice" not in alice  # a digest, never the cookie
 
     def test_split_cookie_headers_count_together(self) -> None:
         """HTTP/2 sends each cookie in a header of its own: all of them count."""
-        one = default_scope(_request((b"cookie", b"a=1"), (b"cookie", b"sid=alice")))
-        other = default_scope(_request((b"cookie", b"a=1"), (b"cookie", b"sid=bob")))
+        one = _owner(_request((b"cookie", b"a=1"), (b"cookie", b"sid=alice")))
+        other = _owner(_request((b"cookie", b"a=1"), (b"cookie", b"sid=bob")))
         assert one != other
 
-    def test_authorization_wins_over_cookies_and_keeps_its_scope(self) -> None:
+    def test_authorization_wins_over_cookies(self) -> None:
         bearer = (b"authorization", b"Bearer alice")
-        with_cookie = default_scope(_request(bearer, (b"cookie", b"sid=1")))
-        without = default_scope(_request(bearer))
+        with_cookie = _owner(_request(bearer, (b"cookie", b"sid=1")))
+        without = _owner(_request(bearer))
         assert with_cookie == without
-        # the digest of Authorization alone, as before cookies counted: existing keys keep it
-        assert without == "POST /payments @" + hashlib.sha256(b"Bearer alice").hexdigest()[:32]
+        assert without == "a:" + hashlib.sha256(b"Bearer alice").hexdigest()[:32]
 
     def test_framework_user_wins_and_cannot_be_forged(self) -> None:
-        user = default_scope(_request((b"authorization", b"Bearer x"), principal="pk=1"))
-        assert user == default_scope(_request((b"cookie", b"sid=2"), principal="pk=1"))
-        assert user != default_scope(_request(principal="pk=2"))
-        assert user.startswith("POST /payments @u:")
-        forged = default_scope(_request((b"authorization", b"u:pk=1")))
+        user = _owner(_request((b"authorization", b"Bearer x"), principal="pk=1"))
+        assert user == _owner(_request((b"cookie", b"sid=2"), principal="pk=1"))
+        assert user != _owner(_request(principal="pk=2"))
+        assert user.startswith("u:")
+        forged = _owner(_request((b"authorization", b"u:pk=1")))
         assert forged != user
 
 
@@ -165,8 +172,8 @@ def test_user_principal_reads_authenticated_users_only() -> None:
 
 
 def test_django_request_user_is_the_principal(portal: BlockingPortal, tmp_path: Path) -> None:
-    """Under ``oncely.http.django.IdempotencyMiddleware`` (after authentication), two users with
-    the same key, body and cookies run two operations; one user replays whatever the cookies."""
+    """Under ``oncely.http.django.IdempotencyMiddleware`` (after authentication), a second user
+    with the same key, body and cookies is refused; one user replays whatever the cookies."""
     module = importlib.import_module("django_middleware_app")
     ledger = importlib.import_module("_payments").Ledger(tmp_path / "payments.db")
     store = FaultyStore(oncely.open_store("memory://"))
@@ -179,13 +186,13 @@ def test_django_request_user_is_the_principal(portal: BlockingPortal, tmp_path: 
 
     alice, bob = post("alice", "sid=shared"), post("bob", "sid=shared")
 
-    assert (alice.status, bob.status) == (201, 201)
-    assert not bob.replayed
-    assert ledger.count() == 2
+    assert (alice.status, bob.status) == (201, 422)
+    assert bob.json()["code"] == "idempotency-key-owned-by-another-principal"
+    assert ledger.count() == 1
     again = post("alice", "sid=other")
     assert again.replayed
     assert again.body == alice.body
-    assert ledger.count() == 2
+    assert ledger.count() == 1
 
 
 def test_django_middleware_under_django_asgi(tmp_path: Path) -> None:
@@ -218,10 +225,10 @@ def test_django_middleware_under_django_asgi(tmp_path: Path) -> None:
 
     alice, bob, again, missing = anyio.run(go)
 
-    assert (alice.status_code, bob.status_code, again.status_code) == (201, 201, 201)
-    assert "idempotent-replayed" not in bob.headers
+    assert (alice.status_code, bob.status_code, again.status_code) == (201, 422, 201)
+    assert bob.json()["code"] == "idempotency-key-owned-by-another-principal"
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == alice.content
     assert missing.status_code == 400
     assert missing.json()["code"] == "idempotency-key-missing"
-    assert ledger.count() == 2
+    assert ledger.count() == 1

@@ -384,24 +384,28 @@ class TestFinish:
 
 
 class TestScope:
-    def test_scope_is_method_route_and_principal(self) -> None:
+    def test_scope_is_method_and_route(self) -> None:
+        """Who is asking is not in the scope: a refreshed token finds its record."""
         anonymous = default_scope(request(route="/payments/{id}", path="/payments/1"))
         alice = default_scope(
             request(route="/payments/{id}", headers=((b"authorization", b"Bearer alice"),))
         )
-        bob = default_scope(
-            request(route="/payments/{id}", headers=((b"authorization", b"Bearer bob"),))
+        assert anonymous == alice == "POST /payments/{id}"
+
+    def test_plan_keeps_the_owner_in_the_fingerprint(self) -> None:
+        alice = _semantics.plan(
+            request(headers=((b"authorization", b"Bearer alice"),)), "k", POLICY
         )
-
-        assert anonymous == "POST /payments/{id}"
-        assert alice.startswith("POST /payments/{id} @")
-        assert len({anonymous, alice, bob}) == 3
-        assert "alice" not in alice  # a digest, never the credential
-
-    def test_plan_scopes_the_key(self) -> None:
-        alice = request(headers=((b"authorization", b"Bearer alice"),))
-        bob = request(headers=((b"authorization", b"Bearer bob"),))
-        assert _semantics.plan(alice, "k", POLICY).key != _semantics.plan(bob, "k", POLICY).key
+        bob = _semantics.plan(request(headers=((b"authorization", b"Bearer bob"),)), "k", POLICY)
+        anonymous = _semantics.plan(request(), "k", POLICY)
+        assert isinstance(alice, _semantics.Plan)
+        assert isinstance(bob, _semantics.Plan)
+        assert isinstance(anonymous, _semantics.Plan)
+        assert alice.key == bob.key == anonymous.key
+        assert len({alice.fingerprint, bob.fingerprint, anonymous.fingerprint}) == 3
+        assert anonymous.fingerprint.startswith("- h1:")
+        assert alice.fingerprint.startswith("a:")
+        assert "alice" not in alice.fingerprint  # a digest, never the credential
 
     def test_custom_scope_and_fingerprint(self) -> None:
         policy = HttpPolicy(
@@ -415,7 +419,12 @@ class TestScope:
 
 class TestFingerprint:
     def fp(self, req: HttpRequest) -> str:
-        return _semantics.plan(req, "k", POLICY).fingerprint
+        """The request's digest, without the owner (anonymous here)."""
+        planned = _semantics.plan(req, "k", POLICY)
+        assert isinstance(planned, _semantics.Plan)
+        owner, _, digest = planned.fingerprint.partition(" ")
+        assert owner == _semantics.ANONYMOUS
+        return digest
 
     def test_json_bodies_are_canonical(self) -> None:
         assert self.fp(request(b'{"a": 1, "b": [1.0, "x"]}')) == self.fp(
@@ -459,7 +468,9 @@ class TestFingerprint:
     @given(st.binary(max_size=512), st.sampled_from(["application/json", "text/plain", ""]))
     def test_any_body_fingerprints_without_raising(self, body: bytes, media: str) -> None:
         headers = ((b"content-type", media.encode()),)
-        assert _semantics.plan(request(body, headers=headers), "k", POLICY).fingerprint
+        planned = _semantics.plan(request(body, headers=headers), "k", POLICY)
+        assert isinstance(planned, _semantics.Plan)
+        assert planned.fingerprint
 
     @pytest.mark.parametrize(
         ("query", "content_type", "body", "fingerprint"),

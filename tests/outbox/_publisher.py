@@ -28,6 +28,9 @@ class FilePublisher:
         fail_times: message id → how many more times that event fails.
         hang_after: Once a batch is recorded, touch this file and hang (to be SIGKILLed).
         delay: Seconds each call takes before it records (a broker's round trip).
+        hang: Message ids whose call never returns (a broker that never answers for them).
+        keep_going: Publish a key's later events after one failed (as a pipelined publisher
+            may find them confirmed), rather than answering them `NOT_ATTEMPTED`.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, hang_after: str | None = None) -> None:
@@ -37,6 +40,8 @@ class FilePublisher:
         self.fail_times: dict[str, int] = {}
         self.hang_after = hang_after
         self.delay = 0.0
+        self.hang: set[str] = set()
+        self.keep_going = False
         self.tag = ""
         self.calls = 0
 
@@ -46,19 +51,22 @@ class FilePublisher:
             await asyncio.sleep(self.delay)
         if self.down:
             raise ConnectionError("broker unreachable")
+        if any(event.message_id in self.hang for event in events):
+            await asyncio.sleep(3600)
         outcomes: list[Outcome] = []
-        failed_keys: set[str] = set()
+        failed_keys: set[tuple[str, str]] = set()
         lines = []
         for event in events:
-            if event.ordering_key is not None and event.ordering_key in failed_keys:
+            scope = (event.destination, event.ordering_key or "")
+            if event.ordering_key is not None and scope in failed_keys:
                 outcomes.append(NOT_ATTEMPTED)
                 continue
             left = self.fail_times.get(event.message_id, 0)
             if event.destination in self.poison or left:
                 self.fail_times[event.message_id] = max(left - 1, 0)
                 outcomes.append(Poisoned(f"cannot publish {event.message_id}"))
-                if event.ordering_key is not None:
-                    failed_keys.add(event.ordering_key)
+                if event.ordering_key is not None and not self.keep_going:
+                    failed_keys.add(scope)
                 continue
             lines.append(
                 json.dumps(

@@ -141,6 +141,7 @@ def test_an_unreachable_broker_publishes_nothing(broker: Broker) -> None:
 def test_a_failing_event_stops_its_key_and_not_the_others(broker: Broker) -> None:
     sent = events(broker, 9, keys=("bad", "good", None))
     sent[3] = broker.failing(sent[3])  # the second event of key "bad"
+    sent[6] = broker.failing(sent[6])  # the third: the same destination, so it waits
 
     async def test(publisher: Publisher) -> Any:
         outcomes = await publisher.publish(sent)
@@ -154,11 +155,32 @@ def test_a_failing_event_stops_its_key_and_not_the_others(broker: Broker) -> Non
     assert sorted(int(m.headers["N"]) for m in arrived) == published
 
 
+ELSEWHERE = [kind for kind in BROKERS if kind is not Kafka]
+"""Brokers whose failing event goes to another destination (Kafka's is too large instead)."""
+
+
+@pytest.mark.parametrize("broker", ELSEWHERE, ids=[kind.id for kind in ELSEWHERE], indirect=True)
+def test_a_failing_destination_does_not_stop_its_key_on_another(broker: Broker) -> None:
+    """Order is per (destination, key): key "a" fails on a missing destination, and its later
+    events to the working one are published."""
+    sent = events(broker, 4, keys=("a",))
+    sent[1] = broker.failing(sent[1])
+
+    async def test(publisher: Publisher) -> Any:
+        outcomes = await publisher.publish(sent)
+        return outcomes, await broker.read(3)
+
+    outcomes, arrived = run(broker, test)
+    assert isinstance(outcomes[1], Exception)
+    assert [outcomes[0], *outcomes[2:]] == [None, None, None]
+    assert [m.headers["N"] for m in arrived] == ["0", "2", "3"]
+
+
 def test_the_publisher_is_usable_again_after_a_failed_call(broker: Broker) -> None:
     """A call that fails (a bad event) leaves the next call working: the channel, connection or
     producer is reopened when the failure closed it."""
     first = events(broker, 2, keys=("a",))
-    first[0] = broker.failing(first[0])
+    first = [broker.failing(event) for event in first]  # one destination, one scope
     second = events(broker, 4, keys=("b",))[2:]
 
     async def test(publisher: Publisher) -> Any:
@@ -187,6 +209,27 @@ def test_an_event_with_an_invalid_message_id_is_that_events_error(broker: Broker
     assert isinstance(outcomes[0], InvalidKeyError)
     assert outcomes[1:] == [None, NOT_ATTEMPTED]
     assert [m.headers["Idempotency-Key"] for m in arrived] == [sent[1].message_id]
+
+
+def test_a_pipelined_event_confirmed_after_a_refusal_of_its_key_is_not_published() -> None:
+    """A RabbitMQ queue refuses one oversized message of key "a" on a destination already
+    proven, and takes the next, pipelined behind it: that next one answers `NOT_ATTEMPTED`
+    (it is published again after the refused one), never ``None``."""
+    broker = RabbitMQ(f"oncely-pub-{uuid.uuid4().hex[:10]}")
+    sent = events(broker, 5, keys=("a",))
+    sent[2] = dataclasses.replace(sent[2], payload=b"x" * 4096)
+
+    async def test(publisher: Publisher) -> Any:
+        await broker.queue.delete(if_unused=False, if_empty=False)
+        arguments = {"x-max-length-bytes": 1024, "x-overflow": "reject-publish"}
+        broker.queue = await broker.channel.declare_queue(broker.name, arguments=arguments)
+        assert await publisher.publish(sent[:1]) == [None]  # the destination is proven
+        return await publisher.publish(sent[1:])
+
+    outcomes = run(broker, test)
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], Exception)
+    assert outcomes[2:] == [NOT_ATTEMPTED, NOT_ATTEMPTED]
 
 
 def test_rabbitmq_destinations_name_an_exchange_before_the_first_slash() -> None:

@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -671,6 +672,62 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_UNREACHABLE = """
+import asyncio, logging, sys
+import oncely
+from oncely.stores.postgres import PostgresStore
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+url, reachable = sys.argv[1:3]
+stores = [oncely.open_store(url), PostgresStore(url)]  # the second is never closed
+async def aget(store):
+    return await store.aget("k")
+for call in (lambda: stores[0].get("k"), lambda: asyncio.run(aget(stores[1])), stores[0].migrate):
+    try:
+        call()
+    except oncely.StoreUnavailableError as exc:
+        print(type(exc.__cause__).__module__, "|", exc, flush=True)
+loop = asyncio.new_event_loop()  # a loop left open at exit, its pool with it
+try:
+    loop.run_until_complete(aget(stores[1]))
+except oncely.StoreUnavailableError as exc:
+    print(type(exc.__cause__).__module__, "|", exc, flush=True)
+# Pools that opened, left open at exit: a sync one, and an async one in a loop left open.
+opened = [oncely.open_store(reachable), oncely.open_store(reachable)]
+for call in (lambda: opened[0].get("k"), lambda: loop.run_until_complete(aget(opened[1]))):
+    try:
+        call()
+    except oncely.SchemaMissingError:  # the schema is not there: nothing is written
+        pass
+"""
+
+
+def test_an_unreachable_server_fails_with_its_cause_quietly_and_exits_cleanly() -> None:
+    """A refused port (sync, async, migrate): the error names host:port and quotes the
+    driver's error (chained), no pool is left retrying in the background and logging, and the
+    process exits with nothing on stderr (no pool finalised in a dying thread)."""
+    port = _closed_port()
+    url = f"postgresql://postgres@127.0.0.1:{port}/test"
+    base = service_url("ONCELY_TEST_POSTGRES_URL")
+    reachable = f"{base}{'&' if '?' in base else '?'}schema={_name('absent')}"  # never created
+    done = subprocess.run(
+        [sys.executable, "-c", _UNREACHABLE, url, reachable],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4, done.stdout
+    for line in lines:
+        module, _, message = line.partition(" | ")
+        assert module.startswith("psycopg"), line  # the driver's error, not a pool timeout
+        assert f"127.0.0.1:{port}" in message, line
+        assert "Connection refused" in message, line
+    assert done.stderr == ""
 
 
 @pytest.mark.parametrize("world", ["sync", "async"])
@@ -1460,3 +1517,39 @@ def test_concurrent_async_extends_share_round_trips(base_url: str, schema: str, 
             store.close()
         assert answers == [None] * len(keys)
         assert opened <= 1, f"{opened} connections opened for {len(keys)} concurrent extends"
+
+
+def _down(proxy: _SlowProxy) -> None:
+    """The server is gone: live sessions cut, new ones refused."""
+    for sock in proxy._sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    proxy.close()
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_a_server_lost_after_the_pool_opened_is_reported_with_its_reason_quietly(
+    base_url: str, schema: str, caplog: pytest.LogCaptureFixture, world: str
+) -> None:
+    """The pool's background reconnections fail and are not logged; the call that times out
+    waiting for a connection says why."""
+    params = psycopg.conninfo.conninfo_to_dict(base_url)
+    proxy = _SlowProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432), 0)
+    conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
+    with PostgresStore(conninfo, schema=schema, pool_timeout=1) as store:
+
+        async def both() -> None:
+            await store.aget("k")
+            _down(proxy)
+            with pytest.raises(StoreUnavailableError, match="Connection refused"):
+                await store.aget("k")
+
+        with caplog.at_level(logging.INFO, logger="psycopg.pool"):
+            if world == "async":
+                asyncio.run(both())
+            else:
+                store.get("k")
+                _down(proxy)
+                with pytest.raises(StoreUnavailableError, match="Connection refused"):
+                    store.get("k")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -245,38 +245,32 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _find_class(name: str) -> Any:
-    """The class *name* (``module:Qual.Name``) names, among already imported modules only."""
-    cached = _CLASSES.get(name)
-    if cached is not None:
-        return cached
+    """The class *name* (``module:Qual.Name``) names, among already imported modules only.
+
+    Looked up every time, not cached: a class defined again under its name (a notebook cell
+    or a script run again in one process, a reloaded module) is the one the name now means.
+    """
     module_name, _, qualname = name.partition(":")
     found: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         if found is None or part.startswith("<"):
             return None
         found = getattr(found, part, None)
-    if not isinstance(found, type):
-        return None
-    _CLASSES[name] = found
-    return found
-
-
-_CLASSES: dict[str, type] = {}
+    return found if isinstance(found, type) else None
 
 
 def _stored_class(data: dict[str, Any], accept: Callable[[type], bool]) -> Any:
     name = data.get("c")
-    cls = _ACCEPTED.get((name, accept))  # type: ignore[arg-type]  # a bad name misses
-    if cls is not None:
-        return cls
     cls = _find_class(str(name))
+    if cls is not None and _ACCEPTED.get((cls, accept)):
+        return cls
     if cls is None or not accept(cls):
         raise ValueError(f"the stored class {name!r} is not a loaded class of its kind")
-    _ACCEPTED[(str(name), accept)] = cls
+    _ACCEPTED[(cls, accept)] = True
     return cls
 
 
-_ACCEPTED: dict[tuple[str, Callable[[type], bool]], type] = {}
+_ACCEPTED: dict[tuple[type, Callable[[type], bool]], bool] = {}
 
 
 def _is_named_tuple(cls: type) -> bool:

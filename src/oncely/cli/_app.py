@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -59,6 +61,9 @@ def _open(ctx: click.Context) -> Any:
     options: dict[str, Any] = {"namespace": ctx.obj["namespace"]}
     if url.startswith("sqlite") and ctx.info_name != "migrate":
         options["migrate"] = False  # only `oncely migrate` changes a schema
+        path = _sqlite_file(url)
+        if path is not None and not path.exists():  # opening it would create an empty file
+            raise SetupError(f"no SQLite database at {str(path)!r}: `oncely migrate` creates one")
     try:
         return oncely.open_store(url, **options)
     except oncely.OncelyError as exc:
@@ -350,9 +355,61 @@ def migrate(ctx: click.Context, sql: bool) -> None:
     if sql:
         click.echo(_schema_sql(ctx), nl=False)
         return
+    url = ctx.obj.get("store_url") or ""
+    path = _sqlite_file(url.removeprefix("tiered+"))
+    before = None if path is None else _sqlite_version(path)  # read before opening migrates
     with _store(ctx) as store:
+        if path is None:
+            before = _schema_version(store)
         _require(store, "migrate")()
-    _emit(ctx, {"migrated": True}, ["schema is up to date"])
+        after = _schema_version(store)
+    if before == after:
+        line = f"the oncely schema is already up to date (version {after})"
+    elif before is None:
+        line = f"created the oncely schema (version {after})"
+    else:
+        line = f"upgraded the oncely schema from version {before} to {after}"
+    _emit(ctx, {"migrated": True, "before": before, "after": after}, [line])
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file a ``sqlite:///`` URL names (``None``: not one, or in memory)."""
+    if not url.startswith("sqlite://"):
+        return None
+    name = url.partition("://")[2][1:].partition("?")[0]
+    return None if name in ("", ":memory:") else Path(name)
+
+
+def _sqlite_version(path: Path) -> int | None:
+    """The oncely schema version in the SQLite file at *path*, read without creating it."""
+    if not path.exists():
+        return None
+    try:
+        with contextlib.closing(
+            sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        ) as db:
+            row = db.execute("SELECT version FROM oncely_schema WHERE id = 1").fetchone()
+    except sqlite3.Error:  # no such table: no schema
+        return None
+    return None if row is None else int(row[0])
+
+
+def _schema_version(opened: Any) -> int | None:
+    """The oncely schema version *opened* holds (``None``: none), an older one included."""
+    store = getattr(opened, "inner", opened)  # a tiered store's schema is its inner one's
+    try:
+        version: int | None = store.check().schema_version
+    except oncely.SchemaMissingError:
+        if store.backend != "postgres":
+            return None
+        from oncely._core.flow import drive
+        from oncely.stores.postgres import _sql
+
+        try:  # `check` refuses an older schema: read its version as it is
+            version = drive(_sql.schema_version(store._queries), store._execute)
+        except oncely.SchemaMissingError:  # no version table
+            return None
+    return version
 
 
 def _schema_sql(ctx: click.Context) -> str:
@@ -393,9 +450,41 @@ def check(ctx: click.Context) -> None:
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the retry-storm demo (`oncely demo --help` lists its options)."""
-    from oncely._demo import main as demo_main
+    from oncely._demos.storm import main as demo_main
 
     ctx.exit(demo_main(list(ctx.args), prog="oncely demo"))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any).")
+@click.option(
+    "--token",
+    envvar="ONCELY_DASHBOARD_TOKEN",
+    help="Require this token (16+ characters): Bearer header, or open /?token=... once.",
+)
+@_common_options
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """Serve a read-only dashboard of the store (and Prometheus text at /metrics)."""
+    from oncely.dashboard import serve
+
+    with _store(ctx) as store:
+        try:
+            server = serve(store, host=host, port=port, token=token or None)
+        except OSError as exc:
+            raise SetupError(f"cannot listen on {host}:{port}: {exc}") from exc
+        except oncely.ConfigurationError as exc:
+            raise SetupError(str(exc)) from exc
+        if host not in ("127.0.0.1", "::1", "localhost") and not token:
+            click.echo(f"dashboard: listening on {host} without a token", err=True)
+        click.echo(f"dashboard: http://{host}:{server.server_port}/", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
 
 
 @cli.command()
@@ -473,3 +562,75 @@ def outbox_stats(ctx: click.Context) -> None:
     with _store(ctx) as store:
         counts = backend_stats(store)
     _emit(ctx, counts, [f"{name:15} {value}" for name, value in counts.items()])
+
+
+@outbox.command(name="dead")
+@click.option("--limit", default=100, show_default=True, help="At most this many.")
+@_common_options
+@click.pass_context
+def outbox_dead(ctx: click.Context, limit: int) -> None:
+    """List dead-lettered outbox events, oldest first."""
+    from oncely.outbox import _admin
+
+    with _store(ctx) as store:
+        events = _admin.dead_letters(store, limit)
+    _emit(
+        ctx,
+        [dataclasses.asdict(event) for event in events],
+        [
+            f"{event.id}  {event.message_id}  to={event.destination} key={event.ordering_key} "
+            f"attempts={event.attempts} dead_at={event.dead_at}  {event.last_error}"
+            for event in events
+        ]
+        or ["no dead letters"],
+    )
+
+
+def _outbox_verb(ctx: click.Context, verb: str, event_id: int) -> None:
+    from oncely.outbox import _admin
+
+    change = {
+        "retry": _admin.retry,
+        "dead-letter": _admin.dead_letter,
+        "resend": _admin.resend,
+    }[verb]
+    with _store(ctx) as store:
+        try:
+            event = change(store, event_id)
+        except _admin.NoSuchEventError as exc:
+            raise NotFoundError(str(exc)) from exc
+        except _admin.StateError as exc:
+            raise FailedError(str(exc)) from exc
+    data = {**dataclasses.asdict(event), "state": event.state}
+    moved = "" if event.id == event_id else f" as event {event.id}"
+    _emit(ctx, data, [f"{verb}: outbox event {event_id} is {event.state}{moved}"])
+
+
+@outbox.command(name="retry")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_retry(ctx: click.Context, event_id: int) -> None:
+    """Publish event ID again soon: a dead letter is queued again after its key's pending
+    events, a pending event waiting out its backoff is due now."""
+    _outbox_verb(ctx, "retry", event_id)
+
+
+@outbox.command(name="dead-letter")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_dead_letter(ctx: click.Context, event_id: int) -> None:
+    """Set pending event ID aside as a dead letter: the later events of its key and
+    destination go on without it."""
+    _outbox_verb(ctx, "dead-letter", event_id)
+
+
+@outbox.command(name="resend")
+@click.argument("event_id", metavar="ID", type=int)
+@_common_options
+@click.pass_context
+def outbox_resend(ctx: click.Context, event_id: int) -> None:
+    """Publish published (or dead) event ID again, with its message id, after its key's
+    pending events (an oncely consumer that had it deduplicates it)."""
+    _outbox_verb(ctx, "resend", event_id)

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
-from oncely import _execution
+from oncely import _events, _execution, _observed, _switches
+from oncely._cancel import give_back, shielded
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
@@ -432,6 +433,8 @@ class IdempotentConsumer:
 
     def _verdict(self, verdict: Verdict) -> Verdict:
         self.stats.add(verdict.reason)
+        if _events.on:
+            _observed.verdict(self, verdict)
         return verdict
 
     def _retry_delay(self, limit: timedelta | None = None) -> timedelta:
@@ -445,9 +448,12 @@ class IdempotentConsumer:
 
         It yields the shared operations of `oncely._execution` (store calls, the handler's
         ``Invoke``, heartbeats) and returns the `Verdict`. It raises only what the handler
-        raised that is not an `Exception` (cancellation, interpreter exit), after releasing
-        the lease.
+        raised that is not an `Exception` (cancellation, interpreter exit) and a
+        `ConfigurationError` (the application's setup is wrong, not the message), after
+        releasing the lease.
         """
+        if _switches.disabled:
+            return (yield from self._unprotected(delivery))
         try:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
@@ -492,6 +498,9 @@ class IdempotentConsumer:
             return self._verdict((yield from self._exhausted(lease)))
         try:
             value = yield _execution.Invoke(lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -555,7 +564,7 @@ class IdempotentConsumer:
         Adapters drive it with `run_with` / `arun_with`, since it yields `Run` and `Handle`
         operations.
         """
-        if not self.batches:
+        if not self.batches or _switches.disabled:  # one by one through `flow`
             verdicts: list[Verdict] = []
             for delivery in deliveries:
                 if ordered and any(v.action is Action.RETRY for v in verdicts):
@@ -564,6 +573,24 @@ class IdempotentConsumer:
                 verdicts.append((yield Handle(delivery.raw, self.flow(delivery))))
             return verdicts
         return (yield from self._batched(deliveries, ordered, {} if held is None else held))
+
+    def _unprotected(self, delivery: Delivery) -> Flow[Verdict]:
+        """Under ``ONCELY_DISABLED`` (or `oncely.testing.disabled`): the handler runs, under a
+        lease of token 0 that is never written, the store is not touched, a warning says so;
+        a failure is retried (or dead-lettered, for ``dead_letter_on``) with no attempt count."""
+        try:
+            key: str | None = self.key_for(delivery)
+        except Exception:  # no key: it would be dead-lettered, but nothing is checked now
+            key = None
+        _switches.warn_unprotected(key or self.scope, key=key, scope=self.scope)
+        lease = _execution.Lease(key or self.scope, 0, self.policy.lease)
+        try:
+            value = yield _execution.Invoke(lease)
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            return self._verdict(self._failed(lease.key, 1, exc))
+        return self._verdict(Verdict(Action.ACK, Reason.PROCESSED, key, result=value))
 
     def release_flow(self, held: dict[str, _execution.Lease]) -> Flow[None]:
         """Release the leases `batch_flow` kept in *held* (the deliveries were abandoned)."""
@@ -1009,6 +1036,9 @@ class IdempotentConsumer:
         """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
         try:
             value = yield Run(message, lease)
+        except ConfigurationError:
+            yield from self._release(lease)  # not the message's failure: never redelivered as one
+            raise
         except Exception as exc:
             verdict = self._failed(lease.key, lease.attempt, exc)
             yield from self._settle_failure(lease, verdict, exc)
@@ -1196,6 +1226,8 @@ class IdempotentConsumer:
         Returns:
             The `Verdict` the adapter translates for the broker.
         """
+        if _events.on and not _observed.consuming():
+            return _observed.process(self, delivery, handler)  # type: ignore[no-any-return]
         store = _require(self.store, SyncStore)
         return _execution.run(self.flow(delivery), store, handler)
 
@@ -1211,6 +1243,12 @@ class IdempotentConsumer:
         completes, a finished duplicate) is a straight line; every other answer goes through
         the batch path's decisions.
         """
+        if _switches.disabled:
+            return await _execution.arun(
+                self.flow(delivery), _require(self.store, AsyncStore), handler
+            )
+        if _events.on and not _observed.consuming():
+            return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
         groups = self._async_calls
         if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
             groups = self._async_store()
@@ -1258,6 +1296,9 @@ class IdempotentConsumer:
             await perform(_execution.StartHeartbeat(lease))
         try:
             value = await _execution.ainvoke_under(lease, handler)
+        except ConfigurationError:
+            await adrive(self._release(lease), perform)  # not the message's failure
+            raise
         except Exception as exc:
             verdict = self._failed(key, lease.attempt, exc)
             await adrive(self._settle_failure(lease, verdict, exc), perform)
@@ -1674,7 +1715,7 @@ class _AsyncGroups:
             if self.claims.queued(handle):
                 handle.cancel()  # never sent now: it would take a lease nobody uses
             elif not handle.cancelled():
-                await _execution.shielded(_execution.give_back(handle, self.store, op.item[0]))
+                await shielded(give_back(handle, self.store, op.item[0]))
             raise
 
     async def complete(self, op: _Complete) -> Any:
@@ -1746,7 +1787,8 @@ def run_with(
             if kind is _Decide or kind is _Wait:
                 return None
             if kind is Handle:
-                return drive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return drive(flow, performer(op.message))
             if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
             if isinstance(op, BrokerOp):
@@ -1811,7 +1853,8 @@ async def arun_with(
                     slot.decide()
                 return None
             if kind is Handle:
-                return await adrive(op.flow, performer(op.message))
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return await adrive(flow, performer(op.message))
             if kind is Parallel:
                 nonlocal sharing
                 several = len(op.flows) > 1

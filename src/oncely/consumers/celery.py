@@ -51,12 +51,16 @@ How the runner's verdicts (docs/guides/consumers.md) become Celery's:
 
 The task id is the natural key of a Celery message: give the same ``task_id`` to each retry of
 a publish (`celery_options` does, from an HTTP request's key) and duplicates collapse too.
+``apply_async`` sends such an id as the key and a digest of the arguments, the key kept in its
+header, so that a key reused with other arguments is a task of its own: it is dead-lettered,
+and its caller's ``AsyncResult.get()`` raises `oncely.errors.FingerprintMismatchError`.
 
 .. versionadded:: 0.1.0
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import uuid
 from collections.abc import Mapping, Sequence
@@ -200,9 +204,29 @@ class IdempotentTask(_Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Send the task, refusing arguments whose fingerprint would change between
-        deliveries (`oncely.errors.FingerprintError`, before anything is sent)."""
-        self._body(args, kwargs)
+        deliveries (`oncely.errors.FingerprintError`, before anything is sent).
+
+        A task id that is the key (as `celery_options` gives it) becomes the key and a digest
+        of the arguments, the key staying in its header: a retry of the same call keeps one id,
+        and a key reused with other arguments is another task, whose result says so."""
+        body = self._body(args, kwargs)
+        task_id = options.get("task_id")
+        if task_id is not None and _option(self, "oncely_fingerprint") is not None:
+            options = self._keyed(str(task_id), body, options)
         return super().apply_async(args, kwargs, *rest, **options)
+
+    def _keyed(self, task_id: str, body: bytes, options: dict[str, Any]) -> dict[str, Any]:
+        if _option(self, "oncely_key") != "header":
+            return options
+        headers = dict(options.get("headers") or {})
+        wanted = {name.lower() for name in self.oncely_key_headers}
+        key = next((v for name, v in headers.items() if name.lower() in wanted), None)
+        if key is None:  # the task id is the key: it moves to the header
+            key = headers[self.oncely_key_headers[0]] = task_id
+        if key != task_id:  # an id of the caller's own, or one made here already
+            return options
+        arguments = hashlib.sha256(body).hexdigest()[:16]
+        return {**options, "task_id": f"{key}.{arguments}", "headers": headers}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task once per key; duplicates return the stored result."""
@@ -231,6 +255,9 @@ class IdempotentTask(_Task):  # type: ignore[misc]
                 countdown=seconds(delay),
                 exc=verdict.error,
             )
+        if verdict.error is not None and not (self.ignore_result or request.ignore_result):
+            # The caller's AsyncResult fails with the reason (a reused key: the mismatch).
+            self.backend.mark_as_failure(request.id, verdict.error, request=request)
         if self.oncely_dead_letter_queue is not None and _COPY_REASON not in headers:
             try:
                 self._park(args, kwargs, headers, verdict)

@@ -50,7 +50,8 @@ Records are keyed by their ``Idempotency-Key`` header, else by ``topic/partition
 which is stable across redeliveries. Rebalances: with confluent-kafka they happen inside
 ``poll`` (between batches, when nothing is in flight); with aiokafka the revocation callback
 waits (up to *revoke_timeout*) for the round in flight, which commits what it finished. A
-handler still running after that is harmless: the new owner's copy waits for its lease.
+handler still running after that is harmless: the new owner's copy waits for its lease; the
+leases that round keeps for its blocked records are released when it ends.
 
 .. versionadded:: 0.1.0
 """
@@ -264,11 +265,20 @@ class _KafkaFlows:
         known = self._settled.get(partition, frozenset())  # settled past the one to retry
         settled = [offset in known for offset in offsets]
         todo = [i for i in range(len(records)) if not settled[i]]
+        held = _Held(self._held, partition)
         verdicts = yield from self.consumer.batch_flow(
-            [self._delivery(records[i]) for i in todo],
-            ordered=True,
-            held=_Held(self._held, partition),
+            [self._delivery(records[i]) for i in todo], ordered=True, held=held
         )
+        if held.orphaned():
+            # Revoked while the batch ran (past revoke_timeout): nothing will come back for the
+            # leases just kept for the next round. Give them back for the new owner.
+            orphans = held.release()
+            logger.warning(
+                "partition %s was revoked while its batch ran: releasing %d kept leases",
+                partition,
+                len(orphans),
+            )
+            yield from self.consumer.release_flow(orphans)
         blocker: Verdict | None = None  # the first record to run again decides the wait
         for i, verdict in zip(todo, verdicts, strict=True):
             if verdict.action is Action.DEAD_LETTER:
@@ -365,7 +375,17 @@ class _Held(MutableMapping[str, Any]):
 
     def __init__(self, every: dict[Partition, dict[str, Any]], partition: Partition) -> None:
         self._every = every
+        self._partition = partition
         self._own = every.setdefault(partition, {})
+
+    def orphaned(self) -> bool:
+        """Whether the partition's leases were forgotten (revoked) since, some kept here."""
+        return bool(self._own) and self._every.get(self._partition) is not self._own
+
+    def release(self) -> dict[str, Any]:
+        """The leases kept here, no longer kept: for `IdempotentConsumer.release_flow`."""
+        own, self._own = self._own, {}
+        return own
 
     def _holder(self, key: str) -> dict[str, Any]:
         if key in self._own:

@@ -13,7 +13,9 @@ gets 422, and a store outage answers 503 instead of running unprotected.
   that give each logical request one key and retry it safely (needs ``oncely[httpx]``).
 
 This package holds what both middlewares share: `HttpPolicy`, per-route `RouteOptions`, the
-`idempotent_route` view decorator, and the default scope and fingerprint. Importing it (or
+`idempotent_route` view decorator, and the default scope and fingerprint.
+A record remembers its owner (who sent it): another principal's request with the same key is
+refused (422), never run or replayed. Importing it (or
 ``oncely.http.asgi`` / ``oncely.http.wsgi``) imports no web framework.
 
 .. versionadded:: 0.1.0
@@ -25,6 +27,7 @@ from oncely.http._policy import (
     DEFAULT_METHODS,
     FingerprintFunc,
     HttpPolicy,
+    PrincipalFunc,
     RouteOptions,
     ScopeFunc,
 )
@@ -39,6 +42,7 @@ __all__ = [
     "HttpPolicy",
     "HttpRequest",
     "idempotent_route",
+    "PrincipalFunc",
     "RouteMatch",
     "RouteOptions",
     "RouteResolver",

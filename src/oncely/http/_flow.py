@@ -11,7 +11,9 @@ One request, in order::
     begin    claim ─┬─ Acquired  → lease (heartbeat started)  → the app runs
                     ├─ Replay    → stored response + marker
                     ├─ InProgress→ 409 + Retry-After: 1
-                    ├─ Mismatch  → 422
+                    ├─ Mismatch  → 422 (another request, or another principal's key);
+                    │              an anonymous record of this very request answers any
+                    │              caller: claimed again with its own fingerprint
                     └─ store down→ 503 + Retry-After (or pass through, if fail-open)
     finish   the app sent its last body chunk (held back until this returns):
              stored status and size → complete(snapshot); over the size limit →
@@ -29,11 +31,19 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any, Final
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore
-from oncely._core.records import ClaimResult, LeaseLost, Replay, Status
+from oncely._core.records import (
+    Acquired,
+    ClaimResult,
+    InProgress,
+    LeaseLost,
+    Mismatch,
+    Replay,
+    Status,
+)
 from oncely._log import fields, get_logger
 from oncely.errors import (
     CorruptRecordError,
@@ -85,10 +95,18 @@ def begin(
     *first* is the answer to (or the error of) a first claim already sent: the flow goes on
     from it (see `asgi.py`'s straight line).
     """
+    core = policy.core
     try:
         if isinstance(first, Exception):
             raise first
-        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, policy.core, first)
+        answer: ClaimResult = first or (
+            yield _execution.StoreCall(
+                "claim", (plan.key, plan.fingerprint), {"lease": core.lease, "ttl": core.ttl}
+            )
+        )
+        if isinstance(answer, Mismatch):
+            return (yield from _mismatched(plan, answer.stored_fingerprint, policy))
+        outcome = yield from _execution.acquire(plan.key, plan.fingerprint, core, answer)
     except InProgressError:
         return _semantics.in_progress()
     except FingerprintMismatchError:
@@ -123,6 +141,49 @@ def begin(
     if isinstance(outcome, Replay):
         return replay(outcome, policy)
     return outcome
+
+
+def _mismatched(plan: Plan, stored: str, policy: HttpPolicy) -> Flow[Response]:
+    """The answer to a claim whose record has the *stored* fingerprint, not the plan's.
+
+    Store errors are raised for `begin` to answer.
+    """
+    verdict = _semantics.reusing(plan.fingerprint, stored)
+    logger.info(
+        "fingerprint mismatch key=%s (%s)",
+        plan.key,
+        verdict,
+        extra=fields(key=plan.key, outcome="mismatch"),
+    )
+    if verdict in ("owned", "reused"):
+        if _events.on:
+            _observed.claimed(plan.key, "mismatch")
+        if verdict == "owned":
+            return _semantics.owned_elsewhere(policy)
+        return _semantics.mismatch(policy)
+    # An anonymous record of this very request (its response may have set the cookie this
+    # request carries): it answers as it would its own owner. Claimed with its fingerprint,
+    # so the store decides atomically between replay and in progress.
+    core = policy.core
+    answer = yield _execution.StoreCall(
+        "claim", (plan.key, stored), {"lease": core.lease, "ttl": core.ttl}
+    )
+    if _events.on:
+        _observed.claimed(plan.key, answer if isinstance(answer, Replay) else "in_progress")
+    if isinstance(answer, Replay):
+        _execution.suppressed(plan.key, answer)
+        return replay(answer, policy)
+    if isinstance(answer, Acquired):
+        # The record was released, or its lease lapsed, since the first claim: the request is
+        # to run again, under its own owner, not the anonymous one. Hand the lease back.
+        try:
+            yield _execution.StoreCall("release", (plan.key, answer.token))
+        except StoreError as exc:  # the lease lapses on its own
+            logger.warning("could not release key=%s: %s", plan.key, exc)
+    elif not isinstance(answer, InProgress | Mismatch):  # pragma: no cover - broken store
+        raise TypeError(f"claim answered {answer!r}")
+    # In progress, or changed again meanwhile: fail closed; the retry decides afresh.
+    return _semantics.in_progress()
 
 
 def replay(outcome: Replay, policy: HttpPolicy) -> Response:

@@ -8,7 +8,7 @@ applied (`HttpPolicy.with_options`); the middleware derives it once per route an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Container
+from collections.abc import Awaitable, Callable, Collection, Container
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final, TypeAlias
@@ -30,12 +30,18 @@ __all__ = [
     "REFUSAL_STATUSES",
     "FingerprintFunc",
     "HttpPolicy",
+    "PrincipalFunc",
     "RouteOptions",
     "ScopeFunc",
 ]
 
 ScopeFunc: TypeAlias = Callable[[HttpRequest], str]
-"""Returns the scope of a request's key: who is asking, for what (see `default_scope`)."""
+"""Returns the scope of a request's key: the operation it names, and a tenant if the app has
+them (see `default_scope`)."""
+
+PrincipalFunc: TypeAlias = Callable[[HttpRequest], "str | Awaitable[str | None] | None"]
+"""Returns who a request is from, as the app verifies it (the subject of a token it checked),
+or ``None``; under ASGI it may be async."""
 
 FingerprintFunc: TypeAlias = Callable[[HttpRequest], Any]
 """Returns what defines a request's operation, as any canonical-JSON value; oncely digests it."""
@@ -80,11 +86,25 @@ class HttpPolicy:
         ttl: How long a stored response is replayed (a timedelta or seconds; default 24 h).
         lease: How long a request may run before a duplicate may take over; the heartbeat
             extends it every third of it while the handler runs (default 30 s).
-        scope: The scope of a key: by default method + route + a digest of the principal (the
-            framework's authenticated user, else ``Authorization``, else the cookies), so one
-            client can never replay another client's response (`default_scope`).
+        scope: The scope of a key: by default method + route (`default_scope`). A callable that
+            adds a tenant gives each tenant a key space of its own. Who is asking is not part of
+            it: each record remembers its owner, and a request from another principal is
+            refused (422 ``idempotency-key-owned-by-another-principal``), never run or replayed.
         fingerprint: What defines the operation: by default method + path + sorted query +
             body (JSON bodies canonicalised). A key reused with another fingerprint gets 422.
+        principal: Who a request is from, as the app itself verifies it: a callable over the
+            `HttpRequest` returning the principal's stable name (a verified token's subject,
+            never an unverified claim) or ``None``; async under ASGI if it needs to be. Used
+            when the framework knows no authenticated user.
+        session_cookies: Names of the cookies that identify a session (``("sessionid",)``):
+            the principal when neither the framework nor `principal` names one, whatever
+            other cookies come and go.
+        require_principal: Every covered request must have a principal from a stable source
+            (the framework's user, `principal`, `session_cookies`); one without gets 401
+            (``principal-required``) and is not run. Requires `principal` or
+            `session_cookies` (``principal=lambda request: request.principal`` takes the
+            framework's user alone). Without it, when no stable source is configured, the raw
+            ``Authorization`` header, else the cookies, name the owner.
         stored_statuses: Response statuses that are stored and replayed (default: below 500,
             except the refusals 401, 403, 408, 409, 422, 423, 425 and 429, which say the
             request was not carried out; `REFUSAL_STATUSES`). Any other status releases the
@@ -116,6 +136,9 @@ class HttpPolicy:
     lease: Duration = timedelta(seconds=30)
     scope: ScopeFunc = default_scope
     fingerprint: FingerprintFunc = default_fingerprint
+    principal: PrincipalFunc | None = None
+    session_cookies: Collection[str] = ()
+    require_principal: bool = False
     stored_statuses: Container[int] = DEFAULT_STORED_STATUSES
     replay_header: tuple[str, str] | None = ("Idempotent-Replayed", "true")
     unreplayed_headers: Collection[str] = frozenset({"set-cookie"})
@@ -141,7 +164,7 @@ class HttpPolicy:
             )
         if not isinstance(self.header, str) or not is_token(self.header):
             raise ConfigurationError(f"header must be an HTTP header name, not {self.header!r}")
-        for name in ("require_key", "enabled", "fail_open"):
+        for name in ("require_key", "enabled", "fail_open", "require_principal"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False")
         ttl = to_timedelta(self.ttl, "ttl")
@@ -150,6 +173,15 @@ class HttpPolicy:
         for name in ("scope", "fingerprint"):
             if not callable(getattr(self, name)):
                 raise ConfigurationError(f"{name} must be a callable over an HttpRequest")
+        if self.principal is not None and not callable(self.principal):
+            raise ConfigurationError("principal must be a callable over an HttpRequest, or None")
+        session_cookies = frozenset(_strings(self.session_cookies, "session_cookies"))
+        if self.require_principal and self.principal is None and not session_cookies:
+            raise ConfigurationError(
+                "require_principal needs a stable principal source: principal= (the app's own "
+                "verifier, or lambda request: request.principal for the framework's user) or "
+                "session_cookies="
+            )
         if not isinstance(self.stored_statuses, Container) or isinstance(self.stored_statuses, str):
             raise ConfigurationError("stored_statuses must be a container of status codes")
         if self.replay_header is not None and (
@@ -176,6 +208,7 @@ class HttpPolicy:
         setattr_(self, "lease", lease)
         setattr_(self, "unavailable_retry_after", retry_after)
         setattr_(self, "unreplayed_headers", frozenset(name.lower() for name in unreplayed))
+        setattr_(self, "session_cookies", session_cookies)
         setattr_(self, "core", core)
         setattr_(self, "header_name", self.header.lower().encode("ascii"))
         setattr_(self, "environ_key", "HTTP_" + self.header.upper().replace("-", "_"))
@@ -228,6 +261,9 @@ class RouteOptions:
     lease: Duration | _Unset = UNSET
     scope: ScopeFunc | _Unset = UNSET
     fingerprint: FingerprintFunc | _Unset = UNSET
+    principal: PrincipalFunc | _Unset | None = UNSET
+    session_cookies: Collection[str] | _Unset = UNSET
+    require_principal: bool | _Unset = UNSET
     stored_statuses: Container[int] | _Unset = UNSET
     replay_header: tuple[str, str] | _Unset | None = UNSET
     unreplayed_headers: Collection[str] | _Unset = UNSET
@@ -237,10 +273,17 @@ class RouteOptions:
     unavailable_retry_after: Duration | _Unset = UNSET
 
     def __post_init__(self) -> None:
-        HttpPolicy().with_options(self)  # validate now, not on the first request
+        # Validate now, not on the first request. `require_principal` alone is checked against
+        # the app's policy, whose principal source it may rely on, when the two are combined.
+        base = _WITH_A_SOURCE if self.require_principal is True else _DEFAULTS
+        base.with_options(self)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) is not UNSET for f in dataclasses.fields(self))
+
+
+def _nobody(request: HttpRequest) -> None:
+    return None
 
 
 def _strings(values: Any, name: str, *, upper: bool = False) -> list[str]:
@@ -256,3 +299,8 @@ def _strings(values: Any, name: str, *, upper: bool = False) -> list[str]:
 
 def _is_header_value(value: object) -> bool:
     return isinstance(value, str) and all(" " <= char <= "~" for char in value)
+
+
+_DEFAULTS: Final = HttpPolicy()
+_WITH_A_SOURCE: Final = HttpPolicy(principal=_nobody, session_cookies=("session",))
+"""What `RouteOptions` are validated against (see its ``__post_init__``)."""

@@ -18,6 +18,8 @@ first request                                           executed; stored if `Htt
 repeat of a completed request                           stored response + marker (`replayed`)
 repeat while the first runs                             409 + Retry-After: 1 (`in_progress`)
 same key, other fingerprint                             422 (`mismatch`)
+same key, used by another principal                     422 (`owned_elsewhere`)
+no principal where `HttpPolicy.require_principal`       401 (`principal_required`)
 store unreachable                                       503 + Retry-After (`unavailable`)
 handler answered 5xx or raised                          not stored; the lease is released
 response over the size limit                            passed through; repeats 500
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
@@ -42,6 +45,7 @@ from json.encoder import encode_basestring_ascii as _ascii_string
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl
 
+from oncely import _events, _observed
 from oncely._core.fingerprint import canonical_body, digest
 from oncely._core.keys import MAX_KEY_LENGTH, scope_key
 from oncely.errors import InvalidKeyError
@@ -60,22 +64,28 @@ __all__ = [
     "ResponseCapture",
     "corrupt",
     "decide",
+    "agiven",
     "decode_snapshot",
     "default_fingerprint",
     "default_scope",
     "encode_snapshot",
+    "given",
     "in_progress",
     "is_token",
     "key_invalid",
     "key_missing",
     "mismatch",
     "not_replayable",
+    "owned_elsewhere",
+    "owner_of",
     "plan",
     "plan_parts",
+    "principal_required",
     "problem",
     "read_key",
     "replayed",
     "request_too_large",
+    "reusing",
     "retry_after_value",
     "storable_headers",
     "unavailable",
@@ -163,25 +173,22 @@ def _media_type(content_type: str) -> str:
 
 
 def default_scope(request: HttpRequest) -> str:
-    """The default scope of a key: method + route + a digest of who is asking.
+    """The default scope of a key: method + route.
 
-    Who is asking is, first found: the framework's authenticated user
-    (`HttpRequest.principal`), the ``Authorization`` header, the ``Cookie`` header(s). One
-    client can therefore never replay another client's response, whatever the auth style, and
-    the same key sent to two routes names two operations. Only an anonymous request without
-    cookies has no principal. The digest of every cookie changes when any cookie does (a
-    theme cookie...); to scope by the session cookie alone, pass a scope callable that returns
-    the session's user or that cookie.
+    Who is asking is not part of the scope: it is the record's owner, kept with the record
+    and checked on every repeat, so a client whose token is refreshed or whose
+    cookies change between two attempts still finds its record. A scope callable that adds a
+    tenant gives each tenant a key space of its own (the tenant must not change between a
+    client's attempts).
 
     .. versionadded:: 0.1.0
     """
-    authorization, _, cookies = _read_headers(request.headers)
-    return _scope_of(request.method, request.route, request.principal, authorization, cookies)
+    return f"{request.method} {request.route}"
 
 
 def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None, list[bytes]]:
     """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
-    *headers*, in one pass (names as `HttpRequest.header` and `_scope_of` compare them)."""
+    *headers*, in one pass (names as `HttpRequest.header` compares them)."""
     authorization = content_type = None
     cookies = []
     for name, value in headers:
@@ -196,25 +203,116 @@ def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None
     return authorization, content_type, cookies
 
 
-def _scope_of(
-    method: str,
-    route: str,
+ANONYMOUS: Final = "-"
+"""The owner of a record made by a request without any principal."""
+
+
+def owner_of(
     user: str | None,
+    given: str | None,
     authorization: bytes | None,
     cookies: list[bytes],
-) -> str:
-    scope = f"{method} {route}"
-    # Each kind is tagged in the scope itself ("u:", "c:"), so no header can forge another
-    # kind's digest; Authorization stays untagged, so the scopes of existing keys do not change.
+    policy: HttpPolicy,
+) -> str | None:
+    """The owner a request's record gets: a tagged digest of its principal, `ANONYMOUS`, or
+    ``None`` when `HttpPolicy.require_principal` is set and no stable source names one.
+
+    Sources, the first found wins: the framework's authenticated *user*
+    (`HttpRequest.principal`); *given*, what `HttpPolicy.principal` returned; the cookies
+    named in `HttpPolicy.session_cookies`. Only when none of these is configured does the raw
+    credential name the owner: the ``Authorization`` header, else every cookie. Each kind is
+    tagged, so no header can forge another kind's digest.
+    """
     if user is not None:
-        principal = "u:" + _digest(user.encode("utf-8", "surrogatepass"))
-    elif authorization is not None:
-        principal = _digest(authorization)
-    elif cookies:
-        principal = "c:" + _digest(b"; ".join(cookies))  # HTTP/2 sends each cookie on its own
-    else:
-        return scope
-    return f"{scope} @{principal}"
+        return "u:" + _digest(user.encode("utf-8", "surrogatepass"))
+    if given is not None:
+        return "p:" + _digest(given.encode("utf-8", "surrogatepass"))
+    names = policy.session_cookies
+    if names:
+        session = _session(cookies, names)
+        if session is not None:
+            return "s:" + _digest(session)
+    if policy.require_principal:
+        return None
+    if names or policy.principal is not None:  # a stable source is configured: it found nobody
+        return ANONYMOUS
+    if authorization is not None:
+        return "a:" + _digest(authorization)
+    if cookies:
+        return "c:" + _digest(b"; ".join(cookies))  # HTTP/2 sends each cookie on its own
+    return ANONYMOUS
+
+
+def _session(cookies: list[bytes], names: Collection[str]) -> bytes | None:
+    """The configured session cookies among *cookies*, as ``name=value`` pairs in name order,
+    or ``None`` if there is none."""
+    found = []
+    for header in cookies:
+        for pair in header.decode("latin-1").split(";"):
+            name, sep, value = pair.strip().partition("=")
+            if sep and name in names and value:
+                found.append(f"{name}={value}")
+    if not found:
+        return None
+    return "; ".join(sorted(found)).encode("latin-1")
+
+
+def given(policy: HttpPolicy, request: HttpRequest) -> str | None:
+    """What `HttpPolicy.principal` returns for *request* (sync callers); ``None`` without
+    asking it when the framework names the user (`owner_of` takes that first).
+
+    Raises:
+        TypeError: It returned something else than a string or ``None`` (an awaitable: an async
+            callable needs an async adapter).
+    """
+    if policy.principal is None or request.principal is not None:
+        return None
+    return _principal_value(policy.principal(request))
+
+
+async def agiven(policy: HttpPolicy, request: HttpRequest) -> str | None:
+    """`given` for async callers: an async `HttpPolicy.principal` is awaited."""
+    if policy.principal is None or request.principal is not None:
+        return None
+    value = policy.principal(request)
+    if inspect.isawaitable(value):
+        value = await value
+    return _principal_value(value)
+
+
+def _principal_value(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    hint = ""
+    if inspect.isawaitable(value):
+        hint = " (an async callable needs the ASGI middleware, or Django's in an async stack)"
+        if inspect.iscoroutine(value):
+            value.close()
+    raise TypeError(f"the principal callable returned {type(value).__name__}, not str{hint}")
+
+
+def _owned(owner: str, request_digest: str) -> str:
+    """The stored fingerprint: the owner, a space, the request's digest (neither holds a
+    space). The store compares fingerprints for equality only."""
+    return f"{owner} {request_digest}"
+
+
+def reusing(ours: str, stored: str) -> str:
+    """What a key whose record has another fingerprint means for this request.
+
+    Returns:
+        ``"owned"``: another principal owns the record (refuse: `owned_elsewhere`);
+        ``"reused"``: the same owner, or an anonymous one, used it for another request
+        (`mismatch`); ``"adopt"``: an anonymous (or older, ownerless) record of this very
+        request, which answers any caller: claim it again with *stored*.
+    """
+    our_owner, _, our_digest = ours.partition(" ")
+    stored_owner, sep, stored_digest = stored.partition(" ")
+    if not sep:  # written before records had owners: the digest alone
+        stored_owner, stored_digest = ANONYMOUS, stored
+    if stored_owner == ANONYMOUS:
+        return "adopt" if stored_digest == our_digest else "reused"
+    return "reused" if stored_owner == our_owner else "owned"
 
 
 def _digest(material: bytes) -> str:
@@ -339,29 +437,34 @@ def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str 
 
 
 class Plan(NamedTuple):
-    """What a protected request is claimed with: the scoped key and the fingerprint (a tuple:
-    made on every protected request, it costs less than a frozen dataclass)."""
+    """What a protected request is claimed with: the scoped key and the fingerprint, which
+    holds the record's owner and the request's digest (a tuple: made on every protected
+    request, it costs less than a frozen dataclass)."""
 
     key: str
     fingerprint: str
 
 
-def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
-    """Scope *key* and fingerprint *request* as *policy* says."""
-    if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
-        return _default_plan(
-            request.method,
-            request.path,
-            request.route,
-            request.query_string,
-            request.headers,
-            request.body,
-            request.principal,
-            key,
-        )
-    scope = policy.scope(request)
-    if not isinstance(scope, str):
-        raise TypeError(f"the scope callable returned {type(scope).__name__}, not str")
+def plan(
+    request: HttpRequest, key: str, policy: HttpPolicy, given: str | None = None
+) -> Plan | Response:
+    """Scope *key* and fingerprint *request* as *policy* says; *given* is what
+    `HttpPolicy.principal` returned for it (the caller runs it: it may be async).
+
+    Returns:
+        The plan, or the 401 answer (`principal_required`) when the policy requires a principal
+        and no stable source names one.
+    """
+    authorization, _, cookies = _read_headers(request.headers)
+    owner = owner_of(request.principal, given, authorization, cookies, policy)
+    if owner is None:
+        return principal_required(policy)
+    if policy.scope is default_scope:
+        scope = f"{request.method} {request.route}"
+    else:
+        scope = policy.scope(request)
+        if not isinstance(scope, str):
+            raise TypeError(f"the scope callable returned {type(scope).__name__}, not str")
     if policy.fingerprint is default_fingerprint:
         fingerprint = _default_digest(
             request.method,
@@ -371,7 +474,7 @@ def plan(request: HttpRequest, key: str, policy: HttpPolicy) -> Plan:
         )
     else:
         fingerprint = digest([policy.fingerprint(request)])
-    return Plan(scope_key(scope, key), fingerprint)
+    return Plan(scope_key(scope, key), _owned(owner, fingerprint))
 
 
 def plan_parts(
@@ -384,13 +487,16 @@ def plan_parts(
     principal: str | None,
     key: str,
     policy: HttpPolicy,
-) -> Plan:
+    given: str | None = None,
+) -> Plan | Response:
     """`plan` of the `HttpRequest` these parts make, which only a custom scope or fingerprint
     callable needs to see built (the ASGI middleware's path: one object less per request)."""
     if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
-        return _default_plan(method, path, route, query_string, headers, body, principal, key)
+        return _default_plan(
+            method, path, route, query_string, headers, body, principal, key, policy, given
+        )
     request = HttpRequest(method, path, route, query_string, tuple(headers), body, principal)
-    return plan(request, key, policy)
+    return plan(request, key, policy, given)
 
 
 def _default_plan(
@@ -402,13 +508,18 @@ def _default_plan(
     body: bytes,
     principal: str | None,
     key: str,
-) -> Plan:
-    # The usual policy: the headers both read in one pass.
+    policy: HttpPolicy,
+    given: str | None,
+) -> Plan | Response:
+    # The usual policy: the headers all read in one pass.
     authorization, content_type, cookies = _read_headers(headers)
+    owner = owner_of(principal, given, authorization, cookies, policy)
+    if owner is None:
+        return principal_required(policy)
     media = "" if content_type is None else _media_type(content_type.decode("latin-1"))
     return Plan(
-        scope_key(_scope_of(method, route, principal, authorization, cookies), key),
-        _default_digest(method, path, query_string, _digest_of_body(body, media)),
+        scope_key(f"{method} {route}", key),
+        _owned(owner, _default_digest(method, path, query_string, _digest_of_body(body, media))),
     )
 
 
@@ -494,6 +605,8 @@ def problem(
 
 def key_missing(policy: HttpPolicy) -> Response:
     """400: the route requires a key and the request has none."""
+    if _events.on:
+        _observed.refused()
     return problem(
         400,
         "idempotency-key-missing",
@@ -504,6 +617,8 @@ def key_missing(policy: HttpPolicy) -> Response:
 
 def key_invalid(policy: HttpPolicy, reason: str) -> Response:
     """400: the key is malformed; nothing was stored."""
+    if _events.on:
+        _observed.refused()
     return problem(
         400,
         "idempotency-key-invalid",
@@ -514,6 +629,8 @@ def key_invalid(policy: HttpPolicy, reason: str) -> Response:
 
 def request_too_large(policy: HttpPolicy) -> Response:
     """413: the body is larger than `HttpPolicy.max_request_bytes`; nothing was run or stored."""
+    if _events.on:
+        _observed.refused()
     limit = policy.max_request_bytes
     return problem(
         413,
@@ -559,6 +676,31 @@ def mismatch(policy: HttpPolicy) -> Response:
         "idempotency-key-reused",
         f"This {policy.header} was already used for a different request; use a new key for a "
         "new operation.",
+    )
+
+
+def owned_elsewhere(policy: HttpPolicy) -> Response:
+    """422: another principal used this key on this route; nothing runs, nothing is replayed.
+
+    422, as for a key reused with another request: the request cannot be processed with this
+    key, and retrying it unchanged never helps (not 403, which would tell a client its
+    credentials lack a right, and not 409, which says retry). The answer says nothing of the
+    other principal's request.
+    """
+    return problem(
+        422,
+        "idempotency-key-owned-by-another-principal",
+        f"This {policy.header} was already used by another principal; use a new key.",
+    )
+
+
+def principal_required(policy: HttpPolicy) -> Response:
+    """401: the route requires a principal (`HttpPolicy.require_principal`) and none of the
+    configured sources names one; nothing runs."""
+    return problem(
+        401,
+        "principal-required",
+        f"A request with an {policy.header} header must be authenticated on this endpoint.",
     )
 
 

@@ -37,14 +37,14 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, Final
 
-from oncely import _execution
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.protocols import AsyncStore, BatchStore
 from oncely._core.records import Acquired, ClaimResult, Replay
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_asgi
-from oncely.http._semantics import Response, ResponseCapture
+from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
 from oncely.stores._coalesce import CoalescingStore
 
@@ -112,9 +112,13 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Handle one ASGI connection (non-HTTP scopes and safe methods pass straight through)."""
+        if _events.on and not _observed.serving():
+            return await _observed.asgi(self, scope, receive, send)
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
+        if _switches.off(scope["method"], scope.get("path", "")):
+            return await self.app(scope, receive, send)
         method: str = scope["method"]
         path: str = scope.get("path", "")
         policy, route = self.routes.select(method, path, self._resolve(scope))
@@ -159,21 +163,24 @@ class IdempotencyMiddleware:
                 return
             messages, body = buffered
         user = scope.get("user")  # set by Starlette's AuthenticationMiddleware run before this
+        principal = None if user is None else _semantics.user_principal(user)
+        query = scope.get("query_string", b"")
+        given = None
+        if policy.principal is not None:  # the request is built only for it to see
+            request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
+            given = await _semantics.agiven(policy, request)
         plan = _semantics.plan_parts(
-            method,
-            path,
-            route,
-            scope.get("query_string", b""),
-            headers,
-            body,
-            None if user is None else _semantics.user_principal(user),
-            decision,
-            policy,
+            method, path, route, query, headers, body, principal, decision, policy, given
         )
+        if isinstance(plan, Response):
+            await _send_response(send, plan)
+            return
         receive = _BufferedReceive(messages, receive)
         # The straight line: a claim that acquires (run, complete) or replays. Any other answer
         # or error goes on in `_flow.begin` from the point reached.
         calls, core = self._calls, policy.core
+        if _events.on:
+            calls = _observed.timed(calls)
         answer: ClaimResult | Exception
         try:
             answer = await _execution.aclaim(
@@ -211,7 +218,7 @@ class IdempotencyMiddleware:
     ) -> None:
         # The lease's heartbeat was started with it (`oncely._execution`'s: a timer that becomes
         # a task only if the request outlives a third of its lease); settling stops it.
-        calls = self._calls
+        calls = self._calls if not _events.on else _observed.timed(self._calls)
         capture = ResponseCapture(policy.max_response_bytes)
         settled = False
         held: Message | None = None  # the response start, until the first body message

@@ -36,6 +36,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
+from oncely import _events, _observed, _switches
 from oncely._core.flow import adrive, drive
 from oncely._core.policy import Duration
 from oncely.errors import ConfigurationError, MissingDependencyError
@@ -125,7 +126,7 @@ class _Idempotent:
 
     def _covers(self, request: httpx.Request) -> bool:
         """Whether *request* is retried; if so, make sure it carries a key."""
-        if request.method not in self.methods:
+        if request.method not in self.methods or _switches.off(request.method, request.url.path):
             return False
         if self.header not in request.headers:
             request.headers[self.header] = self.key_factory()
@@ -264,7 +265,10 @@ class IdempotentTransport(_Idempotent, httpx.BaseTransport):
                 time.sleep(op.seconds)
             return None
 
-        response: httpx.Response = drive(self._flow(request), perform)
+        flow = self._flow(request)
+        if _events.on:
+            flow = _observed.sending(flow, request)
+        response: httpx.Response = drive(flow, perform)
         response.extensions[ATTEMPTS_EXTENSION] = attempts
         return response
 
@@ -343,7 +347,10 @@ class AsyncIdempotentTransport(_Idempotent, httpx.AsyncBaseTransport):
                 await anyio.sleep(op.seconds)
             return None
 
-        response: httpx.Response = await adrive(self._flow(request), perform)
+        flow = self._flow(request)
+        if _events.on:
+            flow = _observed.sending(flow, request)
+        response: httpx.Response = await adrive(flow, perform)
         response.extensions[ATTEMPTS_EXTENSION] = attempts
         return response
 

@@ -41,7 +41,7 @@ from functools import partial
 from typing import Any
 
 import oncely
-from oncely import _execution
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.flow import Flow
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely.errors import ConfigurationError
@@ -134,6 +134,8 @@ class IdempotencyMiddleware:
     def __call__(self, request: Any) -> Any:
         """Handle one Django request (safe methods pass straight through); in an async stack,
         return the coroutine that does."""
+        if _events.on and not _observed.serving():
+            return _observed.django(self, request)
         if self.async_mode:
             return self._acall(request)
         admitted = self._admit(request)
@@ -142,7 +144,11 @@ class IdempotencyMiddleware:
         if isinstance(admitted, Response):
             return _to_django(admitted)
         store: SyncStore = self.store  # type: ignore[assignment]  # checked in __init__
-        plan = admitted.plan(request, getattr(request, "user", None))
+        http_request = admitted.request(request, getattr(request, "user", None))
+        given = _semantics.given(admitted.policy, http_request)
+        plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
+        if isinstance(plan, Response):
+            return _to_django(plan)
         outcome = _execution.run(admitted.begin(plan), store)
         if outcome is _flow.PASS_THROUGH:
             return self.get_response(request)
@@ -190,7 +196,11 @@ class IdempotencyMiddleware:
             return _to_django(admitted)
         auser = getattr(request, "auser", None)  # Django 5.0+: the user, loaded without a thread
         user = await auser() if auser is not None else getattr(request, "user", None)
-        plan = admitted.plan(request, user)
+        http_request = admitted.request(request, user)
+        given = await _semantics.agiven(admitted.policy, http_request)
+        plan = _semantics.plan(http_request, admitted.key, admitted.policy, given)
+        if isinstance(plan, Response):
+            return _to_django(plan)
         outcome = await _execution.arun(admitted.begin(plan), self._acalls)
         if outcome is _flow.PASS_THROUGH:
             return await self.get_response(request)
@@ -235,7 +245,7 @@ class IdempotencyMiddleware:
         """What the request's method, route, key and size decide: ``None`` to pass it through,
         a `Response` to answer at once, else the request admitted for a claim."""
         method = str(request.method or "GET").upper()
-        if method in _semantics.SAFE_METHODS:
+        if method in _semantics.SAFE_METHODS or _switches.off(method, str(request.path)):
             return None
         path = str(request.path)
         route_match = resolve_django(request.path_info, getattr(request, "urlconf", None))
@@ -275,10 +285,11 @@ class _Admitted:
     body: bytes
     policy: HttpPolicy
 
-    def plan(self, request: Any, user: object) -> _semantics.Plan:
-        """The scoped key and fingerprint, *user* being Django's user for the request."""
+    def request(self, request: Any, user: object) -> HttpRequest:
+        """The request as the scope and principal callables see it, *user* being Django's
+        user for it."""
         meta = request.META
-        http_request = HttpRequest(
+        return HttpRequest(
             self.method,
             self.path,
             self.route,
@@ -287,7 +298,6 @@ class _Admitted:
             self.body,
             _semantics.user_principal(user),
         )
-        return _semantics.plan(http_request, self.key, self.policy)
 
     def begin(self, plan: _semantics.Plan) -> Flow[_execution.Lease | Response | Any]:
         return _flow.begin(plan, self.policy, method=self.method, path=self.path)

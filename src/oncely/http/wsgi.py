@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
-from oncely import _execution
+from oncely import _events, _execution, _observed, _switches
 from oncely._core.protocols import SyncStore
 from oncely.errors import ConfigurationError
 from oncely.http import _flow, _semantics
@@ -92,8 +92,10 @@ class IdempotencyMiddleware:
 
     def __call__(self, environ: WSGIEnviron, start_response: StartResponse) -> Iterable[bytes]:
         """Handle one WSGI request (safe methods pass straight through)."""
+        if _events.on and not _observed.serving():
+            return _observed.wsgi(self, environ, start_response)  # type: ignore[no-any-return]
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        if method in _semantics.SAFE_METHODS:
+        if method in _semantics.SAFE_METHODS or _switches.off(method, environ.get("PATH_INFO")):
             return self.app(environ, start_response)
         path = _text(environ.get("SCRIPT_NAME", "")) + _text(environ.get("PATH_INFO", ""))
         policy, route = self.routes.select(method, path, self._resolve(environ))
@@ -121,7 +123,9 @@ class IdempotencyMiddleware:
             body,
             _remote_user(environ),
         )
-        plan = _semantics.plan(request, decision, policy)
+        plan = _semantics.plan(request, decision, policy, _semantics.given(policy, request))
+        if isinstance(plan, Response):
+            return _respond(start_response, plan)
         outcome = _execution.run(_flow.begin(plan, policy, method=method, path=path), self.store)
         if outcome is _flow.PASS_THROUGH:
             return self.app(environ, start_response)

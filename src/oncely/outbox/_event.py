@@ -6,7 +6,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-__all__ = ["NOT_ATTEMPTED", "NotAttempted", "OutboxEvent", "Outcome", "Publisher"]
+__all__ = [
+    "NOT_ATTEMPTED",
+    "NotAttempted",
+    "OutboxEvent",
+    "Outcome",
+    "Publisher",
+    "in_order",
+    "scope",
+]
 
 
 @dataclass(frozen=True)
@@ -22,8 +30,8 @@ class OutboxEvent:
         destination: Where it goes: a queue or routing key, a topic, a subject, a stream.
         payload: The message body.
         headers: Application headers, sent as they are next to the key.
-        ordering_key: Events with the same key are published in commit order (the Kafka
-            message key, say); ``None`` for no ordering.
+        ordering_key: Events with the same key and destination are published in commit order
+            (the Kafka message key, say); ``None`` for no ordering.
         attempts: Earlier failed publish attempts of this event.
     """
 
@@ -67,14 +75,41 @@ class Publisher(Protocol):
     """Publishes outbox events to one broker, each confirmed before it counts as published.
 
     `publish` receives events in commit order and returns one `Outcome` per event, in the same
-    order. It publishes events of one ``ordering_key`` in the order given (it may pipeline
-    confirms); after an event fails, later events of the same ordering key in that call that
-    were not confirmed are answered `NOT_ATTEMPTED` (and not sent, where they were not sent
-    yet). Events without an ordering key are independent. It
-    raises only for a failure of the whole call (not connected, say); the relay then treats
-    every event as failed.
+    order. It publishes the events of one ordering scope (``destination`` and
+    ``ordering_key``) in the order given (it may pipeline confirms); after an event fails,
+    later events of its scope in that call are answered `NOT_ATTEMPTED` (and not sent, where
+    they were not sent yet). Events without an ordering key are independent. It raises only
+    for a failure of the whole call (not connected, say): the relay then counts it against no
+    event. A call that does not return within the relay's ``publish_timeout`` is cancelled,
+    and the relay finds the event it hangs on by publishing the batch in smaller parts.
     """
 
     async def publish(self, events: Sequence[OutboxEvent]) -> Sequence[Outcome]: ...
 
     async def aclose(self) -> None: ...
+
+
+Scope = tuple[str, str]
+"""An ordering scope: (destination, ordering key)."""
+
+
+def scope(event: OutboxEvent) -> Scope | None:
+    """The ordering scope of *event*: its destination and key, or ``None`` without a key."""
+    key = event.ordering_key
+    return None if key is None else (event.destination, key)
+
+
+def in_order(events: Sequence[OutboxEvent], outcomes: list[Outcome]) -> list[Outcome]:
+    """*outcomes*, with every event after the first unconfirmed one of its scope answering
+    `NOT_ATTEMPTED`, confirmed or not: an event counts as published only when every earlier
+    event of its scope was (a pipelined confirm past a refusal would say otherwise)."""
+    broken: set[Scope] = set()
+    for index, event in enumerate(events):
+        where = scope(event)
+        if where is None:
+            continue
+        if where in broken:
+            outcomes[index] = NOT_ATTEMPTED
+        elif outcomes[index] is not None:
+            broken.add(where)
+    return outcomes

@@ -1,4 +1,4 @@
-"""What every broker publisher shares: per-key order over pipelined confirms, and option checks.
+"""What every broker publisher shares: per-scope order over pipelined confirms, and option checks.
 
 A publisher hands `publish_ordered` a *send* coroutine that gives one event to its driver (in
 call order, so the driver writes it to one ordered channel) and returns an awaitable of the
@@ -9,16 +9,17 @@ Outcomes follow the `oncely.outbox.Publisher` contract:
 
 * an event whose send raised, or whose confirmation failed or did not come within *timeout*,
   answers its error;
-* the first failure of an ordering key is that key's error, and its later events are not sent.
+* order is kept per scope: a destination and an ordering key (`oncely.outbox._event.scope`).
+  The first failure of a scope is that scope's error, and its later events are not sent.
   Most failures are a destination's (no such exchange, stream or topic; a key of another type),
-  so the first event of a key to a destination not yet *proven* (confirmed once by this
-  publisher) is confirmed before the key's next event is sent: then a key never has a later
-  event published after an earlier one failed there. Once proven, a destination is pipelined;
-  if one of its events still fails (the broker refused it, or its connection dropped), the
-  key's later events already in the pipeline that the broker did not confirm answer
-  `NOT_ATTEMPTED` (the failure is the first event's, so it does not count against them), and
-  those it did confirm answer ``None``: they are published, and saying otherwise would only
-  publish them twice.
+  so the first event of a scope to a destination not yet *proven* (confirmed once by this
+  publisher) is confirmed before the scope's next event is sent: then a later event never
+  reaches the broker ahead of an earlier one refused there. Once proven, a destination is
+  pipelined; if one of its events still fails (the broker refused it, or its connection
+  dropped), the scope's later events already in the pipeline answer `NOT_ATTEMPTED`, those the
+  broker confirmed too (`in_order`): an event counts as published only when every earlier
+  event of its scope was. Those already confirmed are published again after the failed one
+  (the consumer deduplicates them by message id).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from oncely.errors import ConfigurationError
-from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome
+from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome, Scope, in_order, scope
 
 __all__ = ["check_options", "masked", "publish_ordered", "positive"]
 
@@ -59,8 +60,8 @@ async def publish_ordered(
     deadline = None if timeout is None else loop.time() + timeout
     outcomes: list[Outcome] = [None] * len(events)
     confirms: dict[int, asyncio.Future[Any]] = {}
-    failed: set[str] = set()  # keys whose later events are not sent
-    latest: dict[str, asyncio.Future[Any]] = {}  # each key's last event sent
+    failed: set[Scope] = set()  # scopes whose later events are not sent
+    latest: dict[Scope, asyncio.Future[Any]] = {}  # each scope's last event sent
     probes: dict[asyncio.Future[Any], str] = {}  # events sent to an unproven destination
 
     def left() -> float | None:
@@ -68,7 +69,7 @@ async def publish_ordered(
 
     try:
         for index, event in enumerate(events):
-            key = event.ordering_key
+            key = scope(event)
             if key is not None and key not in failed and (last := latest.get(key)) is not None:
                 if not last.done() and last in probes:
                     if flush is not None:
@@ -110,23 +111,7 @@ async def publish_ordered(
         for pending in confirms.values():
             if not pending.done():
                 pending.cancel()
-    return _attribute_to_first_failure(events, outcomes)
-
-
-def _attribute_to_first_failure(
-    events: Sequence[OutboxEvent], outcomes: list[Outcome]
-) -> list[Outcome]:
-    """After a key's first failure, its later unconfirmed events answer `NOT_ATTEMPTED`."""
-    broken: set[str] = set()
-    for index, event in enumerate(events):
-        key = event.ordering_key
-        if key is None or outcomes[index] is None:
-            continue
-        if key in broken:
-            outcomes[index] = NOT_ATTEMPTED
-        elif isinstance(outcomes[index], BaseException):
-            broken.add(key)
-    return outcomes
+    return in_order(events, outcomes)
 
 
 def check_options(target: Callable[..., Any], options: Mapping[str, Any], what: str) -> None:

@@ -1,10 +1,12 @@
-"""`Relay`: publishes committed outbox events, in each key's commit order, at least once.
+"""`Relay`: publishes committed outbox events, in each scope's commit order, at least once.
 
-One cycle claims a batch (`_sql` explains how claims keep each key's order across relays),
-hands it to the `Publisher`, and records each event's outcome: published, failed (counted, and
-retried after an exponential backoff), dead-lettered after ``max_attempts`` failures, or left as
-it was (not attempted). A failure of the whole publish call (the broker is down) counts against
-no event: the relay backs off and tries again, and nothing is lost meanwhile.
+A scope is an ordering key and a destination. One cycle claims a batch (`_sql` explains how
+claims keep each scope's order across relays), hands it to the `Publisher`, and records each
+event's outcome: published, failed (counted, and retried after an exponential backoff),
+dead-lettered after ``max_attempts`` failures, or left as it was (not attempted). A failure of
+the whole publish call (the broker is down) counts against no event: the relay backs off and
+tries again, and nothing is lost meanwhile. A call that times out is narrowed down to the event
+it hangs on, whose failure it is (`Relay._publish`).
 """
 
 from __future__ import annotations
@@ -14,17 +16,27 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
+from oncely import _events as _stream
+from oncely import _observed
 from oncely._core.policy import Duration, to_timedelta
 from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError, MissingDependencyError, SchemaMissingError
 from oncely.outbox import _sql
-from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome, Publisher
+from oncely.outbox._event import (
+    NOT_ATTEMPTED,
+    OutboxEvent,
+    Outcome,
+    Publisher,
+    Scope,
+    in_order,
+    scope,
+)
 from oncely.outbox._writer import check_store
 
 __all__ = ["Relay"]
@@ -51,10 +63,12 @@ class Relay:
 
     Several relays may run side by side on one PostgreSQL database: each claims its batch with
     ``FOR UPDATE SKIP LOCKED``, so in the normal case no event is published twice, and events of
-    one ordering key are published in commit order whichever relay takes them. Delivery is
-    at least once: a relay that dies after the broker confirmed a batch but before it recorded
-    that publishes nothing twice itself, but the next relay publishes the batch again; each
-    message carries its message id as its idempotency key, for the consumer to deduplicate.
+    one ordering key to one destination (a *scope*) are published in commit order whichever
+    relay takes them; a destination that refuses its events holds back only its own. Delivery
+    is at least once: a relay that dies after the broker confirmed a batch but before it
+    recorded that publishes nothing twice itself, but the next relay publishes the batch again;
+    each message carries its message id as its idempotency key, for the consumer to
+    deduplicate.
 
     Args:
         store: The `PostgresStore` or `SQLiteStore` the `Outbox` writes to.
@@ -63,15 +77,17 @@ class Relay:
         poll_interval: How often to look for events without being woken. On PostgreSQL the
             relay also ``LISTEN``s for the outbox's ``NOTIFY`` and wakes at once.
         max_attempts: Failed attempts after which an event is dead-lettered: it is set aside
-            (``dead_at``, ``last_error``), logged, and later events of its key proceed.
+            (``dead_at``, ``last_error``), logged, and later events of its scope proceed.
         backoff: The wait before the first retry of a failed event; each further failure
             doubles it, up to *max_backoff*. The relay backs off the same way while the whole
             publish call fails.
         max_backoff: The longest wait between two attempts.
         retention: How long published events are kept before a purge deletes them.
         purge_interval: How often the relay purges.
-        publish_timeout: How long one publish call may take before it counts as failed. On
-            SQLite a batch is reserved for the relay about twice as long.
+        publish_timeout: How long one publish call may take. A call that takes longer is
+            cancelled and its events published again in halves, until the call that times
+            out holds one event: the timeout counts against that event. On SQLite the relay
+            holds its claim on a batch about twice as long, renewed before each further call.
         listen: Wake on ``NOTIFY`` (PostgreSQL); ``False``: poll only.
 
     Raises:
@@ -134,8 +150,9 @@ class Relay:
         """Claim one batch, publish it and record the outcomes; return how many were published.
 
         Raises:
-            Exception: What the publisher raised for the whole call (the batch is left as it
-                was, its ``last_error`` set), or a `StoreError`.
+            Exception: What the publisher raised for the whole call (the events it did not
+                answer are left as they were, their ``last_error`` set), a `TimeoutError` when
+                nothing was confirmed before a call timed out, or a `StoreError`.
         """
         self._claimed = 0
         async with self._backend.claim(self.batch_size) as batch:
@@ -143,27 +160,71 @@ class Relay:
             self._claimed = len(events)
             if not events:
                 return 0
-            failure: Exception | None = None
-            try:
-                outcomes = await asyncio.wait_for(
-                    self.publisher.publish(events), self.publish_timeout.total_seconds()
-                )
-                if len(outcomes) != len(events):
-                    raise ValueError(
-                        f"the publisher answered {len(outcomes)} outcomes for {len(events)} events"
-                    )
-            except Exception as exc:
-                await batch.note(_describe(exc))  # recorded, not counted against the events
-                failure = exc
-            else:
-                settlement = self._settle(events, outcomes)
-                await batch.settle(settlement)
+            outcomes, failure = await self._publish(batch)
+            note = None if failure is None else _describe(failure)
+            settlement = self._settle(events, in_order(events, outcomes), note)
+            await batch.settle(settlement)
         if failure is not None:
             raise failure
         return len(settlement.published)
 
-    def _settle(self, events: Sequence[OutboxEvent], outcomes: Sequence[Outcome]) -> _Settlement:
-        settlement = _Settlement()
+    async def _publish(self, batch: _Batch) -> tuple[list[Outcome], Exception | None]:
+        """Publish *batch*'s events; return their outcomes, and the failure that stopped it.
+
+        A call that times out is cancelled and its events published again in two halves, and
+        so on, until the call that times out holds one event: that timeout is the event's own
+        failure, counted against it, and its scope's later events wait. Events the broker
+        answered are not published again. When a lone event times out before anything was
+        confirmed, the broker may be the one not answering: the rest is left for the next
+        cycle (the timeout still counts against that event, the oldest one tried)."""
+        events = batch.events
+        outcomes: list[Outcome] = [NOT_ATTEMPTED] * len(events)
+        blocked: set[Scope] = set()  # scopes with an event not confirmed: their later ones wait
+        confirmed = False
+        timeout = self.publish_timeout.total_seconds()
+        parts = [list(range(len(events)))]  # a stack: the next part to try is the last
+        calls = 0
+        while parts:
+            part = [i for i in parts.pop() if scope(events[i]) not in blocked]
+            if not part:
+                continue
+            if calls:
+                await batch.extend()
+            calls += 1
+            try:
+                answers = await _within(self.publisher.publish([events[i] for i in part]), timeout)
+            except _TimedOut as exc:
+                if len(part) > 1:
+                    half = (len(part) + 1) // 2
+                    parts += [part[half:], part[:half]]
+                    continue
+                outcomes[part[0]] = TimeoutError(f"the publish call holding it {exc}")
+                if (where := scope(events[part[0]])) is not None:
+                    blocked.add(where)
+                if not confirmed:
+                    return outcomes, TimeoutError(f"a publish call {exc}")
+                continue
+            except Exception as exc:
+                return outcomes, exc
+            if len(answers) != len(part):
+                error = ValueError(
+                    f"the publisher answered {len(answers)} outcomes for {len(part)} events"
+                )
+                return outcomes, error
+            for index, answer in zip(part, answers, strict=True):
+                outcomes[index] = answer
+                if answer is None:
+                    confirmed = True
+                elif (where := scope(events[index])) is not None:
+                    blocked.add(where)
+        return outcomes, None
+
+    def _settle(
+        self, events: Sequence[OutboxEvent], outcomes: Sequence[Outcome], note: str | None
+    ) -> _Settlement:
+        if _stream.on:
+            _observed.relayed(events, outcomes, self.max_attempts)
+        settlement = _Settlement(note=note)
         for event, outcome in zip(events, outcomes, strict=True):
             if outcome is None:
                 settlement.published.append(event.id)
@@ -231,6 +292,8 @@ class Relay:
                         next_purge = time.monotonic() + self.purge_interval.total_seconds()
                         await self.purge()
                     published = await self.run_once()
+                    if _stream.on:
+                        await _observed.backlog(self._backend)
                 except _SETUP_ERRORS:
                     raise  # waiting would not help: the schema, a setting, a missing library
                 except Exception as exc:
@@ -299,6 +362,22 @@ async def _pause(stop: asyncio.Event, wake: asyncio.Event | None, timeout: timed
             waiter.cancel()
 
 
+class _TimedOut(Exception):
+    """A publish call the relay gave up on (not a `TimeoutError` the publisher raised)."""
+
+
+async def _within(call: Awaitable[Sequence[Outcome]], timeout: float) -> Sequence[Outcome]:
+    """Await *call*; cancel it and raise `_TimedOut` after *timeout* seconds."""
+    task = asyncio.ensure_future(call)
+    done, _ = await asyncio.wait((task,), timeout=timeout)
+    if not done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise _TimedOut(f"did not return in {timeout:g} s")
+    return task.result()
+
+
 def _describe(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return text[:_MAX_ERROR]
@@ -317,19 +396,22 @@ class _Failure:
 
 @dataclass(slots=True)
 class _Settlement:
-    """What to record for a published batch."""
+    """What to record for a batch: *note* is the failure that stopped it, if one did,
+    recorded as the untouched events' ``last_error`` (not counted against them)."""
 
     published: list[int] = field(default_factory=list)
     failed: list[_Failure] = field(default_factory=list)
     untouched: list[int] = field(default_factory=list)
+    note: str | None = None
 
 
 class _Batch(Protocol):
     events: list[OutboxEvent]
 
-    async def settle(self, settlement: _Settlement) -> None: ...
+    async def extend(self) -> None:
+        """Keep the claim for another ``publish_timeout`` (before another call)."""
 
-    async def note(self, error: str) -> None: ...
+    async def settle(self, settlement: _Settlement) -> None: ...
 
 
 class _Backend(Protocol):
@@ -364,6 +446,11 @@ def _events(rows: Sequence[Sequence[Any]]) -> list[OutboxEvent]:
     return events
 
 
+def _scopes(rows: Sequence[Sequence[Any]]) -> list[tuple[str, str]]:
+    """The (ordering key, destination) pairs of the keyed event rows, each once."""
+    return list(dict.fromkeys((row[5], row[2]) for row in rows if row[5] is not None))
+
+
 def _ms(duration: timedelta) -> int:
     return int(duration // timedelta(milliseconds=1))
 
@@ -386,9 +473,14 @@ class _PostgresBatch:
         queries, connection = self._queries, self._connection
         window = {"limit": limit, "window": limit * _WINDOW}
         heads = await (await connection.execute(queries.heads, window)).fetchall()
-        keys = list({row[5] for row in heads if row[5] is not None})
-        if keys and len(heads) < limit:
-            params = {"keys": keys, "ids": [row[0] for row in heads], "limit": limit - len(heads)}
+        scopes = _scopes(heads)
+        if scopes and len(heads) < limit:
+            params = {
+                "keys": [key for key, _ in scopes],
+                "destinations": [destination for _, destination in scopes],
+                "ids": [row[0] for row in heads],
+                "limit": limit - len(heads),
+            }
             heads += await (await connection.execute(queries.followers, params)).fetchall()
         self.events = _events(heads)
 
@@ -405,10 +497,12 @@ class _PostgresBatch:
                 "dead": [failure.dead for failure in failed],
             }
             await connection.execute(queries.failed, params)
+        if settlement.note is not None and settlement.untouched:
+            params = {"ids": settlement.untouched, "error": settlement.note}
+            await connection.execute(queries.noted, params)
 
-    async def note(self, error: str) -> None:
-        ids = [event.id for event in self.events]
-        await self._connection.execute(self._queries.noted, {"ids": ids, "error": error})
+    async def extend(self) -> None:
+        pass  # the rows stay locked until the transaction ends
 
 
 class _PostgresBackend:
@@ -499,10 +593,8 @@ class _SQLiteBatch:
         await self._backend.call(self._backend.settle, settlement)
         self.settled = True
 
-    async def note(self, error: str) -> None:
-        ids = [event.id for event in self.events]
-        await self._backend.call(self._backend.release, ids, error)
-        self.settled = True
+    async def extend(self) -> None:
+        await self._backend.call(self._backend.extend, [event.id for event in self.events])
 
 
 class _SQLiteBackend:
@@ -518,22 +610,17 @@ class _SQLiteBackend:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="oncely-outbox")
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[Any]:
-        """A write transaction on the store's connection of the relay's thread; SQLite's errors
-        as the store's (a missing table is `SchemaMissingError`)."""
-        store = self._store
-        with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
-            yield connection
+    def _write(self) -> contextlib.AbstractContextManager[Any]:
+        return sqlite_write(self._store)
 
     def _claim(self, limit: int) -> list[OutboxEvent]:
         with self._write() as connection:
             now = self._store.clock.now_ms()
             rows = connection.execute(_sql.SQLITE_HEADS, {"now": now, "limit": limit}).fetchall()
-            keys = list({row[5] for row in rows if row[5] is not None})
-            if keys and len(rows) < limit:
+            scopes = _scopes(rows)
+            if scopes and len(rows) < limit:
                 params = {
-                    "keys": json.dumps(keys),
+                    "scopes": json.dumps(scopes),
                     "ids": json.dumps([row[0] for row in rows]),
                     "limit": limit - len(rows),
                 }
@@ -557,8 +644,14 @@ class _SQLiteBackend:
                 ],
             )
             connection.executemany(
-                _sql.SQLITE_RELEASED, [(None, event_id) for event_id in settlement.untouched]
+                _sql.SQLITE_RELEASED,
+                [(settlement.note, event_id) for event_id in settlement.untouched],
             )
+
+    def extend(self, ids: list[int]) -> None:
+        with self._write() as connection:
+            until = self._store.clock.now_ms() + self._claim_ms
+            connection.execute(_sql.SQLITE_CLAIM, {"until": until, "ids": json.dumps(ids)})
 
     def release(self, ids: list[int], error: str | None) -> None:
         with self._write() as connection:
@@ -604,7 +697,7 @@ class _SQLiteBackend:
             "pending": pending,
             "dead": dead,
             "published": published,
-            "oldest_pending": None if oldest is None else _iso(oldest),
+            "oldest_pending": None if oldest is None else iso_ms(oldest),
         }
 
     async def stats(self) -> dict[str, Any]:
@@ -617,7 +710,16 @@ class _SQLiteBackend:
             self._executor = None
 
 
-def _iso(ms: int) -> str:
+@contextlib.contextmanager
+def sqlite_write(store: Any) -> Iterator[Any]:
+    """A write transaction on *store*'s connection of this thread; SQLite's errors as the
+    store's (a missing table is `SchemaMissingError`)."""
+    with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
+        yield connection
+
+
+def iso_ms(ms: int) -> str:
+    """Epoch milliseconds as ISO 8601 UTC."""
     from datetime import datetime, timezone
 
     moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)

@@ -16,22 +16,25 @@ How events of one ordering key stay in commit order, with any number of writers 
    On SQLite the single write lock, held from a transaction's first write to its commit, gives
    the same property without the counter's lock mattering.
 
-2. **A relay only starts a key at its head.** The head of a key is its pending event (neither
-   published nor dead) with no pending event of a lower seq (`PG_HEADS`). The relay locks heads
+2. **A relay only starts a scope at its head.** Order is kept per *scope*: the events of one
+   ordering key to one destination (a failing destination holds back only its own events). The
+   head of a scope is its pending event (neither published nor dead) with no pending event of
+   a lower seq (`PG_HEADS`); seq, per key, orders a scope's events too. The relay locks heads
    with ``FOR UPDATE SKIP LOCKED``: a head another relay holds is skipped, and nothing else of
-   that key qualifies while the head is pending, so **a key is worked on by one relay at a
-   time**. Holding keys' heads, the relay also locks the keys' following pending events,
+   that scope qualifies while the head is pending, so **a scope is worked on by one relay at a
+   time**. Holding scopes' heads, the relay also locks the scopes' following pending events,
    oldest first (`PG_FOLLOWERS`), and hands the publisher the batch in id order. Within one
    key, id order is seq order (the later writer inserted after the earlier one committed), so
-   a batch holds a prefix of each key's pending events, in the key's order.
+   a batch holds a prefix of each scope's pending events, in the scope's order.
 
 3. **The locks are held until the outcome is recorded.** The relay's transaction stays open
    while the publisher publishes; it marks confirmed events published, counts the failures,
    and commits. Only then can another relay see the key's next head. A head that failed waits
-   for its ``next_attempt_at``, and its key with it; a dead-lettered head no longer counts as
-   pending, so the key moves on. A relay that dies before it commits leaves every row as it
+   for its ``next_attempt_at``, and its scope with it; a dead-lettered head no longer counts as
+   pending, so the scope moves on. A relay that dies before it commits leaves every row as it
    was: the next relay publishes the batch again (at-least-once; consumers deduplicate by the
-   message id). So seq n+1 is never published before n is published or dead-lettered.
+   message id). So within a scope, seq n+1 is never marked published before n is published
+   or dead-lettered.
 
    A relay whose snapshot predates another relay's commit sees the old head still pending:
    either it is locked (skipped), or it was updated since (PostgreSQL re-checks a row it locks
@@ -86,34 +89,38 @@ PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
 
 PG_HEADS: Final = f"""
 WITH RECURSIVE near AS MATERIALIZED (
-    SELECT o.id, o.ordering_key, o.seq, o.next_attempt_at
+    SELECT o.id, o.ordering_key, o.destination, o.seq, o.next_attempt_at
       FROM {{schema}}.oncely_outbox AS o
      WHERE o.published_at IS NULL AND o.dead_at IS NULL
      ORDER BY o.id
      LIMIT %(window)s
 ), near_heads AS (
-    SELECT DISTINCT ON (n.ordering_key) n.ordering_key, n.seq, n.next_attempt_at
+    SELECT DISTINCT ON (n.ordering_key, n.destination)
+           n.ordering_key, n.destination, n.seq, n.next_attempt_at
       FROM near AS n
      WHERE n.ordering_key IS NOT NULL
-     ORDER BY n.ordering_key, n.seq
+     ORDER BY n.ordering_key, n.destination, n.seq
 ), keyed AS (
-    (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
+    (SELECT o.ordering_key, o.destination, o.seq FROM {{schema}}.oncely_outbox AS o
       WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
-      ORDER BY o.ordering_key, o.seq LIMIT 1)
+      ORDER BY o.ordering_key, o.destination, o.seq LIMIT 1)
     UNION ALL
-    SELECT m.ordering_key, m.seq
+    SELECT m.ordering_key, m.destination, m.seq
       FROM keyed AS k,
-           LATERAL (SELECT o.ordering_key, o.seq FROM {{schema}}.oncely_outbox AS o
-                     WHERE o.ordering_key > k.ordering_key
+           LATERAL (SELECT o.ordering_key, o.destination, o.seq
+                      FROM {{schema}}.oncely_outbox AS o
+                     WHERE (o.ordering_key, o.destination) > (k.ordering_key, k.destination)
+                       AND o.ordering_key IS NOT NULL
                        AND o.published_at IS NULL AND o.dead_at IS NULL
-                     ORDER BY o.ordering_key, o.seq LIMIT 1) AS m
+                     ORDER BY o.ordering_key, o.destination, o.seq LIMIT 1) AS m
 ), beyond AS (
     -- Look past the window only when it is full and cannot fill a batch by itself.
     SELECT (SELECT count(*) FROM near) >= %(window)s
        AND (SELECT count(*) FROM near AS n
              WHERE (n.ordering_key IS NULL AND n.next_attempt_at <= statement_timestamp())
-                OR n.ordering_key IN (SELECT h.ordering_key FROM near_heads AS h
-                                       WHERE h.next_attempt_at <= statement_timestamp()))
+                OR (n.ordering_key, n.destination) IN (
+                       SELECT h.ordering_key, h.destination FROM near_heads AS h
+                        WHERE h.next_attempt_at <= statement_timestamp()))
            < %(limit)s AS yes
 )
 SELECT {_EVENT}
@@ -130,34 +137,40 @@ SELECT {_EVENT}
  LIMIT %(limit)s
    FOR UPDATE OF o SKIP LOCKED
 """
-"""Parameters: limit, window. Due pending events without an earlier pending event of their key
-(every event without a key is one), locked, skipping those another relay holds.
+"""Parameters: limit, window. Due pending events without an earlier pending event of their
+scope, the (ordering key, destination) pair (every event without a key is one), locked,
+skipping those another relay holds.
 
 Heads are found without testing each event against its key's others (that cost each claim the
 backlog times its keys' depth: a relay catching up on 4000 events of 32 keys claimed about 70
 a second). ``near`` is the oldest *window* pending events: a key with an event among them has
 its first pending event among them too (within a key id order is seq order), so their heads
-are the keys' heads, found in the window alone, and the claim reads no further than the window.
+are the scopes' heads, found in the window alone, and the claim reads no further than the window.
 Only when the window is full and cannot fill a batch itself (fewer than *limit* of its events
 are due heads, their keys' later events or due events without a key: a key held up by a
-failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every key's
-head by skipping from key to key through the ``(ordering_key, seq)`` index of pending events,
-one descent per key, and the scan goes on past the window for events without a key."""
+failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every
+scope's head by skipping from scope to scope through the ``(ordering_key, destination, seq)``
+index of pending events, one descent per scope, and the scan goes on past the window for
+events without a key. A head is named by its ``(ordering_key, seq)``, unique among pending
+events."""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
   FROM {{schema}}.oncely_outbox AS o
  WHERE o.ordering_key = ANY(%(keys)s::text[])
+   AND (o.ordering_key, o.destination) IN (
+           SELECT * FROM unnest(%(keys)s::text[], %(destinations)s::text[]))
    AND o.published_at IS NULL AND o.dead_at IS NULL
    AND o.id <> ALL(%(ids)s::bigint[])
  ORDER BY o.id
  LIMIT %(limit)s
    FOR UPDATE OF o
 """
-"""Parameters: keys (whose heads this relay holds), ids (those heads), limit. The pending events
-after them, locked (no other relay can hold them: their key's head is pending and ours), oldest
-first. Within a key id order is seq order, so what the limit keeps of each key is a prefix of
-its pending events; and the rows are those the heads' scan read first, near each other."""
+"""Parameters: keys and destinations (the scopes whose heads this relay holds, pairwise), ids
+(those heads), limit. The pending events after them, locked (no other relay can hold them:
+their scope's head is pending and ours), oldest first. Within a key id order is seq order, so
+what the limit keeps of each scope is a prefix of its pending events; and the rows are those
+the heads' scan read first, near each other."""
 
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
@@ -214,6 +227,45 @@ SELECT count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL),
 """No parameters. Pending, dead and published counts, and the oldest pending event's time."""
 
 
+PG_REQUEUE: Final = """
+WITH target AS (
+    SELECT o.id, o.ordering_key FROM {schema}.oncely_outbox AS o
+     WHERE o.id = %(id)s AND (o.published_at IS NOT NULL OR o.dead_at IS NOT NULL)
+       FOR UPDATE
+), next AS (
+    INSERT INTO {schema}.oncely_outbox_keys AS k (ordering_key, seq)
+    SELECT t.ordering_key, 1 FROM target AS t WHERE t.ordering_key IS NOT NULL
+    ON CONFLICT (ordering_key) DO UPDATE SET seq = k.seq + 1
+    RETURNING k.seq, nextval({sequence}) AS id
+)
+UPDATE {schema}.oncely_outbox AS o
+   SET id = coalesce((SELECT n.id FROM next AS n), nextval({sequence})),
+       seq = (SELECT n.seq FROM next AS n),
+       attempts = 0, next_attempt_at = statement_timestamp(), published_at = NULL,
+       dead_at = NULL
+  FROM target AS t
+ WHERE o.id = t.id
+RETURNING o.id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, channel. A published or dead event made pending again, after every event of
+its key (a new id and the key's next seq, drawn as `PG_ADD` draws them); its new id, or no row
+when it is pending (or gone)."""
+
+PG_DUE: Final = """
+UPDATE {schema}.oncely_outbox SET next_attempt_at = statement_timestamp()
+ WHERE id = %(id)s AND published_at IS NULL AND dead_at IS NULL
+RETURNING id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, channel. A pending event due now (its backoff cut short)."""
+
+PG_DEAD_LETTER: Final = """
+UPDATE {schema}.oncely_outbox SET dead_at = statement_timestamp(), last_error = %(error)s
+ WHERE id = %(id)s AND published_at IS NULL AND dead_at IS NULL
+RETURNING id, pg_notify(%(channel)s, '')
+"""
+"""Parameters: id, error, channel. A pending event set aside; its scope's next event is due."""
+
+
 @dataclass(frozen=True, slots=True)
 class PostgresQueries:
     """The outbox statements of one PostgreSQL schema."""
@@ -229,6 +281,10 @@ class PostgresQueries:
     purge: str = field(init=False)
     purge_keys: str = field(init=False)
     stats: str = field(init=False)
+    requeue: str = field(init=False)
+    due: str = field(init=False)
+    dead_letter: str = field(init=False)
+    table: str = field(init=False)
     channel: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -242,6 +298,8 @@ class PostgresQueries:
             ("purge", PG_PURGE),
             ("purge_keys", PG_PURGE_KEYS),
             ("stats", PG_STATS),
+            ("due", PG_DUE),
+            ("dead_letter", PG_DEAD_LETTER),
         ):
             object.__setattr__(self, name, template.format(schema=quoted))
         table = f"{quoted}.oncely_outbox".replace("'", "''")
@@ -249,6 +307,8 @@ class PostgresQueries:
         for name, notify in (("add", ""), ("add_notify", PG_NOTIFY)):
             rendered = PG_ADD.format(schema=quoted, sequence=sequence, notify=notify)
             object.__setattr__(self, name, rendered)
+        object.__setattr__(self, "requeue", PG_REQUEUE.format(schema=quoted, sequence=sequence))
+        object.__setattr__(self, "table", f"{quoted}.oncely_outbox")
         object.__setattr__(self, "channel", channel(self.schema))
 
 
@@ -288,7 +348,8 @@ SELECT {_EVENT}
    AND o.next_attempt_at_ms <= :now
    AND (o.claimed_until_ms IS NULL OR o.claimed_until_ms <= :now)
    AND NOT EXISTS (SELECT 1 FROM oncely_outbox AS p
-                    WHERE p.ordering_key = o.ordering_key AND p.seq < o.seq
+                    WHERE p.ordering_key = o.ordering_key AND p.destination = o.destination
+                      AND p.seq < o.seq
                       AND p.published_at_ms IS NULL AND p.dead_at_ms IS NULL)
  ORDER BY o.id
  LIMIT :limit
@@ -298,13 +359,17 @@ SELECT {_EVENT}
 SQLITE_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
   FROM oncely_outbox AS o
- WHERE o.ordering_key IN (SELECT value FROM json_each(:keys))
+ WHERE o.ordering_key IN (SELECT json_extract(value, '$[0]') FROM json_each(:scopes))
+   AND EXISTS (SELECT 1 FROM json_each(:scopes) AS s
+                WHERE json_extract(s.value, '$[0]') = o.ordering_key
+                  AND json_extract(s.value, '$[1]') = o.destination)
    AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
    AND o.id NOT IN (SELECT value FROM json_each(:ids))
  ORDER BY o.id
  LIMIT :limit
 """
-"""Parameters: keys and ids (JSON arrays), limit. See `PG_FOLLOWERS`."""
+"""Parameters: scopes (a JSON array of [key, destination] pairs), ids (a JSON array), limit. See
+`PG_FOLLOWERS`."""
 
 SQLITE_CLAIM: Final = """
 UPDATE oncely_outbox SET claimed_until_ms = :until WHERE id IN (SELECT value FROM json_each(:ids))
@@ -351,3 +416,15 @@ SELECT coalesce(sum(published_at_ms IS NULL AND dead_at_ms IS NULL), 0),
        min(CASE WHEN published_at_ms IS NULL AND dead_at_ms IS NULL THEN created_at_ms END)
   FROM oncely_outbox
 """
+
+SQLITE_DUE: Final = """
+UPDATE oncely_outbox SET next_attempt_at_ms = ?
+ WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
+"""
+"""Parameters: now_ms, id. See `PG_DUE`."""
+
+SQLITE_DEAD_LETTER: Final = """
+UPDATE oncely_outbox SET dead_at_ms = ?, last_error = ?
+ WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
+"""
+"""Parameters: now_ms, error, id. See `PG_DEAD_LETTER`."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from oncely import _txn
+from oncely import _events, _observed, _txn
 from oncely._core.keys import validate_key
 from oncely.errors import ConfigurationError, ConflictError
 from oncely.outbox import _sql
@@ -35,9 +35,9 @@ class Outbox:
 
     The event commits or rolls back with the transaction: a rolled-back order publishes
     nothing, a committed one is published even if the process dies right after the commit.
-    Events of one ``ordering_key`` are published in commit order. Each carries its
-    ``message_id`` as the idempotency key an oncely consumer reads, so a re-publish (after a
-    relay crash) takes effect once.
+    Events of one ``ordering_key`` to one destination are published in commit order. Each
+    carries its ``message_id`` as the idempotency key an oncely consumer reads, so a
+    re-publish (after a relay crash) takes effect once.
 
     Connections: as for `oncely.Inbox`: psycopg 3 (`aadd` for ``psycopg.AsyncConnection``),
     ``sqlite3`` (in a transaction), SQLAlchemy sessions and connections (async ones with
@@ -80,8 +80,8 @@ class Outbox:
                 topic, a subject, a stream.
             payload: The message body (a ``str`` is encoded as UTF-8).
             headers: Application headers (strings), sent with the message.
-            ordering_key: Events with the same key are published in the order their
-                transactions committed (the Kafka message key, say). ``None``: no order.
+            ordering_key: Events with the same key and destination are published in the order
+                their transactions committed (the Kafka message key, say). ``None``: no order.
             message_id: The event's stable id, sent as its idempotency key; unique in the
                 outbox. By default a fresh UUID.
 
@@ -92,6 +92,8 @@ class Outbox:
             ConflictError: The message id is in the outbox already (the transaction stays
                 usable).
         """
+        if _events.on:
+            headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
         raw = _txn.raw_connection(connection, _USER)
         if self._pg is None:
@@ -113,6 +115,8 @@ class Outbox:
         message_id: str | None = None,
     ) -> str:
         """`add` for an async connection or session (psycopg's, or SQLAlchemy's over it)."""
+        if _events.on:
+            headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
         if self._pg is None:
             raise ConfigurationError("aadd needs PostgreSQL (async psycopg): SQLite is sync")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from oncely.stores._registry import open_store
 
 if TYPE_CHECKING:
+    from oncely.stores.bloom import BloomStore
     from oncely.stores.memory import MemoryStore
     from oncely.stores.postgres import PostgresStore
     from oncely.stores.redis import RedisClusterStore, RedisStore
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from oncely.stores.tiered import TieredStore
 
 __all__ = [
+    "BloomStore",
     "MemoryStore",
     "open_store",
     "PostgresStore",
@@ -27,6 +29,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "BloomStore": "oncely.stores.bloom",
     "MemoryStore": "oncely.stores.memory",
     "PostgresStore": "oncely.stores.postgres",
     "RedisClusterStore": "oncely.stores.redis",

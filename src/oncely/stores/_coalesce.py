@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from oncely import _execution
+from oncely._cancel import given_back_if_cancelled, release_unused
 from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Record, Status
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
@@ -194,11 +194,11 @@ class _Claims(Coalescer):
     async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
         # A caller cancelled while its claim is in flight releases the lease it took.
         claim = self._single(*item[:2], **options)
-        return await _execution.given_back_if_cancelled(claim, self._store, item[0])
+        return await given_back_if_cancelled(claim, self._store, item[0])
 
     def _unused(self, loop: asyncio.AbstractEventLoop, item: tuple[Any, ...], answer: Any) -> None:
         if isinstance(answer, Acquired):
-            task = loop.create_task(_execution.release_unused(self._store, item[0], answer))
+            task = loop.create_task(release_unused(self._store, item[0], answer))
             self._sending.add(task)  # a reference, so the task is not collected mid-flight
             task.add_done_callback(self._sending.discard)
 

@@ -65,7 +65,9 @@ def open_store(url: str, **options: Any) -> Store:
             )
 
         tiered_options = {
-            name: options.pop(name) for name in ("max_entries", "max_bytes") if name in options
+            name: options.pop(name)
+            for name in ("max_entries", "max_bytes", "max_staleness")
+            if name in options
         }
         return TieredStore(open_store(url[len("tiered+") :], **options), **tiered_options)
     target = _target(scheme)

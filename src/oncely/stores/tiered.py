@@ -9,6 +9,12 @@ Redis ``TIME``, PostgreSQL's clock, the clock of a memory or SQLite store), so t
 ``expires_at_ms - judged_at_ms`` left from a moment after the claim was sent. The cache keeps it
 that long, less a margin, measured on the local clock from when the claim was sent: a local clock
 that is minutes off never serves a record the store has expired (and may have run again).
+
+A record can also change before it expires: forgotten (through another process, or `oncely
+forget`) and run again. No process is told, so a cached record is kept at most `max_staleness`
+(one second by default) from when its claim was sent: a change made anywhere reaches every
+process's cache within that bound. A forget through this store takes effect at once, and a claim
+in flight when it lands does not cache what it read before it (the forget count, below).
 """
 
 from __future__ import annotations
@@ -18,22 +24,20 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.flow import Flow, adrive, drive
-from oncely._core.protocols import CheckableStore, Store
+from oncely._core.protocols import Store
 from oncely._core.records import (
     ClaimResult,
-    LeaseLost,
     Mismatch,
     Record,
     Replay,
     Status,
-    StoreHealth,
 )
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores import _batch
+from oncely.stores._wrapper import StoreWrapper
 
 __all__ = ["TieredStore"]
 
@@ -48,16 +52,23 @@ class _Entry:
     deadline_ms: int  # on the tiered store's clock: past it, the record may have expired
 
 
-class TieredStore:
+class TieredStore(StoreWrapper):
     """Caches finished records of *inner* in this process.
 
     Args:
         inner: The store that owns the records.
         max_entries: The most records kept.
         max_bytes: The most result bytes kept (records larger than a tenth of it are not cached).
+        max_staleness: The longest a cached record answers, from when its claim was sent: a
+            record forgotten or run again elsewhere is replayed from this cache no longer.
         clock: The local clock that measures how long a cached record has left (by default the
             inner store's clock, else the host's); a store whose replies do not say its clock
             (`Replay.judged_at_ms`) is taken to share it.
+
+    Raises:
+        ConfigurationError: A bound is not positive.
+
+    Every verb it does not list here is the inner store's own (`oncely.Store`).
 
     .. versionadded:: 0.1.0
     """
@@ -70,13 +81,20 @@ class TieredStore:
         *,
         max_entries: int = 10_000,
         max_bytes: int = 64 * 1024 * 1024,
+        max_staleness: timedelta = timedelta(seconds=1),
         clock: Clock | None = None,
     ) -> None:
         if max_entries < 1 or max_bytes < 1:
             raise ConfigurationError("max_entries and max_bytes must be positive")
-        self.inner = inner
+        if not isinstance(max_staleness, timedelta) or max_staleness < timedelta(milliseconds=1):
+            raise ConfigurationError(
+                f"max_staleness must be a timedelta of at least 1 ms, not {max_staleness!r}"
+            )
+        super().__init__(inner)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_staleness = max_staleness
+        self._staleness_ms = max_staleness // timedelta(milliseconds=1)
         inner_clock = getattr(inner, "clock", None)
         if not callable(getattr(inner_clock, "now_ms", None)):
             inner_clock = None
@@ -84,14 +102,10 @@ class TieredStore:
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._forgets = 0
+        """Forgets through this store so far: a claim caches what it read only if none landed
+        while it was in flight (the read may predate the forget)."""
         self.hits = 0
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> TieredStore:
-        """Open ``tiered+<inner url>``."""
-        from oncely.stores._registry import open_store
-
-        return open_store(url, **options)  # type: ignore[return-value]
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -110,18 +124,29 @@ class TieredStore:
             return Mismatch(stored_fingerprint=record.fingerprint)
         return Replay(record)
 
-    def _remember(self, answer: ClaimResult, asked_at_ms: int) -> ClaimResult:
-        """Cache *answer* if it is a replay; *asked_at_ms* is the local clock before the claim."""
+    def _asking(self) -> tuple[int, int]:
+        """The local clock and the forget count, taken before a claim is sent."""
+        with self._lock:
+            return self.clock.now_ms(), self._forgets
+
+    def _remember(self, answer: ClaimResult, asked: tuple[int, int]) -> ClaimResult:
+        """Cache *answer* if it is a replay; *asked* is `_asking` before the claim."""
         if isinstance(answer, Replay):
+            asked_at_ms, forgets = asked
             record = answer.record
             judged_at_ms = answer.judged_at_ms
             if judged_at_ms is None:  # the store does not say its clock: take the local one
                 judged_at_ms = asked_at_ms
             # The store judged after the claim was sent: the record lives at least this long.
-            deadline_ms = asked_at_ms + record.expires_at_ms - judged_at_ms - _EXPIRY_MARGIN_MS
+            deadline_ms = min(
+                asked_at_ms + record.expires_at_ms - judged_at_ms - _EXPIRY_MARGIN_MS,
+                asked_at_ms + self._staleness_ms,
+            )
             size = len(record.result or b"")
             if size <= self.max_bytes // 10 and deadline_ms > asked_at_ms:
                 with self._lock:
+                    if forgets != self._forgets:
+                        return answer
                     self._drop(record.key)
                     self._cache[record.key] = _Entry(record, deadline_ms)
                     self._bytes += size
@@ -139,13 +164,11 @@ class TieredStore:
         ]
         misses = [index for index, answer in enumerate(answers) if answer is None]
         if misses:
-            asked_at_ms = self.clock.now_ms()
+            asked = self._asking()
             fetched: list[ClaimResult | StoreError] = yield misses
             for index, answer in zip(misses, fetched, strict=True):
                 answers[index] = (
-                    answer
-                    if isinstance(answer, StoreError)
-                    else self._remember(answer, asked_at_ms)
+                    answer if isinstance(answer, StoreError) else self._remember(answer, asked)
                 )
         return [answer for answer in answers if answer is not None]
 
@@ -164,13 +187,9 @@ class TieredStore:
         cached = self._cached(key, fingerprint)
         if cached is not None:
             return cached
-        asked_at_ms = self.clock.now_ms()
+        asked = self._asking()
         answer = self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
-        return self._remember(answer, asked_at_ms)
-
-    def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.complete`."""
-        return self.inner.complete(key, token, result, ttl=ttl)
+        return self._remember(answer, asked)
 
     def claim_many(
         self,
@@ -196,82 +215,27 @@ class TieredStore:
             ),
         )
 
-    def complete_many(
-        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | StoreError | None]:
-        """See `oncely.BatchStore.complete_many`."""
-        return _batch.complete_many(self.inner, items, ttl=ttl) if items else []
-
-    def fail(self, key: str, token: int, error: bytes, *, ttl: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.fail`."""
-        return self.inner.fail(key, token, error, ttl=ttl)
-
-    def release(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.SyncStore.release`."""
-        return self.inner.release(key, token)
-
-    def extend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.SyncStore.extend`."""
-        return self.inner.extend(key, token, lease=lease)
-
-    def get(self, key: str) -> Record | None:
-        """See `oncely.SyncStore.get` (always read from the inner store)."""
-        return self.inner.get(key)
-
     def forget(self, key: str, *, force: bool = False) -> Status | None:
-        """The inner store's ``forget``; *key* then leaves the cache."""
-        status: Status | None = self._inner_verb("forget")(key, force=force)
-        with self._lock:
-            self._drop(key)
+        """The inner store's ``forget``; *key* then leaves the cache, and a claim in flight
+        does not put it back."""
+        try:
+            status: Status | None = self._inner_verb("forget")(key, force=force)
+        finally:  # a forget whose reply was lost may still have been applied
+            self._forgotten(key)
         return status
 
     async def aforget(self, key: str, *, force: bool = False) -> Status | None:
         """Async `forget`."""
-        status: Status | None = await self._inner_verb("aforget")(key, force=force)
-        with self._lock:
-            self._drop(key)
+        try:
+            status: Status | None = await self._inner_verb("aforget")(key, force=force)
+        finally:
+            self._forgotten(key)
         return status
 
-    def scan(self, *, after: str = "", limit: int = 100) -> list[Record]:
-        """The inner store's ``scan`` (the cache holds no record the inner store lacks)."""
-        records: list[Record] = self._inner_verb("scan")(after=after, limit=limit)
-        return records
-
-    def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
-        """The inner store's ``purge``."""
-        deleted: int = self._inner_verb("purge")(batch=batch, limit=limit)
-        return deleted
-
-    def migrate(self) -> None:
-        """The inner store's ``migrate``."""
-        self._inner_verb("migrate")()
-
-    def _inner_verb(self, verb: str) -> Any:
-        method = getattr(self.inner, verb, None)
-        if method is None:
-            raise StoreError(
-                f"the inner store {self.inner!r} has no {verb}()", backend=self.backend
-            )
-        return method
-
-    def _checkable(self) -> CheckableStore:
-        if not isinstance(self.inner, CheckableStore):
-            raise StoreError(f"the inner store {self.inner!r} has no check()", backend=self.backend)
-        return self.inner
-
-    def check(self) -> StoreHealth:
-        """See `oncely.CheckableStore.check`: the inner store's check (the cache cannot fail)."""
-        health = self._checkable().check()
-        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
-
-    async def acheck(self) -> StoreHealth:
-        """Async `check`."""
-        health = await self._checkable().acheck()
-        return StoreHealth(self.backend, health.schema_version, health.latency_ms)
-
-    def close(self) -> None:
-        """Close the inner store."""
-        self.inner.close()
+    def _forgotten(self, key: str) -> None:
+        with self._lock:
+            self._forgets += 1
+            self._drop(key)
 
     # -- async verbs ---------------------------------------------------------------------------
 
@@ -282,15 +246,9 @@ class TieredStore:
         cached = self._cached(key, fingerprint)
         if cached is not None:
             return cached
-        asked_at_ms = self.clock.now_ms()
+        asked = self._asking()
         answer = await self.inner.aclaim(key, fingerprint, lease=lease, ttl=ttl)
-        return self._remember(answer, asked_at_ms)
-
-    async def acomplete(
-        self, key: str, token: int, result: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.acomplete`."""
-        return await self.inner.acomplete(key, token, result, ttl=ttl)
+        return self._remember(answer, asked)
 
     async def aclaim_many(
         self,
@@ -314,43 +272,3 @@ class TieredStore:
             )
 
         return await adrive(self._claim_many(requests), fetch)
-
-    async def acomplete_many(
-        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | StoreError | None]:
-        """See `oncely.BatchStore.acomplete_many`."""
-        return await _batch.acomplete_many(self.inner, items, ttl=ttl) if items else []
-
-    async def afail(
-        self, key: str, token: int, error: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.afail`."""
-        return await self.inner.afail(key, token, error, ttl=ttl)
-
-    async def arelease(self, key: str, token: int) -> LeaseLost | None:
-        """See `oncely.AsyncStore.arelease`."""
-        return await self.inner.arelease(key, token)
-
-    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """See `oncely.AsyncStore.aextend`."""
-        return await self.inner.aextend(key, token, lease=lease)
-
-    async def aget(self, key: str) -> Record | None:
-        """See `oncely.AsyncStore.aget`."""
-        return await self.inner.aget(key)
-
-    async def aclose(self) -> None:
-        """Close the inner store."""
-        await self.inner.aclose()
-
-    def __enter__(self) -> TieredStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> TieredStore:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

@@ -198,6 +198,10 @@ CREATE INDEX IF NOT EXISTS oncely_outbox_pending ON oncely_outbox (id)
     WHERE published_at IS NULL AND dead_at IS NULL;
 CREATE UNIQUE INDEX IF NOT EXISTS oncely_outbox_pending_key ON oncely_outbox (ordering_key, seq)
     WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL;
+-- Order is kept per (ordering_key, destination): the relay finds each pair's head here.
+CREATE INDEX IF NOT EXISTS oncely_outbox_pending_scope
+    ON oncely_outbox (ordering_key, destination, seq)
+    WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS oncely_outbox_published ON oncely_outbox (published_at)
     WHERE published_at IS NOT NULL;
 

@@ -24,9 +24,11 @@ on the server the first time each connection runs them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import threading
 import time
@@ -390,6 +392,7 @@ class PostgresStore:
                         max_size=self._max_size,
                         timeout=self._pool_timeout,
                         name=f"oncely-{next(_POOL_NUMBERS)}",
+                        configure=_CONNECTIONS.add,
                         open=False,
                     )
                     pool.open()
@@ -413,31 +416,38 @@ class PostgresStore:
         return entry.pool
 
     def _probe(self) -> None:
-        """Connect once before a pool opens, so settings the server refuses fail at once.
+        """Connect once before a pool opens, so a server that cannot be reached, or refuses
+        the settings, fails the call at once with its reason.
 
-        The pool connects in the background and retries a refused connection until
-        ``pool_timeout``, which would make a wrong role, password or database look like an
-        outage. Any other failure is left to the pool (it may pass).
+        The pool connects in the background and retries a failed connection until
+        ``pool_timeout``, logging each failure: that would make a wrong role, password or
+        database look like an outage, and a server that is down take ``pool_timeout`` to
+        report, without its reason. No pool is opened until a connection succeeds.
         """
         try:
             psycopg.connect(self._conninfo, **self._kwargs).close()
         except psycopg.OperationalError as exc:
-            self._refused(exc)
+            raise self._unreachable(exc) from exc
 
     async def _aprobe(self) -> None:
         """Async `_probe`."""
         try:
             await (await psycopg.AsyncConnection.connect(self._conninfo, **self._kwargs)).close()
         except psycopg.OperationalError as exc:
-            self._refused(exc)
+            raise self._unreachable(exc) from exc
 
-    def _refused(self, exc: psycopg.OperationalError) -> None:
-        """Raise `ConfigurationError` if *exc* says the server refused these settings."""
+    def _unreachable(self, exc: psycopg.OperationalError) -> Exception:
+        """`ConfigurationError` if *exc* says the server refused these settings, else
+        `StoreUnavailableError`, quoting the driver's reason."""
         text = str(exc)
         if any(refusal in text for refusal in _REFUSALS):
-            raise ConfigurationError(
+            return ConfigurationError(
                 f"PostgreSQL at {self._where} refused the store's settings: {_server_message(exc)}"
-            ) from exc
+            )
+        return StoreUnavailableError(
+            f"cannot connect to PostgreSQL at {self._where}: {_server_message(exc)}",
+            backend=self.backend,
+        )
 
     def _forget(self, entry: _LoopPool) -> None:
         with self._lock:
@@ -447,6 +457,7 @@ class PostgresStore:
     def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> _LoopPool:
         async def track(connection: psycopg.AsyncConnection[Any]) -> None:
             entry.connections.add(connection)
+            _CONNECTIONS.add(connection)
 
         entry = _LoopPool(
             loop,
@@ -479,9 +490,11 @@ class PostgresStore:
         if isinstance(exc, psycopg_pool.PoolClosed):
             return StoreError("the store is closed", backend=self.backend)
         if isinstance(exc, psycopg_pool.PoolTimeout):
+            pools = (p for p in (self._pool, *(e.pool for e in self._loop_pools.values())) if p)
+            last = _QUIET_POOLS.last_error(pools)
             return StoreUnavailableError(
                 f"no connection to PostgreSQL at {self._where} within {self._pool_timeout}s "
-                f"for {op.subject}",
+                f"for {op.subject}" + (f": {last}" if last else ""),
                 backend=self.backend,
             )
         if isinstance(exc, _SCHEMA_MISSING):
@@ -956,6 +969,57 @@ def _close_elsewhere(loop: asyncio.AbstractEventLoop, entry: _LoopPool) -> None:
         loop.run_until_complete(entry.close())
     else:
         entry.abandon()
+
+
+class _QuietPools(logging.Filter):
+    """Keeps the warnings psycopg_pool logs from its background threads about this module's
+    pools (a failed reconnection, every few seconds while the server is down) out of the
+    application's logs: the next call that cannot get a connection says it, with the reason
+    kept here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.levelno < logging.WARNING or not isinstance(args, tuple) or not args:
+            return True
+        name = args[0]
+        if not isinstance(name, str):  # about a connection: one of this module's pools'?
+            return name not in _CONNECTIONS
+        if not name.startswith("oncely-"):
+            return True
+        if len(args) > 1 and isinstance(args[1], BaseException):
+            self._last[name] = _server_message(args[1])
+        return False
+
+    def last_error(self, pools: Iterator[Any]) -> str | None:
+        """The reason of the last failed connection of one of *pools*, if any."""
+        for pool in pools:
+            reason = self._last.get(pool.name)
+            if reason is not None:
+                return reason
+        return None
+
+
+_CONNECTIONS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The connections this module's pools made (see `_QuietPools`)."""
+
+_QUIET_POOLS = _QuietPools()
+logging.getLogger("psycopg.pool").addFilter(_QUIET_POOLS)
+
+
+def _close_at_exit() -> None:
+    """Close the pools of stores still open when the interpreter exits, while it can: left to
+    the garbage collector, a sync pool's workers are joined from a dying thread and an async
+    pool's tasks are destroyed pending, each printing an error."""
+    for store in list(_OPEN_STORES):
+        with contextlib.suppress(Exception):
+            store.close()
+
+
+atexit.register(_close_at_exit)
 
 
 def _forget_parent_pools() -> None:

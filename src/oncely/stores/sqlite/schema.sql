@@ -51,6 +51,11 @@ CREATE INDEX IF NOT EXISTS oncely_outbox_pending ON oncely_outbox (id)
 CREATE UNIQUE INDEX IF NOT EXISTS oncely_outbox_pending_key ON oncely_outbox (ordering_key, seq)
     WHERE published_at_ms IS NULL AND dead_at_ms IS NULL AND ordering_key IS NOT NULL;
 
+-- Order is kept per (ordering_key, destination): the relay finds each pair's head here.
+CREATE INDEX IF NOT EXISTS oncely_outbox_pending_scope
+    ON oncely_outbox (ordering_key, destination, seq)
+    WHERE published_at_ms IS NULL AND dead_at_ms IS NULL AND ordering_key IS NOT NULL;
+
 CREATE INDEX IF NOT EXISTS oncely_outbox_published ON oncely_outbox (published_at_ms)
     WHERE published_at_ms IS NOT NULL;
 

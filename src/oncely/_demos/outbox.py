@@ -55,14 +55,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from oncely._demo import (
+from oncely._demos._common import (
     DemoAborted,
     PipeLogHandler,
-    _fraction,
-    _positive,
-    _print,
-    _rate,
+    fraction,
+    positive_int,
+    rate_below_one,
     render_table,
+    say,
 )
 
 __all__ = ["build_outbox_parser", "main", "run_outbox_demo"]
@@ -109,7 +109,7 @@ def message_id(key: str) -> str:
 
 def crash_planned(seed: int, rate: float, point: str, label: str) -> bool:
     """Whether the item *label* (an order key or message id) crashes its process at *point*."""
-    return _fraction(seed, f"{point}:{label}") < rate
+    return fraction(seed, f"{point}:{label}") < rate
 
 
 @dataclass(frozen=True)
@@ -556,9 +556,7 @@ class Pipeline:
         self.lock = threading.Lock()
         self.ports: list[int] = []
         self.numbers: Counter[str] = Counter()
-        self.echo: Callable[[str], None] = (
-            (lambda line: None) if args.quiet or args.json else _print
-        )
+        self.echo: Callable[[str], None] = (lambda line: None) if args.quiet or args.json else say
 
     def start(self, role: str) -> None:
         """Start one process of *role*."""
@@ -946,16 +944,18 @@ def build_outbox_parser() -> argparse.ArgumentParser:
             "checks that each request made exactly one order and one shipment."
         ),
     )
-    parser.add_argument("--orders", type=_positive, default=60, help="default: 60")
+    parser.add_argument("--orders", type=positive_int, default=60, help="default: 60")
     parser.add_argument(
         "--crash-rate",
-        type=_rate,
+        type=rate_below_one,
         default=0.1,
         help="share of orders (events) that crash the API (relay, consumer) (default: 0.1)",
     )
-    parser.add_argument("--api-workers", type=_positive, default=2, help="default: 2")
-    parser.add_argument("--consumers", type=_positive, default=2, help="default: 2")
-    parser.add_argument("--clients", type=_positive, default=6, help="client threads (default 6)")
+    parser.add_argument("--api-workers", type=positive_int, default=2, help="default: 2")
+    parser.add_argument("--consumers", type=positive_int, default=2, help="default: 2")
+    parser.add_argument(
+        "--clients", type=positive_int, default=6, help="client threads (default 6)"
+    )
     parser.add_argument("--seed", type=int, default=1, help="decides the order and the crashes")
     parser.add_argument("--dir", type=Path, help="where the SQLite files go (default: temporary)")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
@@ -1011,7 +1011,7 @@ def _run(args: argparse.Namespace, directory: Path, *, temporary: bool) -> int:
     _prepare(config)
     if not (args.quiet or args.json):
         where = "a temporary directory" if temporary else str(directory)
-        _print(
+        say(
             "oncely demo --outbox: POST /orders → inbox + order + outbox (one transaction) → "
             "relay → broker → consumer inbox + shipment"
             f"{' WITHOUT the inboxes (--unsafe)' if args.unsafe else ''}\n"
@@ -1031,13 +1031,13 @@ def _run(args: argparse.Namespace, directory: Path, *, temporary: bool) -> int:
     summary = summarise(args, tally, result, elapsed)
     summary.update(directory=str(directory), temporary=temporary)
     if args.json:
-        _print(json.dumps(summary, indent=2))
+        say(json.dumps(summary, indent=2))
     else:
         if not args.quiet:
-            _print("")
-        _print(render_summary(summary))
-        _print("")
-        _print(summary["check"])
+            say("")
+        say(render_summary(summary))
+        say("")
+        say(summary["check"])
     return EXIT_OK if result.ok else EXIT_CHECK_FAILED
 
 

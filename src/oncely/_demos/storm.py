@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -49,6 +48,15 @@ from typing import Any, NoReturn
 
 import oncely
 from oncely._core.keys import scope_key
+from oncely._demos._common import (
+    DemoAborted,
+    PipeLogHandler,
+    fraction,
+    positive_int,
+    rate_below_one,
+    render_table,
+    say,
+)
 from oncely.errors import InProgressError, LeaseLostError
 
 __all__ = ["main"]
@@ -97,14 +105,9 @@ def amount_cents(payment: int) -> int:
     return 1_000 + (payment * 7_919) % 9_000
 
 
-def _fraction(seed: int, label: str) -> float:
-    digest = hashlib.blake2b(f"{seed}:{label}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
 def crashes(seed: int, rate: float, label: str, execution: int) -> bool:
     """Whether execution number *execution* of the call named *label* crashes."""
-    return execution <= MAX_CRASHES_PER_CALL and _fraction(seed, f"{label}#{execution}") < rate
+    return execution <= MAX_CRASHES_PER_CALL and fraction(seed, f"{label}#{execution}") < rate
 
 
 def planned_crashes(seed: int, rate: float, labels: list[str]) -> int:
@@ -303,21 +306,6 @@ class Worker:
             self.store.close()
 
 
-class PipeLogHandler(logging.Handler):
-    """Forwards the ``oncely`` logger's lines to the parent, which prints them."""
-
-    def __init__(self, worker: Worker) -> None:
-        super().__init__(logging.WARNING)
-        self.worker = worker
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Send one log line."""
-        try:
-            self.worker.send("log", text=f"{record.levelname} {record.name}: {record.getMessage()}")
-        except Exception:
-            self.handleError(record)
-
-
 class Client:
     """One client thread: calls ``charge`` for each job, retrying while it is in progress."""
 
@@ -424,10 +412,6 @@ def worker_main(
 # -- parent: dispatch, restart, count -----------------------------------------------------------
 
 
-class DemoAborted(Exception):
-    """The storm could not finish (a worker failed for a reason other than an injected crash)."""
-
-
 @dataclass
 class Slot:
     """A running worker process as the parent sees it."""
@@ -467,9 +451,7 @@ class Storm:
         self.slots: list[Slot] = []
         self.tally = Tally()
         self._next_worker = 0
-        self.echo: Callable[[str], None] = (
-            (lambda line: None) if args.quiet or args.json else _print
-        )
+        self.echo: Callable[[str], None] = (lambda line: None) if args.quiet or args.json else say
 
     def start_worker(self) -> None:
         """Start one worker process."""
@@ -671,20 +653,6 @@ def check_ledger(
     return check
 
 
-def _print(line: str) -> None:
-    print(line, flush=True)
-
-
-def render_table(rows: list[tuple[str, str, str]]) -> str:
-    """A compact, aligned table: label, value, note."""
-    label_width = max(len(label) for label, _, _ in rows)
-    value_width = max(len(value) for _, value, _ in rows)
-    return "\n".join(
-        f"  {label:<{label_width}}  {value:>{value_width}}  {note}".rstrip()
-        for label, value, note in rows
-    )
-
-
 def summarise(
     args: argparse.Namespace, tally: Tally, check: LedgerCheck, elapsed: float
 ) -> dict[str, Any]:
@@ -761,20 +729,6 @@ def render_summary(summary: dict[str, Any]) -> str:
 # -- command line -------------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {value}")
-    return value
-
-
 def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser:
     """The demo's options (*prog* names the command in its usage line)."""
     parser = argparse.ArgumentParser(
@@ -784,19 +738,19 @@ def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser
             "crashing workers; checks that the bank's ledger charged every payment exactly once."
         ),
     )
-    parser.add_argument("--payments", type=_positive, default=200, help="default: 200")
+    parser.add_argument("--payments", type=positive_int, default=200, help="default: 200")
     parser.add_argument(
-        "--attempts", type=_positive, default=8, help="calls per payment (default: 8)"
+        "--attempts", type=positive_int, default=8, help="calls per payment (default: 8)"
     )
     parser.add_argument(
-        "--processes", type=_positive, default=4, help="worker processes (default: 4)"
+        "--processes", type=positive_int, default=4, help="worker processes (default: 4)"
     )
     parser.add_argument(
-        "--threads", type=_positive, default=4, help="threads per process (default: 4)"
+        "--threads", type=positive_int, default=4, help="threads per process (default: 4)"
     )
     parser.add_argument(
         "--crash-rate",
-        type=_rate,
+        type=rate_below_one,
         default=0.05,
         help="share of executions that hard-crash after claiming (default: 0.05)",
     )
@@ -814,7 +768,7 @@ def build_parser(prog: str = "python -m oncely.demo") -> argparse.ArgumentParser
     )
     parser.add_argument(
         "--drop-rate",
-        type=_rate,
+        type=rate_below_one,
         default=0.25,
         help="--http: share of responses the proxy drops (default: 0.25)",
     )
@@ -834,12 +788,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m oncely.demo") 
     """Run the demo; return 0 when the ledger check passes, 1 when it fails, 3 if aborted."""
     argv = sys.argv[1:] if argv is None else argv
     if "--outbox" in argv:  # a demo of its own, with its own options
-        from oncely._demo_outbox import main as outbox_main
+        from oncely._demos.outbox import main as outbox_main
 
         return outbox_main([arg for arg in argv if arg != "--outbox"])
     args = build_parser(prog).parse_args(argv)
     if args.http:
-        from oncely.http._demo import run_http_demo
+        from oncely._demos.api import run_http_demo
 
         return run_http_demo(args)
     if args.db is not None:
@@ -873,7 +827,7 @@ def _run(args: argparse.Namespace, db_path: Path, *, temporary: bool) -> int:
             store = oncely.open_store(store_url, namespace=run)
             stack.callback(store.close)
         if not (args.quiet or args.json):
-            _print(_header(args, "a temporary directory" if temporary else str(db_path.parent)))
+            say(_header(args, "a temporary directory" if temporary else str(db_path.parent)))
         started = time.monotonic()
         try:
             tally = Storm(args, store_url, bank_path, run).run_to_end()
@@ -885,11 +839,11 @@ def _run(args: argparse.Namespace, db_path: Path, *, temporary: bool) -> int:
     summary = summarise(args, tally, check, elapsed)
     summary.update(run=run, store=str(db_path), bank=bank_path, temporary=temporary)
     if args.json:
-        _print(json.dumps(summary, indent=2))
+        say(json.dumps(summary, indent=2))
     else:
         if not args.quiet:
-            _print("")
-        _print(render_summary(summary))
-        _print("")
-        _print(summary["ledger_check"])
+            say("")
+        say(render_summary(summary))
+        say("")
+        say(summary["ledger_check"])
     return EXIT_OK if check.ok else EXIT_LEDGER_FAILED

@@ -1,7 +1,7 @@
 """The HTTP demo: a payments API on a real socket, a retry storm, and dropped responses.
 
 ``run_http_demo(args)`` (wired into ``python -m oncely.demo --http``; also runnable as
-``python -m oncely.http._demo``) starts a payments API in a child process: a bare ASGI app
+``python -m oncely._demos.api``) starts a payments API in a child process: a bare ASGI app
 served by uvicorn on loopback, behind `oncely.http.asgi.IdempotencyMiddleware` on a SQLite
 store. In front of it runs a small TCP proxy that drops a share of the responses: the server
 has answered, the client never hears it, as when a connection dies on the way back. Client
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oncely._demo import _positive, _rate  # the main demo's option checks
+from oncely._demos._common import positive_int, rate_below_one
 
 __all__ = ["build_http_parser", "main", "run_http_demo"]
 
@@ -544,19 +544,22 @@ def _render(summary: dict[str, Any]) -> str:
 def build_http_parser() -> argparse.ArgumentParser:
     """The HTTP demo's own options (the main demo passes its namespace instead)."""
     parser = argparse.ArgumentParser(
-        prog="python -m oncely.http._demo",
+        prog="python -m oncely._demos.api",
         description="A retry storm over real sockets, with dropped responses, against a "
         "payments API behind oncely's ASGI middleware; checks the bank's ledger.",
     )
-    parser.add_argument("--payments", type=_positive, default=100, help="default: 100")
+    parser.add_argument("--payments", type=positive_int, default=100, help="default: 100")
     parser.add_argument(
-        "--attempts", type=_positive, default=4, help="submissions per payment (default: 4)"
+        "--attempts", type=positive_int, default=4, help="submissions per payment (default: 4)"
     )
     parser.add_argument(
-        "--threads", type=_positive, default=16, help="concurrent clients (default: 16)"
+        "--threads", type=positive_int, default=16, help="concurrent clients (default: 16)"
     )
     parser.add_argument(
-        "--drop-rate", type=_rate, default=0.25, help="share of responses lost (default: 0.25)"
+        "--drop-rate",
+        type=rate_below_one,
+        default=0.25,
+        help="share of responses lost (default: 0.25)",
     )
     parser.add_argument("--seed", type=int, default=1, help="decides the order and the drops")
     parser.add_argument("--db", type=Path, help="the store's SQLite file (default: a temp dir)")
@@ -567,7 +570,7 @@ def build_http_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m oncely.http._demo``: parse the options and run the demo."""
+    """``python -m oncely._demos.api``: parse the options and run the demo."""
     return run_http_demo(build_http_parser().parse_args(argv))
 
 
