@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from oncely import _events, _observed
+from oncely._cancel import given_back_if_cancelled, shielded
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
 from oncely._core.policy import Policy
@@ -524,8 +525,7 @@ async def arun(
         send, error = None, None
         try:
             if type(op) is StoreCall:
-                call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-                send = await (shielded(call) if op.shield else call)
+                send = await _astore_call(op, store)
             else:
                 send = await aperform(op, store, invoke)
         except BaseException as exc:  # the flow decides: release the lease, map the error...
@@ -540,8 +540,7 @@ async def aperform(
         store = _observed.timed(store)
     kind = type(op)
     if kind is StoreCall:
-        call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
-        return await (shielded(call) if op.shield else call)
+        return await _astore_call(op, store)
     if kind is Invoke and invoke is not None:
         return await ainvoke_under(op.lease, invoke)
     if kind is StartHeartbeat:
@@ -558,6 +557,28 @@ async def aperform(
     raise TypeError(f"cannot perform {op!r}")
 
 
+def _astore_call(op: StoreCall, store: AsyncStore) -> Awaitable[Any]:
+    call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+    if op.shield:
+        return shielded(call)
+    if op.verb == "claim":
+        return given_back_if_cancelled(call, store, op.args[0])
+    if op.verb == "claim_many":
+        return given_back_if_cancelled(call, store, [key for key, _ in op.args[0]])
+    return call  # type: ignore[no-any-return]
+
+
+async def aclaim(
+    store: AsyncStore, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
+) -> ClaimResult:
+    """``store.aclaim(...)``, whose lease is given back if the caller is cancelled meanwhile
+    (see `given_back_if_cancelled`)."""
+    call = store.aclaim(key, fingerprint, lease=lease, ttl=ttl)
+    if getattr(type(store), "_inline_async", None) is type(store):
+        return await call  # never suspends: no claim is ever in flight
+    return await given_back_if_cancelled(call, store, key)
+
+
 def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
     """Stop the heartbeat of *state*; return its task, cancelled, if it had started: the caller
     awaits ``asyncio.wait((task,))`` (not the task under ``suppress(CancelledError)``, which
@@ -570,22 +591,6 @@ def _stop_async_heartbeat(state: Lease) -> asyncio.Future[None] | None:
     if type(beat) is _AsyncStarts:  # its entry is dropped when due, or compacted away
         beat.stopped += 1
     return None
-
-
-async def shielded(call: Awaitable[T]) -> T:
-    """Await *call* to its end even if this task is cancelled meanwhile, then be cancelled."""
-    task = asyncio.ensure_future(call)
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is None:
-        return task.result()
-    if not task.cancelled():
-        task.exception()  # retrieved: what the caller sees is its cancellation
-    raise cancelled
 
 
 async def ainvoke_under(lease: Lease, call: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -726,7 +731,7 @@ async def acall(
     invoke: Callable[[], Awaitable[T]],
 ) -> T:
     """``await arun(protected_call(...), store, invoke)``, with no flow on the common paths."""
-    answer = await store.aclaim(key, fingerprint, lease=policy.lease, ttl=policy.ttl)
+    answer = await aclaim(store, key, fingerprint, lease=policy.lease, ttl=policy.ttl)
     if type(answer) is Replay:
         suppressed(key, answer)
         return replay(answer, codec, annotation, policy)  # type: ignore[no-any-return]

@@ -24,7 +24,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults import _brokers, _http, _kafka, _relay, _streams, _tiered, _txn_begin, _workers
+from tests.faults import (
+    _brokers,
+    _edges,
+    _http,
+    _kafka,
+    _relay,
+    _streams,
+    _tiered,
+    _txn_begin,
+    _workers,
+)
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
@@ -77,6 +87,7 @@ FAULTS = (
     "rebalance@kill",
     *_tiered.FAULTS,
     *_relay.FAULTS,
+    *_edges.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -86,6 +97,8 @@ _PROXYABLE = {"postgres", "redis", "tiered"}
 
 def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
+    if fault in _edges.FAULTS:
+        return _edges.applicable(store, entry, fault)
     tiered = _tiered.applicable(store, entry, fault)
     if tiered is not None:
         return tiered
@@ -667,6 +680,9 @@ def run_group_history(plan: Plan, services: Services) -> Result:
 
 def run_history(plan: Plan, services: Services) -> Result:
     """Run one history: its workers, its fault, then the check."""
+    if plan.fault in _edges.FAULTS:
+        started = now()
+        return Result(plan, *_edges.run(plan, services), now() - started)
     if plan.entry == _tiered.ENTRY:
         return _tiered.run_history(plan, services)
     if plan.entry == _relay.ENTRY:

@@ -18,6 +18,8 @@ The promise, as the checker reads it:
   learn, for one lease after it: that claim may have been applied with its reply lost):
   a lease that nobody runs under, until it expires.
 - ``acked_not_run``: a message was acknowledged but no write for it stands.
+- ``truncated_run``: the handler ran on a request body shorter than its client announced
+  (`tests.faults._edges`).
 - ``unfinished``: no client ever got a result for the key and no consumer acked it (a client
   told it ran and its result cannot be had is finished: a response cut short is never
   replayed, by design).
@@ -51,6 +53,7 @@ KINDS = (
     "stale_replay",
     "split_answer",
     "foreign_replay",
+    "truncated_run",
 )
 
 

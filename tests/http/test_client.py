@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from oncely.http._retry import RetryPolicy, parse_retry_after
+from oncely.http._retry import MAX_RETRY_AFTER, RetryPolicy, parse_retry_after
 from oncely.http.client import (
     ATTEMPTS_EXTENSION,
     AsyncIdempotentTransport,
@@ -188,6 +188,25 @@ def test_retry_after_beyond_the_time_budget_returns_the_response(client: Any) ->
     assert len(server.requests) == 1
 
 
+@pytest.mark.parametrize("value", ["\u00b2".encode(), b"\xb2", "\u0663".encode(), b"1e9"])
+def test_a_retry_after_that_is_not_delay_seconds_falls_back_to_the_backoff(
+    client: Any, value: bytes
+) -> None:
+    """A server's Retry-After of a superscript two (a digit to ``str.isdigit``, not to
+    ``float``) or other non-ASCII digits is absent: the backoff applies, nothing raises."""
+    seen: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.read())
+        if len(seen) == 1:
+            return httpx.Response(503, headers=[(b"Retry-After", value)])
+        return httpx.Response(201)
+
+    transport = client(handler)
+    assert transport().status_code == 201
+    assert len(seen) == 2
+
+
 def test_retried_responses_are_closed(client: Any) -> None:
     """The transport closes each response it retries, returning connections to the pool."""
     closed: list[int] = []
@@ -262,6 +281,22 @@ class TestRetryPolicy:
         assert parse_retry_after(None) is None
         assert parse_retry_after("soon") is None
         assert parse_retry_after("-1") is None
+
+    @pytest.mark.parametrize(
+        "value", ["\u00b2", "1\u00b2", "\u0663", "\uff17", "1_0", "+5", "1.5", " "]
+    )
+    def test_a_retry_after_that_is_not_ascii_digits_is_absent(self, value: str) -> None:
+        """RFC 9110: delay-seconds is 1*DIGIT in ASCII; anything else (a superscript two,
+        Arabic-Indic or full-width digits, an underscore int() accepts) is treated as absent."""
+        assert parse_retry_after(value) is None
+
+    def test_an_absurd_retry_after_is_capped(self) -> None:
+        now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        far = email.utils.format_datetime(datetime(9999, 1, 1, tzinfo=timezone.utc), usegmt=True)
+        assert parse_retry_after("1" + "0" * 20) == MAX_RETRY_AFTER
+        assert parse_retry_after("9" * 5000) == MAX_RETRY_AFTER
+        assert parse_retry_after(far, now=now) == MAX_RETRY_AFTER
+        assert parse_retry_after(str(int(MAX_RETRY_AFTER) - 1)) == MAX_RETRY_AFTER - 1
 
 
 def test_importing_the_client_without_httpx_names_the_extra(tmp_path: Any) -> None:

@@ -257,7 +257,12 @@ class TestOpening:
 
     @pytest.mark.parametrize(
         "url",
-        ["redis+cluster://", "redis+cluster://host:port", "redis+cluster://h:1/2"],
+        [
+            "redis+cluster://",
+            "redis+cluster://host:port",
+            "redis+cluster://h:1/2",
+            "redis+cluster://h:7\u00b2",  # a digit to str.isdigit, not to int
+        ],
     )
     def test_malformed_cluster_url_is_a_configuration_error(self, url: str) -> None:
         """A cluster URL without nodes, with a bad port or a database other than 0 is refused."""
@@ -297,6 +302,7 @@ class TestOpening:
             "redis://127.0.0.1:6379/0?decode_responses=true",
             "redis+cluster://127.0.0.1:7101?decode_responses=1",
             "redis://127.0.0.1:6379/cache",  # redis-py silently meant database 0
+            "redis://127.0.0.1:6379/\u00b2",  # a digit to str.isdigit, not to int
             "redis://127.0.0.1:6379/0?bogus=1",  # a TypeError at the first command
             "rediss://127.0.0.1:6379/0?ssl_bogus=1",
             "redis+cluster://127.0.0.1:7101?bogus=1",

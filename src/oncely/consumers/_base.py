@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 
 from oncely import _events, _execution, _observed, _switches
+from oncely._cancel import give_back, shielded
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
@@ -1283,7 +1284,7 @@ class IdempotentConsumer:
         handler: Callable[[], Awaitable[Any]],
     ) -> Verdict:
         """`aprocess` from the claim on, with claims and completions grouped."""
-        answer = await groups.claims.submit(_Claim((key, fingerprint), self._claim_many))
+        answer = await groups.claim(_Claim((key, fingerprint), self._claim_many))
         verdict, lease = self._claimed(key, answer)
         if lease is None:
             assert verdict is not None
@@ -1651,6 +1652,10 @@ class _AsyncCompletions:
             for _, future in self._queue:  # only if cancelled (the loop is closing)
                 future.cancel()
 
+    def queued(self, handle: asyncio.Future[Any]) -> bool:
+        """Whether the item of *handle* is still waiting to be sent."""
+        return any(future is handle for _, future in self._queue)
+
     def idle(self) -> asyncio.Future[Any]:
         """A future done once every item submitted so far has been sent and answered."""
         if self._task is None:
@@ -1698,6 +1703,20 @@ class _AsyncGroups:
     def perform(self, op: Any) -> Awaitable[Any]:
         """Perform *op* (a store call, a heartbeat's start or stop) against the store."""
         return _execution.aperform(op, self.store)
+
+    async def claim(self, op: _Claim) -> Any:
+        """Send *op* with the claims made meanwhile; answer its claim answer. A caller
+        cancelled before it was sent sends nothing; one cancelled while it is in flight waits
+        for its answer and releases a lease it took, then is cancelled."""
+        handle = self.claims.submit(op)
+        try:
+            return await asyncio.shield(handle)
+        except asyncio.CancelledError:
+            if self.claims.queued(handle):
+                handle.cancel()  # never sent now: it would take a lease nobody uses
+            elif not handle.cancelled():
+                await shielded(give_back(handle, self.store, op.item[0]))
+            raise
 
     async def complete(self, op: _Complete) -> Any:
         """Send *op* with the completions made meanwhile; answer its outcome. A caller

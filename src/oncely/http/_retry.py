@@ -99,21 +99,33 @@ def _seconds(value: Duration) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+MAX_RETRY_AFTER = 86400.0
+"""The longest pause a ``Retry-After`` asks for that is taken as it is (a day): a longer one,
+a date years ahead or a number of twenty digits, is taken as this."""
+
+
 def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` value (delta-seconds or an HTTP date), or ``None``."""
+    """Seconds to wait from a ``Retry-After`` value, or ``None`` when it has none.
+
+    RFC 9110: delay-seconds (ASCII digits only) or an HTTP date; anything else is absent. The
+    answer is at most `MAX_RETRY_AFTER`.
+    """
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if value.isascii() and value.isdigit():  # "²" and "٣" are digits to isdigit, not to RFC 9110
+        # A long run of digits is over the cap anyway: never converted whole.
+        return min(float(value[:12]) if len(value) <= 12 else MAX_RETRY_AFTER, MAX_RETRY_AFTER)
+    if not value.isascii():
+        return None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     now = now or datetime.now(timezone.utc)
-    return max(0.0, (when - now).total_seconds())
+    return min(max(0.0, (when - now).total_seconds()), MAX_RETRY_AFTER)
 
 
 def retry_flow(

@@ -640,6 +640,17 @@ def request_too_large(policy: HttpPolicy) -> Response:
     )
 
 
+def request_incomplete(declared: int, received: int) -> Response:
+    """400: the body ended before its ``Content-Length`` (the client half-closed or left);
+    nothing was run or stored, so the full request may be sent again with the same key."""
+    return problem(
+        400,
+        "request-incomplete",
+        f"The body ended after {received} of the {declared} bytes its Content-Length "
+        "announced; nothing was run or stored.",
+    )
+
+
 IN_PROGRESS_RETRY_AFTER: Final = timedelta(seconds=1)
 """The ``Retry-After`` of a 409: a hint to poll again soon. Never the lease's remaining time,
 which is up to a whole lease (30 s by default) and would make clients give up or wait long after

@@ -191,7 +191,9 @@ class IdempotencyMiddleware:
             calls = _observed.timed(calls)
         answer: ClaimResult | Exception
         try:
-            answer = await calls.aclaim(plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl)
+            answer = await _execution.aclaim(
+                calls, plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl
+            )
         except Exception as exc:
             answer = exc
         if isinstance(answer, Acquired):

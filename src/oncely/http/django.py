@@ -19,7 +19,9 @@ answers, same records.
     ONCELY_HTTP_ROUTES = {"POST /transfers": RouteOptions(require_key=True)}  # optional
 
 Views decorated with `idempotent_route` get their options, as under the other middleware.
-Streaming responses are read whole before they leave (the response is stored whole anyway).
+A streamed response is read before it leaves, up to `HttpPolicy.max_response_bytes`; one over
+the limit (server-sent events) is passed on as the view yields it, and its record completed as
+not stored when it ends or is cut short, as under the ASGI and WSGI middleware.
 
 Sync and async: Django picks the mode when it builds its middleware stack. Under WSGI (or
 when the layer below is sync) the middleware calls the store's sync verbs; under Django's ASGI
@@ -33,7 +35,7 @@ store's async verbs on the event loop, with no thread per request, and reads the
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -153,14 +155,23 @@ class IdempotencyMiddleware:
         if isinstance(outcome, Response):
             return _to_django(outcome)
         capture = ResponseCapture(admitted.policy.max_response_bytes)
+        rest: list[Iterator[bytes]] = []  # the stream's unread part, once over the limit
+        head: list[bytes] = []
 
         def call() -> Any:
             response = self.get_response(request)
             chunks = _start(response, capture, admitted.policy)
-            if chunks is None:
-                chunks = [bytes(chunk) for chunk in response]  # a sync or async stream
-                response.streaming_content = chunks
-            _add(capture, chunks)
+            if chunks is not None:
+                _add(capture, chunks)
+                return response
+            iterator = iter(response)  # a sync or async stream
+            for chunk in iterator:
+                head.append(bytes(chunk))
+                capture.add(head[-1])
+                if capture.overflowed:  # too large to store: stream the rest as it comes
+                    rest.append(iterator)
+                    return response
+            response.streaming_content = head
             return response
 
         try:
@@ -168,6 +179,11 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             _execution.run(_settling(outcome, capture, admitted.policy, exc), store)
             raise
+        if rest:  # settled as the WSGI middleware settles a stream: when it ends, or is cut
+            response.streaming_content = _Streamed(
+                head, rest[0], outcome, capture, admitted.policy, store
+            )
+            return response
         _execution.run(_settling(outcome, capture, admitted.policy, None), store)
         return response
 
@@ -191,14 +207,23 @@ class IdempotencyMiddleware:
         if isinstance(outcome, Response):
             return _to_django(outcome)
         capture = ResponseCapture(admitted.policy.max_response_bytes)
+        rest: list[AsyncIterator[bytes]] = []  # the stream's unread part, once over the limit
+        head: list[bytes] = []
 
         async def call() -> Any:
             response = await self.get_response(request)
             chunks = _start(response, capture, admitted.policy)
-            if chunks is None:
-                chunks = [bytes(chunk) async for chunk in response]  # a sync or async stream
-                response.streaming_content = _aiterate(chunks)
-            _add(capture, chunks)
+            if chunks is not None:
+                _add(capture, chunks)
+                return response
+            iterator = aiter(response)  # a sync or async stream
+            async for chunk in iterator:
+                head.append(bytes(chunk))
+                capture.add(head[-1])
+                if capture.overflowed:  # too large to store: stream the rest as it comes
+                    rest.append(iterator)
+                    return response
+            response.streaming_content = _aiterate(head)
             return response
 
         try:
@@ -207,6 +232,11 @@ class IdempotencyMiddleware:
             settling = partial(_settling, outcome, capture, admitted.policy, exc)
             await _flow.asettle(settling, outcome, self._acalls)
             raise
+        if rest:
+            response.streaming_content = _astream(
+                head, rest[0], outcome, capture, admitted.policy, self._acalls
+            )
+            return response
         settling = partial(_settling, outcome, capture, admitted.policy, None)
         await _flow.asettle(settling, outcome, self._acalls)
         return response
@@ -229,11 +259,18 @@ class IdempotencyMiddleware:
             return decision
         limit = policy.max_request_bytes
         length = str(meta.get("CONTENT_LENGTH") or "").strip()
-        if length.isascii() and length.isdigit() and int(length) > limit:
+        declared = None
+        if length.isascii() and length.isdigit():  # "²" is a digit to isdigit, not to int
+            declared = int(length) if len(length) <= 20 else 10**20
+        if declared is not None and declared > limit:
             return _semantics.request_too_large(policy)
         body = bytes(request.body)  # cached by Django: the view reads it again
         if len(body) > limit:
             return _semantics.request_too_large(policy)
+        if declared is not None and len(body) < declared:
+            # Django's WSGI request reads a body cut short (the client half-closed or left)
+            # without complaint: run nothing, as the other middleware do.
+            return _semantics.request_incomplete(declared, len(body))
         return _Admitted(method, path, route, decision, body, policy)
 
 
@@ -286,6 +323,107 @@ def _add(capture: ResponseCapture, chunks: list[bytes]) -> None:
 async def _aiterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+class _Streamed:
+    """A streamed response over the size limit, passed on as the view yields it (no chunk is
+    held back: server-sent events arrive as they are sent). Its record is completed as not
+    stored once the stream ends, or when it ends any other way (the view's iterator raised, the
+    server closed it unread or part read): the handler ran, so it is never released."""
+
+    __slots__ = ("_capture", "_chunks", "_head", "_lease", "_policy", "_rest", "_settled", "_store")
+
+    def __init__(
+        self,
+        head: list[bytes],
+        rest: Iterator[bytes],
+        lease: _execution.Lease,
+        capture: ResponseCapture,
+        policy: HttpPolicy,
+        store: SyncStore,
+    ) -> None:
+        self._head = head
+        self._rest = rest
+        self._lease = lease
+        self._capture = capture
+        self._policy = policy
+        self._store = store
+        self._chunks: Generator[bytes, None, None] | None = None
+        self._settled = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._chunks is None:
+            self._chunks = self._stream()
+        return self._chunks
+
+    def close(self) -> None:
+        """Called by Django when the server is done with the response, read whole or not."""
+        if self._chunks is not None:
+            self._chunks.close()  # a stream cut short settles in its GeneratorExit
+        self._settle(None, "the server closed the response before reading it")
+
+    def _stream(self) -> Generator[bytes, None, None]:
+        try:
+            yield from self._head
+            for part in self._rest:
+                chunk = bytes(part)
+                self._capture.add(chunk)
+                yield chunk
+            self._settle(None, "")
+        except BaseException as exc:  # GeneratorExit: the server stopped reading (client gone)
+            self._settle(exc, _cause(exc))
+            raise
+
+    def _settle(self, exc: BaseException | None, cause: str) -> None:
+        if not self._settled:
+            self._settled = True
+            _execution.run(
+                _streamed_settling(self._lease, self._capture, self._policy, cause), self._store
+            )
+
+
+async def _astream(
+    head: list[bytes],
+    rest: AsyncIterator[bytes],
+    lease: _execution.Lease,
+    capture: ResponseCapture,
+    policy: HttpPolicy,
+    calls: AsyncStore,
+) -> AsyncIterator[bytes]:
+    """Async `_Streamed`."""
+    settled = False
+    try:
+        for chunk in head:
+            yield chunk
+        async for part in rest:
+            chunk = bytes(part)
+            capture.add(chunk)
+            yield chunk
+        settled = True
+        await _flow.asettle(partial(_streamed_settling, lease, capture, policy, ""), lease, calls)
+    except BaseException as exc:  # GeneratorExit: the server stopped reading (client gone)
+        if not settled:
+            settled = True
+            settling = partial(_streamed_settling, lease, capture, policy, _cause(exc))
+            await _flow.asettle(settling, lease, calls)
+        raise
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, GeneratorExit):
+        return "the server stopped reading it"
+    return f"{type(exc).__name__} from the view's streamed response"
+
+
+def _streamed_settling(
+    lease: _execution.Lease, capture: ResponseCapture, policy: HttpPolicy, cause: str
+) -> Flow[None]:
+    """Settle a streamed response over the limit: *cause* is why it was cut short, or ``""``
+    if it ended (completed with the not-stored marker either way)."""
+    if not cause:
+        capture.complete = True
+        return _flow.finish(lease, capture, policy)
+    return _flow.cut(lease, capture, cause, policy)
 
 
 def _settling(

@@ -110,6 +110,8 @@ class IdempotencyMiddleware:
         body = _read_body(environ, policy.max_request_bytes)
         if body is None:
             return _respond(start_response, _semantics.request_too_large(policy))
+        if isinstance(body, Response):  # the client left mid-body: run nothing, as ASGI does
+            return _respond(start_response, body)
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
         request = HttpRequest(
@@ -328,9 +330,11 @@ def _request_headers(environ: WSGIEnviron) -> tuple[Header, ...]:
     return tuple(headers)
 
 
-def _read_body(environ: WSGIEnviron, limit: int) -> bytes | None:
+def _read_body(environ: WSGIEnviron, limit: int) -> bytes | Response | None:
     """Read the whole request body; ``None`` if it is over *limit* bytes (then at most
-    *limit* + 1 bytes are read, none if ``CONTENT_LENGTH`` says so)."""
+    *limit* + 1 bytes are read, none if ``CONTENT_LENGTH`` says so), the 400 to answer if it ends
+    before ``CONTENT_LENGTH`` (a server hands the app a short input when its client
+    half-closed or left; reading a reset connection raises `OSError`)."""
     stream = environ.get("wsgi.input")
     if stream is None:
         return b""
@@ -338,6 +342,7 @@ def _read_body(environ: WSGIEnviron, limit: int) -> bytes | None:
     length: int | None = None
     if text.isascii() and text.isdigit():  # "²" is a digit to isdigit, not to int
         length = int(text) if len(text) <= 20 else 10**20
+    declared = length is not None
     if length is None:
         # Without a length, only a server that marks the input as terminated may be read to EOF.
         if not environ.get("wsgi.input_terminated"):
@@ -348,12 +353,21 @@ def _read_body(environ: WSGIEnviron, limit: int) -> bytes | None:
     chunks = []
     size = 0
     while size < length:
-        chunk = stream.read(min(length - size, _READ_SIZE))
+        try:
+            chunk = stream.read(min(length - size, _READ_SIZE))
+        except OSError:
+            if declared:
+                return _semantics.request_incomplete(length, size)
+            raise
         if not chunk:
             break
         chunks.append(chunk)
         size += len(chunk)
-    return None if size > limit else b"".join(chunks)
+    if size > limit:
+        return None
+    if declared and size < length:
+        return _semantics.request_incomplete(length, size)
+    return b"".join(chunks)
 
 
 def _encode_headers(headers: Iterable[tuple[str, str]]) -> list[Header]:

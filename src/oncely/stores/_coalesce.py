@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record, Status
+from oncely._cancel import given_back_if_cancelled, release_unused
+from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Record, Status
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
@@ -140,9 +141,10 @@ class Coalescer:
                 raise
             return
         else:
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if future.done():  # its caller was cancelled: as with a single call, the
-                    continue  # answer is lost and a lease it took expires on its own
+            for (item, future), answer in zip(batch, answers, strict=True):
+                if future.done():  # its caller was cancelled while the call was in flight
+                    self._unused(loop, item, answer)
+                    continue
                 if isinstance(answer, StoreError):
                     future.set_exception(answer)
                 else:
@@ -150,6 +152,9 @@ class Coalescer:
         finally:
             state.in_flight -= 1
             self._send_waiting(loop, state)
+
+    def _unused(self, loop: asyncio.AbstractEventLoop, item: tuple[Any, ...], answer: Any) -> None:
+        """The *answer* to *item* arrived after its caller was cancelled: undo what it took."""
 
     async def _resolve(
         self, items: list[tuple[Any, ...]], answers: list[Any], options: dict[str, Any]
@@ -184,9 +189,18 @@ class _Claims(Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
         super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
         self.takes_ops = takes_ops(store.aclaim_many)
+        self._store = store
 
     async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
-        return await self._single(*item[:2], **options)
+        # A caller cancelled while its claim is in flight releases the lease it took.
+        claim = self._single(*item[:2], **options)
+        return await given_back_if_cancelled(claim, self._store, item[0])
+
+    def _unused(self, loop: asyncio.AbstractEventLoop, item: tuple[Any, ...], answer: Any) -> None:
+        if isinstance(answer, Acquired):
+            task = loop.create_task(release_unused(self._store, item[0], answer))
+            self._sending.add(task)  # a reference, so the task is not collected mid-flight
+            task.add_done_callback(self._sending.discard)
 
     async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
         requests = [item[:2] for item in items]

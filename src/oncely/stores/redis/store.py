@@ -624,7 +624,7 @@ def _check_url(
     classes whose parameters count too, *also* more names."""
     if url.partition("://")[0].lower() in ("redis", "rediss"):
         path = url.partition("://")[2].partition("?")[0].partition("/")[2]
-        if path and not path.isdigit():
+        if path and not (path.isascii() and path.isdigit()):
             raise ConfigurationError(f"the database is a number (/0, /1…), not {path!r}")
     classes: list[type] = [redis.ConnectionPool, *more]
     connection_class = options.get("connection_class", redis.connection.Connection)
@@ -904,7 +904,7 @@ def _parse_cluster_url(redis: ModuleType, url: str) -> tuple[list[tuple[str, int
         if not colon:
             host, port = address.strip(), "6379"
         host = host.strip("[]")
-        if not host or not port.isdigit():
+        if not host or not (port.isascii() and port.isdigit()):
             raise ConfigurationError(
                 f"bad node {address!r} in the Redis Cluster URL {_masked(url)!r}"
             )
