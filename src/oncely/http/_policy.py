@@ -15,7 +15,7 @@ from typing import Any, Final, TypeAlias
 
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, to_timedelta
 from oncely.errors import ConfigurationError
-from oncely.http._semantics import (
+from oncely.http._request import (
     HOP_BY_HOP,
     SAFE_METHODS,
     HttpRequest,
