@@ -1002,6 +1002,36 @@ class StoreConformance:
         assert extended.lease_expires_at_ms > record.lease_expires_at_ms
         assert extended.expires_at_ms - extended.lease_expires_at_ms >= margin, extended
 
+    def test_a_settle_that_landed_is_recognised_by_its_record(
+        self, api: StoreCalls, key: str
+    ) -> None:
+        """The one rule for a settle whose reply was lost (`oncely._core.machine.landed`), held
+        against what this store keeps: sent again, the settle answers LeaseLost, and the record
+        shows it landed for its own token, verb and result, and for nothing else."""
+        ttl = timedelta(minutes=5)
+        for verb in ("complete", "fail", "release"):
+            name = f"{key}-{verb}"
+            first = api.claim(name, "fp", lease=timedelta(seconds=30), ttl=ttl)
+            assert isinstance(first, Acquired)
+            assert not machine.landed(api.get(name), first.token)
+            if verb == "release":
+                assert api.release(name, first.token) is None
+                again = api.release(name, first.token)
+            else:
+                settle = getattr(api, verb)
+                assert settle(name, first.token, b"outcome", ttl=ttl) is None
+                again = settle(name, first.token, b"outcome", ttl=ttl)
+            assert isinstance(again, LeaseLost)
+            record = api.get(name)
+            result = None if verb == "release" else b"outcome"
+            assert machine.landed(record, first.token)
+            assert machine.landed(record, first.token, verb, result)
+            assert not machine.landed(record, first.token + 1, verb, result)
+            if result is not None:
+                assert not machine.landed(record, first.token, verb, b"another outcome")
+            other = "release" if verb != "release" else "complete"
+            assert not machine.landed(record, first.token, other)
+
 
 def _model_machine(
     api: StoreCalls, clock: FrozenClock | None, lease: timedelta

@@ -29,6 +29,7 @@ from oncely import _events, _observed
 from oncely._cancel import given_back_if_cancelled, shielded
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow, drive
+from oncely._core.machine import landed
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import (
@@ -56,13 +57,6 @@ T = TypeVar("T")
 
 SETTLE_RETRY_DELAYS = (0.05, 0.2, 0.5, 1.0)
 """Pauses between attempts to complete, fail or release when the store is unavailable."""
-
-_SETTLED_STATUS = {
-    "complete": Status.COMPLETED,
-    "fail": Status.FAILED,
-    "release": Status.RELEASED,
-}
-
 
 # -- operations a flow yields ------------------------------------------------------------------
 
@@ -313,12 +307,7 @@ def settle(
         # An earlier attempt may have been applied with its reply lost on the way back: then
         # the record already shows this token settled, and the lease was not lost at all.
         record = yield StoreCall("get", (lease.key,))
-        if (
-            record is not None
-            and record.token == lease.token
-            and record.status is _SETTLED_STATUS[verb]
-            and (payload is None or record.result == payload)
-        ):
+        if landed(record, lease.token, verb, payload):
             return
     if isinstance(answer, LeaseLost):
         lease.lost = True

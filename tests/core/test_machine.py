@@ -3,6 +3,7 @@ machine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from hypothesis import given
@@ -171,3 +172,35 @@ def test_tokens_only_grow_and_one_lease_at_a_time(steps: list[tuple[str, int, in
             record = new
         if record is not None and record.status is not Status.IN_PROGRESS:
             live_until = -1
+
+
+def test_landed_is_the_one_rule_for_a_settle_whose_reply_was_lost() -> None:
+    """A record shows a settle landed for the token that holds it, the status its verb sets
+    and, when given, the very result; nothing else counts."""
+    from oncely._core.machine import SETTLED, landed
+
+    base = Record(
+        key="k",
+        status=Status.IN_PROGRESS,
+        fingerprint="fp",
+        token=3,
+        attempt=1,
+        lease_expires_at_ms=2_000,
+        expires_at_ms=9_000,
+        created_at_ms=1_000,
+        updated_at_ms=1_000,
+    )
+    assert not landed(None, 3)
+    assert not landed(base, 3)
+    assert not landed(base, 3, "complete")
+    for verb, status in SETTLED.items():
+        settled = replace(base, status=status, result=b"r" if verb != "release" else None)
+        assert landed(settled, 3)
+        assert landed(settled, 3, verb)
+        assert not landed(settled, 4, verb)
+        assert not landed(settled, 2)
+        for other in set(SETTLED) - {verb}:
+            assert not landed(settled, 3, other)
+    completed = replace(base, status=Status.COMPLETED, result=b"r")
+    assert landed(completed, 3, "complete", b"r")
+    assert not landed(completed, 3, "complete", b"other")

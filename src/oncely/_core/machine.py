@@ -37,7 +37,7 @@ from oncely._core.records import (
     Status,
 )
 
-__all__ = ["claim", "complete", "extend", "fail", "release"]
+__all__ = ["SETTLED", "claim", "complete", "extend", "fail", "landed", "release"]
 
 Transition = tuple[Record | None, LeaseLost | None]
 """A settle transition: the record to write (``None``: unchanged) and `LeaseLost` or ``None``."""
@@ -190,3 +190,29 @@ def extend(record: Record | None, token: int, *, now_ms: int, lease_ms: int) -> 
         expires_at_ms=max(record.expires_at_ms, _kept_until(lease_end, margin)),
         updated_at_ms=now_ms,
     ), None
+
+
+SETTLED: dict[str, Status] = {
+    "complete": Status.COMPLETED,
+    "fail": Status.FAILED,
+    "release": Status.RELEASED,
+}
+"""The status each settle verb leaves its record in."""
+
+
+def landed(
+    record: Record | None, token: int, verb: str | None = None, result: bytes | None = None
+) -> bool:
+    """Whether *record* shows a settle by the lease *token* applied: the one rule for a settle
+    sent again after its reply was lost (it then answers `LeaseLost`, though it did land).
+
+    Only the holder of *token* can settle its record, and a takeover raises the token, so a
+    record that still has *token* and is no longer in progress was settled by that holder. With
+    *verb*, it must show that verb's status (`SETTLED`) and, when *result* is given, that
+    result byte for byte; with no verb, any settle counts.
+    """
+    if record is None or record.token != token:
+        return False
+    if verb is None:
+        return record.status is not Status.IN_PROGRESS
+    return record.status is SETTLED[verb] and (result is None or record.result == result)

@@ -60,6 +60,7 @@ from oncely._core.fingerprint import (
 )
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import content_key, name_key, scope_key, validate_key
+from oncely._core.machine import landed
 from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
@@ -1090,12 +1091,7 @@ class IdempotentConsumer:
                 record = yield _execution.StoreCall("get", (key,))
             except StoreError:
                 continue
-            if (
-                record is not None
-                and record.token == token
-                and record.status is Status.COMPLETED
-                and record.result == result
-            ):
+            if landed(record, token, "complete", result):
                 answers[i] = None
         return answers
 

@@ -34,6 +34,7 @@ from typing import Any, Final
 from oncely import _events, _execution, _observed
 from oncely._core import codec as _codec
 from oncely._core.flow import Flow
+from oncely._core.machine import landed
 from oncely._core.protocols import AsyncStore
 from oncely._core.records import (
     Acquired,
@@ -345,11 +346,7 @@ def settle_again(lease: _execution.Lease, flow: Flow[None]) -> Flow[None]:
         record = yield _execution.StoreCall("get", (lease.key,))
     except StoreError:
         record = None
-    if (
-        record is not None
-        and record.token == lease.token
-        and record.status is not Status.IN_PROGRESS
-    ):
+    if landed(record, lease.token):
         return
     yield from flow
 

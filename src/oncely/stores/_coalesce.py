@@ -30,7 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 from oncely._cancel import given_back_if_cancelled, release_unused
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Record, Status
+from oncely._core.machine import landed
+from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Record
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
@@ -240,12 +241,7 @@ class _Completions(Coalescer):
                 record = await self._store.aget(key)
             except StoreError:
                 return _UNKNOWN
-            if (
-                record is not None
-                and record.token == token
-                and record.status is Status.COMPLETED
-                and record.result == result
-            ):
+            if landed(record, token, "complete", result):
                 return None
         return _UNKNOWN if isinstance(answer, StoreError) else answer
 
