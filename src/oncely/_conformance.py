@@ -40,6 +40,7 @@ except ImportError as exc:
     ) from exc
 
 from oncely._core import machine
+from oncely._core.clock import FrozenClock
 from oncely._core.protocols import BatchStore, CheckableStore, Store
 from oncely._core.records import (
     Acquired,
@@ -55,7 +56,6 @@ from oncely._core.records import (
 from oncely.errors import ConflictError
 from oncely.stores import open_store
 from oncely.stores._batch import takes_ops
-from oncely.testing import FrozenClock
 
 __all__ = ["StoreCalls", "StoreConformance", "claim_in_process"]
 

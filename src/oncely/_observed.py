@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from oncely import _events
 from oncely._core.flow import Flow
@@ -23,18 +23,13 @@ from oncely.errors import (
     InvalidKeyError,
 )
 
-if TYPE_CHECKING:
-    from oncely.decorator import _CallPlan
-
 T = TypeVar("T")
 
 __all__ = [
     "Observation",
-    "acall",
     "asgi",
     "beat",
     "beat_answered",
-    "call",
     "consuming",
     "django",
     "claimed",
@@ -42,6 +37,7 @@ __all__ = [
     "exited",
     "handling",
     "lease_lost",
+    "observing",
     "operation_of",
     "outbox_headers",
     "perform",
@@ -270,44 +266,20 @@ def perform(op: Any, store: Any) -> Any:
 # -- the decorator ----------------------------------------------------------------------------
 
 
-def call(plan: _CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None) -> Any:
-    """A decorated call, observed."""
-    from oncely import _execution
-
-    observation = Observation("function", plan.scope, store_name(plan.store))
+@contextlib.contextmanager
+def observing(surface: _events.Surface, operation: str, store: Any) -> Iterator[Observation]:
+    """Observe the block as one operation of *surface* (a decorated call): the claims its flows
+    make report to it, and it is reported when the block ends, with the error it raised."""
+    observation = Observation(surface, operation, store_name(store))
     reset = _current.set(observation)
     try:
         observation.start()
         try:
-            store, *rest = plan.invocation(args, kwargs, key)
-            value = _execution.call(timed(store), *rest)
+            yield observation
         except BaseException as exc:
             observation.finish(exc)
             raise
         observation.finish()
-        return value
-    finally:
-        _current.reset(reset)
-
-
-async def acall(
-    plan: _CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None
-) -> Any:
-    """An async decorated call, observed."""
-    from oncely import _execution
-
-    observation = Observation("function", plan.scope, store_name(plan.store))
-    reset = _current.set(observation)
-    try:
-        observation.start()
-        try:
-            store, *rest = plan.invocation(args, kwargs, key)
-            value = await _execution.acall(timed(store), *rest)
-        except BaseException as exc:
-            observation.finish(exc)
-            raise
-        observation.finish()
-        return value
     finally:
         _current.reset(reset)
 

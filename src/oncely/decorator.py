@@ -339,7 +339,7 @@ def _sync_wrapper(plan: _CallPlan) -> Any:
                 _unprotected(plan)
                 return plan.fn(*args, **kwargs)
             if _events.on:
-                return _observed.call(plan, args, kwargs, key)
+                return _observed_call(plan, args, kwargs, key)
             return _execution.call(*plan.invocation(args, kwargs, key))
 
         return wrapper
@@ -355,7 +355,7 @@ def _async_wrapper(plan: _CallPlan) -> Any:
                 _unprotected(plan)
                 return await plan.fn(*args, **kwargs)
             if _events.on:
-                return await _observed.acall(plan, args, kwargs, key)
+                return await _observed_acall(plan, args, kwargs, key)
             return await _execution.acall(*plan.invocation(args, kwargs, key))
 
         return wrapper
@@ -370,3 +370,21 @@ def _wrapped(plan: _CallPlan, keyed: Callable[[str | None], Callable[..., Any]])
     wrapper.with_key = keyed
     wrapper._oncely_plan = plan  # for oncely.testing
     return wrapper
+
+
+def _observed_call(
+    plan: _CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None
+) -> Any:
+    """A decorated call, observed (only while something subscribes to oncely's events)."""
+    with _observed.observing("function", plan.scope, plan.store):
+        store, *rest = plan.invocation(args, kwargs, key)
+        return _execution.call(_observed.timed(store), *rest)
+
+
+async def _observed_acall(
+    plan: _CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None
+) -> Any:
+    """An async decorated call, observed."""
+    with _observed.observing("function", plan.scope, plan.store):
+        store, *rest = plan.invocation(args, kwargs, key)
+        return await _execution.acall(_observed.timed(store), *rest)

@@ -22,12 +22,11 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from oncely import _switches
+from oncely._core.clock import FrozenClock
 from oncely.errors import ConfigurationError
 
 __all__ = ["FrozenClock", "StoreConformance", "disabled", "override_store"]
@@ -36,31 +35,6 @@ S = TypeVar("S")
 
 if TYPE_CHECKING:
     from oncely._conformance import StoreConformance
-
-
-class FrozenClock:
-    """A `oncely.Clock` that stands still until `advance` moves it. Thread-safe.
-
-    Args:
-        now_ms: The starting time, epoch milliseconds.
-    """
-
-    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
-        self._now_ms = now_ms
-        self._lock = threading.Lock()
-
-    def now_ms(self) -> int:
-        """Return the frozen time."""
-        with self._lock:
-            return self._now_ms
-
-    def advance(self, by: timedelta | int) -> None:
-        """Move the clock forward by *by* (a timedelta, or milliseconds)."""
-        step = by // timedelta(milliseconds=1) if isinstance(by, timedelta) else by
-        if step < 0:
-            raise ValueError("a clock only moves forward")
-        with self._lock:
-            self._now_ms += step
 
 
 @contextlib.contextmanager
