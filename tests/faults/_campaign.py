@@ -195,7 +195,8 @@ class Services:
                 process = ctx.Process(target=_http.serve, args=(kind, config, writer), daemon=True)
                 process.start()
                 writer.close()
-                if not reader.poll(30):
+                # Generous: a loaded host's forkserver may be busy starting other workers.
+                if not reader.poll(120):
                     process.kill()
                     raise RuntimeError(f"the {kind} server on {store} did not start")
                 port = int(reader.recv()["port"])

@@ -292,6 +292,7 @@ def _short_body(
 
     effects = services.effects
     local = threading.local()
+    opened: list[Any] = []  # every thread's connection, closed once the server has stopped
     server_event = _emitter(history, lock, "server")
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
@@ -306,6 +307,7 @@ def _short_body(
             conn = getattr(local, "conn", None)
             if conn is None:
                 conn = local.conn = psycopg.connect(effects.url, autocommit=True)
+                opened.append(conn)
             standing = effects.begin(conn, key, token)
             if standing is not None:
                 value = {"op": standing[0], "token": standing[1]}
@@ -322,17 +324,21 @@ def _short_body(
     middleware = IdempotencyMiddleware(app, store=store, policy=policy)
     payload = f"order={key}&note={'x' * 200}".encode()
     injected = False
-    with _wsgiref(middleware) as port:
-        for worker, cut in (("A", True), ("B", False)):
-            event = _emitter(history, lock, worker)
-            op = f"{worker}-0"
-            event("invoke", op, key)
-            status, reply = _post(port, key, op, payload, cut)
-            injected = injected or cut
-            if status == 201:
-                event("ok", op, key, value=json.loads(reply))
-            else:
-                event("fail", op, key, error=f"HTTP{status}", message=reply[:200].decode())
+    try:
+        with _wsgiref(middleware) as port:
+            for worker, cut in (("A", True), ("B", False)):
+                event = _emitter(history, lock, worker)
+                op = f"{worker}-0"
+                event("invoke", op, key)
+                status, reply = _post(port, key, op, payload, cut)
+                injected = injected or cut
+                if status == 201:
+                    event("ok", op, key, value=json.loads(reply))
+                else:
+                    event("fail", op, key, error=f"HTTP{status}", message=reply[:200].decode())
+    finally:
+        for conn in opened:
+            conn.close()
     return injected
 
 

@@ -275,7 +275,8 @@ def _server(services: Any, plan: Any) -> int:
             process = ctx.Process(target=serve, args=(config, writer), daemon=True)
             process.start()
             writer.close()
-            if not reader.poll(30):
+            # Generous: a loaded host's forkserver may be busy starting other histories' workers.
+            if not reader.poll(120):
                 process.kill()
                 raise RuntimeError(f"the identity server on {plan.store} did not start")
             port = int(reader.recv()["port"])
