@@ -30,6 +30,7 @@ from tests.faults import (
     _http,
     _kafka,
     _relay,
+    _retry_after,
     _streams,
     _tiered,
     _txn_begin,
@@ -88,6 +89,7 @@ FAULTS = (
     *_tiered.FAULTS,
     *_relay.FAULTS,
     *_edges.FAULTS,
+    *_retry_after.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -99,6 +101,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if fault in _edges.FAULTS:
         return _edges.applicable(store, entry, fault)
+    if fault in _retry_after.FAULTS:
+        return _retry_after.applicable(store, entry)
     tiered = _tiered.applicable(store, entry, fault)
     if tiered is not None:
         return tiered
@@ -684,6 +688,9 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault in _edges.FAULTS:
         started = now()
         return Result(plan, *_edges.run(plan, services), now() - started)
+    if plan.fault in _retry_after.FAULTS:
+        started = now()
+        return Result(plan, *_retry_after.run(plan, services), now() - started)
     if plan.entry == _tiered.ENTRY:
         return _tiered.run_history(plan, services)
     if plan.entry == _relay.ENTRY:
