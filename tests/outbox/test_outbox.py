@@ -274,7 +274,7 @@ def test_a_key_held_up_with_a_long_backlog_does_not_hold_up_the_others(
     others = add_events(db, outbox, [("o", "k1"), ("o", None), ("o", "k2")])
     publisher = FilePublisher(tmp_path / "out")
     publisher.fail_times[stuck[0]] = 1_000
-    relay = relay_for(db, publisher, batch_size=2, backoff=60.0)
+    relay = relay_for(db, publisher, batch_size=2, backoff=60.0, max_backoff=60.0)
 
     async def scenario() -> None:
         await relay.run_once()  # the head fails, and backs off for a minute

@@ -1548,7 +1548,7 @@ class TestLostReplies:
         it (same call id) on a fresh connection and the caller gets the first run's answer (its
         own lease, not a StoreUnavailableError and then InProgress until the lease ends)."""
         url = service_url("ONCELY_TEST_REDIS_URL")
-        with _behind_cutters("standalone", url, namespace, socket_timeout=0.5) as (store, cutter):
+        with _behind_cutters("standalone", url, namespace, socket_timeout=1.0) as (store, cutter):
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
@@ -1564,7 +1564,7 @@ class TestLostReplies:
         """The cluster client re-sends after a timeout whatever the store asks: the script ran,
         its reply never came, and the re-send still answers as the first reply would have."""
         url = service_url("ONCELY_TEST_REDIS_CLUSTER_URL")
-        with _behind_cutters("cluster", url, namespace, socket_timeout=0.5) as (store, cutter):
+        with _behind_cutters("cluster", url, namespace, socket_timeout=1.0) as (store, cutter):
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
