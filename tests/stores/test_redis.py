@@ -59,9 +59,12 @@ TTL = timedelta(minutes=5)
 
 
 def _free_port() -> int:
-    """A loopback port nothing listens on, from 16390 up (spread by pid between test runs)."""
-    start = 16390 + os.getpid() % 400
-    for port in range(start, start + 400):
+    """A loopback port nothing listens on, in 16390-16789: a block of 50 for each pytest-xdist
+    worker, so that two workers never pick one port at once (spread by pid between test runs)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % 8
+    block = range(16390 + 50 * worker, 16440 + 50 * worker)
+    start = block.start + os.getpid() % len(block)
+    for port in [*range(start, block.stop), *range(block.start, start)]:
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))

@@ -144,8 +144,10 @@ class TestItemsFailAlone:
         """A foreign value at one item's record: CorruptRecordError in its place, the items
         around it answered as usual, in both verbs.
         """
+        from tests.conftest import service_url
+
         before, corrupt, after = _key(), _key(), _key()
-        admin = redis.Redis(port=6379)
+        admin = redis.Redis.from_url(service_url("ONCELY_TEST_REDIS_URL"))
         try:
             name = Keyspace("oncely:", namespace).name(corrupt)
             CORRUPTIONS[case](admin, name)
