@@ -143,7 +143,7 @@ async def redis(
     broker.subscriber(stream=StreamSub(name, group="billing", consumer="c1"))(handler)
     # A subscriber with min_idle_time only reclaims (XAUTOCLAIM): it redelivers what a nack (or
     # a dead consumer) left pending; FastStream reads new entries with another one.
-    reclaim = StreamSub(name, group="billing", consumer="c2", min_idle_time=100)
+    reclaim = StreamSub(name, group="billing", consumer="c2", min_idle_time=1000)
     broker.subscriber(stream=reclaim)(handler)
     try:
         async with broker:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests._servers import OwnRedis
 from tests.faults import (
     _brokers,
     _edges,
@@ -40,7 +41,7 @@ from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
 from tests.faults._proxy import FaultProxy
-from tests.faults._servers import OwnRedis, free_port
+from tests.faults._servers import durable_redis, free_port
 
 STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
 ENTRIES = (
@@ -235,7 +236,7 @@ class Services:
             with PostgresStore.from_url(self.pg_store_url) as store:
                 store.migrate()
         if {"redis", "tiered"} & set(stores):
-            self.redis = OwnRedis(free_port(24500 + random.randrange(1000)))
+            self.redis = durable_redis(free_port(24500 + random.randrange(1000)))
             self.redis.start()
 
     def close(self) -> None:
@@ -247,7 +248,7 @@ class Services:
             process.kill()
             process.join(5)
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()
         if self.effects is not None:
             self.effects.drop()
         with psycopg.connect(self.postgres, autocommit=True) as conn:
@@ -719,7 +720,7 @@ def run_history(plan: Plan, services: Services) -> Result:
     own: OwnRedis | None = None
     if plan.fault == "restart":  # a server of its own: the crash must not reach other histories
         with services.restart_lock:
-            own = OwnRedis(free_port(24500 + rng.randrange(1500)))
+            own = durable_redis(free_port(24500 + rng.randrange(1500)))
     proxy: FaultProxy | None = None
     if plan.fault in PROXIED:
         proxy = FaultProxy(services.target_port(plan.store))
@@ -839,7 +840,7 @@ def run_history(plan: Plan, services: Services) -> Result:
         if proxy is not None:
             proxy.close()
         if own is not None:
-            own.stop()
+            own.close()
     with lock:
         events = list(history.events)
     history.events = events

@@ -11,9 +11,7 @@ import contextlib
 import gc
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +46,7 @@ from oncely.stores.redis import RedisClusterStore, RedisStore, _scripts
 from oncely.stores.redis._codec import HEAD, Keyspace
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
+from tests._servers import OwnRedis, free_port
 from tests.conftest import service_url
 from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
 
@@ -59,74 +58,16 @@ TTL = timedelta(minutes=5)
 
 
 def _free_port() -> int:
-    """A loopback port nothing listens on, from 16390 up (spread by pid between test runs)."""
-    start = 16390 + os.getpid() % 400
-    for port in range(start, start + 400):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port for a test redis-server")
-
-
-class OwnRedis:
-    """A redis-server of this test's own: started, killed and restarted at will."""
-
-    def __init__(self, directory: Path, *options: str) -> None:
-        self.port = _free_port()
-        self.directory = directory
-        self.options = options
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        executable = shutil.which("redis-server")
-        assert executable, "redis-server is not installed: run scripts/services"
-        # fmt: off
-        command = [
-            executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
-            *self.options,
-        ]
-        # fmt: on
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            with (
-                contextlib.suppress(redis.ConnectionError, redis.exceptions.BusyLoadingError),
-                self.admin() as admin,
-            ):
-                if admin.ping():
-                    return
-            assert self.process.poll() is None, "redis-server exited at start"
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.01)
-
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.process is not None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def restart(self, sig: int = signal.SIGKILL) -> None:
-        self.stop(sig)
-        self.start()
-
-    def admin(self) -> redis.Redis:
-        return redis.Redis(port=self.port, retry=None, socket_timeout=5)
+    """A loopback port nothing listens on, in 16390-16789: a block of 50 for each pytest-xdist
+    worker, so that two workers never pick one port at once (spread by pid between test runs)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % 8
+    return free_port(range(16390 + 50 * worker, 16440 + 50 * worker))
 
 
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[OwnRedis]:
     """A redis-server without persistence, as on most caches."""
-    server = OwnRedis(tmp_path)
+    server = OwnRedis(tmp_path, port=_free_port())
     server.start()
     yield server
     server.stop()
@@ -135,7 +76,7 @@ def own_server(tmp_path: Path) -> Iterator[OwnRedis]:
 @pytest.fixture
 def durable_server(tmp_path: Path) -> Iterator[OwnRedis]:
     """A redis-server that fsyncs its append-only file on every write."""
-    server = OwnRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    server = OwnRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always", port=_free_port())
     server.start()
     yield server
     server.stop()
@@ -712,7 +653,7 @@ class TestRoundTrips:
     ) -> None:
         """A server that knows no FCALL (Redis < 7, here one that renamed it away) gets
         EVALSHA from the first call on, which reloads its script after SCRIPT FLUSH."""
-        server = OwnRedis(tmp_path, "--rename-command", "FCALL", "")
+        server = OwnRedis(tmp_path, "--rename-command", "FCALL", "", port=_free_port())
         server.start()
         counter = Sent(monkeypatch)
         try:
@@ -1205,7 +1146,7 @@ class TestCorruptRecords:
         """maxmemory with noeviction refusing a result: StoreError (not unavailable, not
         corrupt), and the record is left as it was.
         """
-        server = OwnRedis(tmp_path, "--maxmemory-policy", "noeviction")
+        server = OwnRedis(tmp_path, "--maxmemory-policy", "noeviction", port=_free_port())
         server.start()
         try:
             with RedisStore(server.url, namespace="oom") as store:
@@ -1554,7 +1495,7 @@ class TestLostReplies:
         it (same call id) on a fresh connection and the caller gets the first run's answer (its
         own lease, not a StoreUnavailableError and then InProgress until the lease ends)."""
         url = service_url("ONCELY_TEST_REDIS_URL")
-        with _behind_cutters("standalone", url, namespace, socket_timeout=0.5) as (store, cutter):
+        with _behind_cutters("standalone", url, namespace, socket_timeout=1.0) as (store, cutter):
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]
@@ -1570,7 +1511,7 @@ class TestLostReplies:
         """The cluster client re-sends after a timeout whatever the store asks: the script ran,
         its reply never came, and the re-send still answers as the first reply would have."""
         url = service_url("ONCELY_TEST_REDIS_CLUSTER_URL")
-        with _behind_cutters("cluster", url, namespace, socket_timeout=0.5) as (store, cutter):
+        with _behind_cutters("cluster", url, namespace, socket_timeout=1.0) as (store, cutter):
             api = StoreCalls(store, mode)
             try:
                 assert_lost_reply_is_recognised(api, cutter, verb, _key(), hold=True)  # type: ignore[arg-type]

@@ -22,9 +22,9 @@ from oncely import Acquired, InProgress, LeaseLost, Mismatch, Replay
 from oncely.errors import CorruptRecordError, StoreError, StoreUnavailableError
 from oncely.stores.redis import RedisClusterStore, RedisStore
 from oncely.stores.redis._codec import Keyspace
+from tests._servers import OwnRedis
 from tests.stores.test_redis import (
     CORRUPTIONS,
-    OwnRedis,
     Sent,
     _free_port,
     _key,
@@ -107,7 +107,7 @@ class TestOneRoundTrip:
         """After FUNCTION FLUSH a batch loads the library again (FCALL, FUNCTION LOAD, FCALL)
         and the next batch is one FCALL again.
         """
-        server = OwnRedis(tmp_path)
+        server = OwnRedis(tmp_path, port=_free_port())
         server.start()
         calls = Calls(RedisStore(server.url, namespace="flush"), mode)
         try:
@@ -144,8 +144,10 @@ class TestItemsFailAlone:
         """A foreign value at one item's record: CorruptRecordError in its place, the items
         around it answered as usual, in both verbs.
         """
+        from tests.conftest import service_url
+
         before, corrupt, after = _key(), _key(), _key()
-        admin = redis.Redis(port=6379)
+        admin = redis.Redis.from_url(service_url("ONCELY_TEST_REDIS_URL"))
         try:
             name = Keyspace("oncely:", namespace).name(corrupt)
             CORRUPTIONS[case](admin, name)
@@ -171,7 +173,7 @@ class TestItemsFailAlone:
         """maxmemory refusing writes: each item that writes is a StoreError in its place, the
         replay among them is still answered, and nothing is half-written.
         """
-        server = OwnRedis(tmp_path, "--maxmemory-policy", "noeviction")
+        server = OwnRedis(tmp_path, "--maxmemory-policy", "noeviction", port=_free_port())
         server.start()
         calls = Calls(RedisStore(server.url, namespace="oom"), mode)
         try:
