@@ -26,6 +26,7 @@ from typing import Any
 
 from tests.faults import (
     _brokers,
+    _celery_reuse,
     _edges,
     _http,
     _kafka,
@@ -88,6 +89,7 @@ FAULTS = (
     *_tiered.FAULTS,
     *_relay.FAULTS,
     *_edges.FAULTS,
+    *_celery_reuse.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -99,6 +101,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
     """Whether *fault* means something for *store* and *entry*."""
     if fault in _edges.FAULTS:
         return _edges.applicable(store, entry, fault)
+    if fault in _celery_reuse.FAULTS:
+        return _celery_reuse.applicable(store, entry)
     tiered = _tiered.applicable(store, entry, fault)
     if tiered is not None:
         return tiered
@@ -683,6 +687,8 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault in _edges.FAULTS:
         started = now()
         return Result(plan, *_edges.run(plan, services), now() - started)
+    if plan.fault in _celery_reuse.FAULTS:
+        return _celery_reuse.run_history(plan, services)
     if plan.entry == _tiered.ENTRY:
         return _tiered.run_history(plan, services)
     if plan.entry == _relay.ENTRY:
