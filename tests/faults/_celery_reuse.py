@@ -86,7 +86,7 @@ def member(config: dict[str, Any], pipe: Any) -> None:
                 "worker",
                 "-P",
                 "solo",
-                "--loglevel=ERROR",  # the reuse's dead-letter is logged; it is expected here
+                "--loglevel=ERROR",  # the reuse's dead-letter still shows: an expected error
                 "--without-mingle",
                 "--without-gossip",
                 "--without-heartbeat",
