@@ -27,6 +27,7 @@ from typing import Any
 from tests._servers import OwnRedis
 from tests.faults import (
     _brokers,
+    _celery_reuse,
     _edges,
     _http,
     _kafka,
@@ -91,6 +92,7 @@ FAULTS = (
     *_relay.FAULTS,
     *_edges.FAULTS,
     *_retry_after.FAULTS,
+    *_celery_reuse.FAULTS,
 )
 REBALANCES = ("rebalance@join", "rebalance@kill")
 
@@ -104,6 +106,8 @@ def applicable(store: str, entry: str, fault: str) -> bool:
         return _edges.applicable(store, entry, fault)
     if fault in _retry_after.FAULTS:
         return _retry_after.applicable(store, entry)
+    if fault in _celery_reuse.FAULTS:
+        return _celery_reuse.applicable(store, entry)
     tiered = _tiered.applicable(store, entry, fault)
     if tiered is not None:
         return tiered
@@ -692,6 +696,8 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault in _retry_after.FAULTS:
         started = now()
         return Result(plan, *_retry_after.run(plan, services), now() - started)
+    if plan.fault in _celery_reuse.FAULTS:
+        return _celery_reuse.run_history(plan, services)
     if plan.entry == _tiered.ENTRY:
         return _tiered.run_history(plan, services)
     if plan.entry == _relay.ENTRY:

@@ -27,6 +27,8 @@ The promise, as the checker reads it:
   its bound (`tests.faults._tiered`).
 - ``foreign_replay``: a client was given the result of a run made for another principal
   (`tests.faults._identity.foreign_replays`).
+- ``hidden_mismatch``: a key reused with other arguments was not refused to its caller, or a
+  caller got the result of a run made from other arguments (`tests.faults._celery_reuse`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ KINDS = (
     "split_answer",
     "foreign_replay",
     "truncated_run",
+    "hidden_mismatch",
 )
 
 
