@@ -387,31 +387,28 @@ def django(middleware: Any, request: Any) -> Any:
     observation = Observation("http", "", store_name(getattr(middleware, "store", None)))
     if middleware.async_mode:
         return _adjango(middleware, request, observation)
-    reset = _current.set(observation)
-    serving_reset = _serving.set(True)
-    error: BaseException | None = None
-    try:
+    with _django_request(observation):
         response = middleware(request)
         observation.detail = str(getattr(response, "status_code", "")) or None
         return response
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        _serving.reset(serving_reset)
-        _current.reset(reset)
-        if observation.outcome is not None or _store_failed(observation):
-            observation.finish(error)
 
 
 async def _adjango(middleware: Any, request: Any, observation: Observation) -> Any:
+    with _django_request(observation):
+        response = await middleware(request)
+        observation.detail = str(getattr(response, "status_code", "")) or None
+        return response
+
+
+@contextlib.contextmanager
+def _django_request(observation: Observation) -> Iterator[None]:
+    """The block serves one Django request under *observation*, reported at its end if a claim
+    (or a store call that failed) gave it an outcome."""
     reset = _current.set(observation)
     serving_reset = _serving.set(True)
     error: BaseException | None = None
     try:
-        response = await middleware(request)
-        observation.detail = str(getattr(response, "status_code", "")) or None
-        return response
+        yield
     except BaseException as exc:
         error = exc
         raise
