@@ -18,7 +18,10 @@ it runs. The faults (``entry`` is ``relay``):
 - ``refusal``: the broker refuses one event once, on a destination already confirmed, while
   the next event of its scope, pipelined behind it, is accepted.
 
-The checks (`check`), per scope (destination and ordering key):
+The checks (`check`), per scope (destination and ordering key), in the scope's commit order,
+which is id order (not ``seq`` order: once none of a key's events is pending, a purge deletes
+the key's counter and its next event is numbered 1 again, so a later event of a scope can carry
+a lower seq than the published ones before it):
 
 - ``lost_event``: an event to a working destination that is not dead-lettered has no effect.
 - ``duplicate_effect``: the consumer ran one message id twice.
@@ -341,10 +344,10 @@ def _rows(store: Any, setup: _Setup) -> list[dict[str, Any]]:
     rows = _query(
         store,
         setup,
-        "SELECT message_id, destination, ordering_key, seq, published_at, dead_at, headers "
+        "SELECT id, message_id, destination, ordering_key, seq, published_at, dead_at, headers "
         "FROM {table} ORDER BY id",
     )
-    names = ("message_id", "destination", "key", "seq", "published_at", "dead_at", "headers")
+    names = ("id", "message_id", "destination", "key", "seq", "published_at", "dead_at", "headers")
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
@@ -430,11 +433,12 @@ def check(
     for row in rows:
         scopes[(row["destination"], row["key"])].append(row)
     for scope, members in scopes.items():
-        members.sort(key=lambda row: row["seq"])
+        members.sort(key=lambda row: row["id"])
         refused = any(_headers(row).get("fault") for row in members)
-        seen = [by_id[m]["seq"] for _, m in effects if m in by_id and _scope(by_id[m]) == scope]
-        if not refused and seen != sorted(seen):
-            anomalies.append(Anomaly("out_of_order", f"{scope}", f"consumed in seq order {seen}"))
+        seen = [by_id[m] for _, m in effects if m in by_id and _scope(by_id[m]) == scope]
+        if not refused and seen != sorted(seen, key=lambda row: row["id"]):
+            order = ", ".join(f"{row['id']} (seq {row['seq']})" for row in seen)
+            anomalies.append(Anomaly("out_of_order", f"{scope}", f"consumed in id order {order}"))
         anomalies += _marks(scope, members)
     return anomalies
 
