@@ -144,6 +144,9 @@ def relay_main(config: dict[str, Any]) -> None:
         publish_timeout=config["publish_timeout"],
         max_attempts=config["max_attempts"],
         retention=3600,
+        # often: a key's counter is then deleted whenever the relays catch up with the writer,
+        # and its next event numbered 1 again (the check orders by id)
+        purge_interval=0.2,
     )
     try:
         relay.run_forever()
