@@ -483,33 +483,34 @@ def consuming() -> bool:
 
 def process(consumer: Any, delivery: Any, handler: Any) -> Any:
     """`IdempotentConsumer.process` of one delivery, observed: timed, its verdict reported."""
-    observation = _delivery_observation(consumer, delivery)
-    reset, consuming_reset = _current.set(observation), _consuming.set(True)
-    try:
+    with _delivery(consumer, delivery) as observation:
         decided = consumer.process(delivery, handler)
-    except BaseException as exc:
-        observation.finish(exc)
-        raise
-    finally:
-        _consuming.reset(consuming_reset)
-        _current.reset(reset)
-    if observation.detail is not None:  # its verdict was reported into it
-        observation.finish(decided.error)
-    return decided
+    return _decided(observation, decided)
 
 
 async def aprocess(consumer: Any, delivery: Any, handler: Any) -> Any:
     """`IdempotentConsumer.aprocess`, observed (see `process`)."""
+    with _delivery(consumer, delivery) as observation:
+        decided = await consumer.aprocess(delivery, handler)
+    return _decided(observation, decided)
+
+
+@contextlib.contextmanager
+def _delivery(consumer: Any, delivery: Any) -> Iterator[Observation]:
+    """The block processes one delivery under a fresh observation (reported if it raises)."""
     observation = _delivery_observation(consumer, delivery)
     reset, consuming_reset = _current.set(observation), _consuming.set(True)
     try:
-        decided = await consumer.aprocess(delivery, handler)
+        yield observation
     except BaseException as exc:
         observation.finish(exc)
         raise
     finally:
         _consuming.reset(consuming_reset)
         _current.reset(reset)
+
+
+def _decided(observation: Observation, decided: Any) -> Any:
     if observation.detail is not None:  # its verdict was reported into it
         observation.finish(decided.error)
     return decided
