@@ -24,6 +24,18 @@ and the consumers."""
 store: Any = None
 """When set, every decorated function uses this store instead of its own."""
 
+REFERENCE_FLOWS_VARIABLE = "ONCELY_REFERENCE_FLOWS"
+
+reference_flows: bool = os.environ.get(REFERENCE_FLOWS_VARIABLE, "").strip().lower() not in (
+    "",
+    "0",
+    "false",
+    "no",
+)
+"""When true, every entry point with a hand-inlined fast path (the decorator's ``call`` and
+``acall``, the async driver, the ASGI middleware, the async consumer) takes the reference flow
+instead, so that the test suite can hold both to the same tests."""
+
 
 def warn_unprotected(name: str, **extra: Any) -> None:
     """Say that *name* (a scope, a key) runs unprotected because oncely is disabled."""
