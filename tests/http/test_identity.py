@@ -222,8 +222,23 @@ class TestStrict:
 
         refused(nobody, 401, "principal-required")
         refused(forged, 401, "principal-required")
+        # RFC 9110 15.5.2: a 401 carries at least one challenge.
+        assert nobody.header("www-authenticate") == "Bearer"
         assert alice.status == 201
         assert api.ledger.count() == 1
+
+    def test_challenge_is_the_policys(self, make_api: Callable[..., Api], key: str) -> None:
+        challenge = 'Cookie realm="shop", form-action="/login"'
+        api = make_api(policy(require_principal=True, principal=verify, www_authenticate=challenge))
+        reply = api.post(key=key, json_body=PAYMENT)
+        refused(reply, 401, "principal-required")
+        assert reply.header("www-authenticate") == challenge
+        assert api.ledger.count() == 0
+
+    @pytest.mark.parametrize("challenge", ["Bearer\r\nSet-Cookie: x=1", "", 401])
+    def test_a_challenge_that_is_no_header_value_is_refused(self, challenge: Any) -> None:
+        with pytest.raises(ConfigurationError, match="www_authenticate"):
+            HttpPolicy(www_authenticate=challenge)
 
     def test_session_cookie_is_a_stable_source(
         self, make_api: Callable[..., Api], key: str

@@ -105,6 +105,9 @@ class HttpPolicy:
             `session_cookies` (``principal=lambda request: request.principal`` takes the
             framework's user alone). Without it, when no stable source is configured, the raw
             ``Authorization`` header, else the cookies, name the owner.
+        www_authenticate: The challenge a 401 ``principal-required`` answer carries in its
+            ``WWW-Authenticate`` header, as RFC 9110 requires of a 401 (default ``Bearer``;
+            say what the app's own login expects, e.g. ``Cookie realm="shop"``).
         stored_statuses: Response statuses that are stored and replayed (default: below 500,
             except the refusals 401, 403, 408, 409, 422, 423, 425 and 429, which say the
             request was not carried out; `REFUSAL_STATUSES`). Any other status releases the
@@ -139,6 +142,7 @@ class HttpPolicy:
     principal: PrincipalFunc | None = None
     session_cookies: Collection[str] = ()
     require_principal: bool = False
+    www_authenticate: str = "Bearer"
     stored_statuses: Container[int] = DEFAULT_STORED_STATUSES
     replay_header: tuple[str, str] | None = ("Idempotent-Replayed", "true")
     unreplayed_headers: Collection[str] = frozenset({"set-cookie"})
@@ -181,6 +185,15 @@ class HttpPolicy:
                 "require_principal needs a stable principal source: principal= (the app's own "
                 "verifier, or lambda request: request.principal for the framework's user) or "
                 "session_cookies="
+            )
+        challenge = self.www_authenticate
+        if (
+            not isinstance(challenge, str)
+            or not challenge.strip()
+            or not _is_header_value(challenge)
+        ):
+            raise ConfigurationError(
+                f"www_authenticate must be a header value, not {self.www_authenticate!r}"
             )
         if not isinstance(self.stored_statuses, Container) or isinstance(self.stored_statuses, str):
             raise ConfigurationError("stored_statuses must be a container of status codes")

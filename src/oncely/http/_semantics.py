@@ -584,11 +584,13 @@ def owned_elsewhere(policy: HttpPolicy) -> Response:
 
 def principal_required(policy: HttpPolicy) -> Response:
     """401: the route requires a principal (`HttpPolicy.require_principal`) and none of the
-    configured sources names one; nothing runs."""
+    configured sources names one; nothing runs. It carries the policy's challenge in
+    ``WWW-Authenticate``, as every 401 must."""
     return problem(
         401,
         "principal-required",
         f"A request with an {policy.header} header must be authenticated on this endpoint.",
+        headers=[(b"www-authenticate", policy.www_authenticate.encode("latin-1"))],
     )
 
 
