@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from oncely import Acquired, InProgress, LeaseLost, Status
-from oncely._conformance import StoreCalls
+from oncely.testing.conformance import StoreCalls
 
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 

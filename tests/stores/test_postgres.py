@@ -42,10 +42,10 @@ from oncely import (
     StoreUnavailableError,
     _execution,
 )
-from oncely._conformance import StoreCalls
 from oncely.stores.postgres import PostgresStore, _sql
 from oncely.stores.postgres import store as postgres_store
 from oncely.testing import FrozenClock
+from oncely.testing.conformance import StoreCalls
 from tests._helpers import eventually
 from tests.conftest import service_url
 from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised

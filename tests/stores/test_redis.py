@@ -31,7 +31,6 @@ import redis.crc
 
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Record, Replay, Status
-from oncely._conformance import StoreCalls
 from oncely._core.keys import scope_key
 from oncely.cli._app import _all_records
 from oncely.errors import (
@@ -45,6 +44,7 @@ from oncely.stores import open_store
 from oncely.stores.redis import RedisClusterStore, RedisStore, _scripts
 from oncely.stores.redis._codec import HEAD, Keyspace
 from oncely.testing import FrozenClock
+from oncely.testing.conformance import StoreCalls
 from tests._helpers import eventually
 from tests._servers import OwnRedis, free_port
 from tests.conftest import service_url

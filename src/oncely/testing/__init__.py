@@ -34,7 +34,7 @@ __all__ = ["FrozenClock", "StoreConformance", "disabled", "override_store"]
 S = TypeVar("S")
 
 if TYPE_CHECKING:
-    from oncely._conformance import StoreConformance
+    from oncely.testing.conformance import StoreConformance
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def disabled() -> Iterator[None]:
 
 def __getattr__(name: str) -> Any:
     if name == "StoreConformance":
-        from oncely._conformance import StoreConformance
+        from oncely.testing.conformance import StoreConformance
 
         return StoreConformance
     raise AttributeError(f"module 'oncely.testing' has no attribute {name!r}")
