@@ -87,8 +87,19 @@ def _doc(obj: Any) -> str:
 
 
 def _members(cls: type) -> list[str]:
+    """The public methods and properties of *cls*; for `StoreConformance`, with the tests it
+    inherits from its parts (one class per verb group, in private modules)."""
     lines = []
-    for name, member in vars(cls).items():
+    seen: set[str] = set()
+    owners = [
+        owner
+        for owner in cls.__mro__
+        if owner is cls or owner.__module__.startswith("oncely.testing._")
+    ]
+    for name, member in [pair for owner in owners for pair in vars(owner).items()]:
+        if name in seen:
+            continue
+        seen.add(name)
         if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
             continue
         target = member.fget if isinstance(member, property) else member

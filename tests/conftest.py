@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     import importlib.util
     import multiprocessing
 
-    preload = ["oncely", "oncely._conformance"]
+    preload = ["oncely", "oncely.testing._calls"]
     for module in ("redis", "redis.asyncio", "psycopg", "psycopg_pool"):
         if importlib.util.find_spec(module.partition(".")[0]) is not None:
             preload.append(module)

@@ -159,3 +159,26 @@ def test_the_testing_extra_installs_what_store_conformance_imports() -> None:
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     names = {re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras["testing"]}
     assert {"pytest", "hypothesis"} <= names
+
+
+def test_the_guides_store_of_your_own_passes_the_public_conformance_suite(tmp_path: Path) -> None:
+    """The testing guide's example, run by pytest as a reader would run it: the whole public
+    suite collects from ``oncely.testing.conformance`` and passes against the example's store."""
+    guide = (Path(__file__).resolve().parents[1] / "docs/guides/testing.md").read_text()
+    section = guide[guide.index("## Testing your own store") :]
+    match = re.search(r"^```python\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    assert match is not None
+    (tmp_path / "test_my_store.py").write_text(match.group(1))
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_store.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed is not None, done.stdout
+    assert int(passed.group(1)) > 100, done.stdout
+    assert "skipped" not in done.stdout, done.stdout

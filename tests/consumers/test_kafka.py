@@ -21,9 +21,9 @@ from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer, IdempotentKafka
 from oncely.consumers.producer import kafka_headers
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
+from tests._proxy import Proxy
 from tests.conftest import service_url
 from tests.consumers._effects import FAST, Ledger, Worker
-from tests.faults._proxy import FaultProxy
 
 pytestmark = pytest.mark.kafka
 
@@ -329,7 +329,7 @@ def test_store_down_nothing_is_committed_until_it_returns(
 ) -> None:
     """The store unreachable: the record is retried in place and its offset is not committed."""
     produce(bootstrap, topic, ["order-1"])
-    with FaultProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+    with Proxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
         )
@@ -467,7 +467,7 @@ def test_store_outage_keeps_polling_within_max_poll_interval(
     """The store down for longer than max.poll.interval.ms: the member keeps polling (the
     partition paused between rounds), so the group never evicts it; it settles on return."""
     produce(bootstrap, topic, ["order-1"])
-    with FaultProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+    with Proxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
         )
@@ -501,7 +501,7 @@ def test_stop_is_honoured_during_a_store_outage(
 ) -> None:
     """run(stop) returns while the store is still down; the record is left uncommitted."""
     produce(bootstrap, topic, ["order-1"])
-    with FaultProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+    with Proxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
         )

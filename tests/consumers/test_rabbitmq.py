@@ -22,9 +22,9 @@ from oncely.consumers import Reason
 from oncely.consumers.producer import amqp_message
 from oncely.consumers.rabbitmq import IdempotentHandler, dead_letter_arguments, idempotent_handler
 from oncely.stores.redis import RedisStore
+from tests._proxy import Proxy
 from tests.conftest import service_url
 from tests.consumers._effects import FAST, Ledger, Worker
-from tests.faults._proxy import FaultProxy
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -196,7 +196,7 @@ def test_store_down_at_claim_nothing_is_acked_until_it_returns(
     redis_url: str, store: RedisStore, ledger: Ledger, name: str
 ) -> None:
     """The store unreachable: the handler does not run and the message is not acked."""
-    with FaultProxy(_redis_port(redis_url)) as proxy:
+    with Proxy(_redis_port(redis_url)) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0",
             namespace=name,
@@ -243,7 +243,7 @@ def test_store_down_at_completion_the_message_is_not_acked(
     transactional inbox). This test pins exactly that documented behaviour.
     """
     monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.05,))
-    with FaultProxy(_redis_port(redis_url)) as proxy:
+    with Proxy(_redis_port(redis_url)) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0",
             namespace=name,

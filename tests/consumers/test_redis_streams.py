@@ -19,8 +19,8 @@ from oncely.consumers.producer import redis_fields
 from oncely.consumers.redis_streams import RedisStreamConsumer, StreamEntry
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
+from tests._proxy import Proxy
 from tests.consumers._effects import FAST, Ledger, Worker
-from tests.faults._proxy import FaultProxy
 
 pytestmark = pytest.mark.redis
 
@@ -234,7 +234,7 @@ def test_store_down_leaves_the_entry_pending_until_it_returns(
     redis_url: str, client: redis.Redis, store: RedisStore, ledger: Ledger, name: str
 ) -> None:
     """The store unreachable: nothing runs, nothing is acked; the entry is handled once later."""
-    with FaultProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
+    with Proxy(int(redis_url.rsplit(":", 1)[1].split("/")[0])) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0", namespace=name, retries=0, socket_timeout=1
         )

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests._proxy import Proxy
 from tests._servers import OwnRedis
 from tests.faults import (
     _brokers,
@@ -41,7 +42,6 @@ from tests.faults import (
 from tests.faults._checker import Anomaly, check
 from tests.faults._effects import Effects
 from tests.faults._history import History, now
-from tests.faults._proxy import FaultProxy
 from tests.faults._servers import durable_redis, free_port
 
 STORES = ("memory", "sqlite", "postgres", "redis", "redis_cluster", "tiered")
@@ -190,28 +190,38 @@ class Services:
 
     def server(self, kind: str, store: str, lease: float) -> int:
         """The port of the *kind* server (``asgi``/``wsgi``) on *store*, started on first use."""
+        plan = Plan(-1, store, kind, "none", 0, lease, 0)
+        return self.serve_once(kind, plan, functools.partial(_http.serve, kind))
+
+    def serve_once(
+        self, kind: str, plan: Plan, serve: Callable[[dict[str, Any], Any], None]
+    ) -> int:
+        """The port of the *kind* server on *plan*'s store and lease, started on first use:
+        ``serve(config, pipe)`` in a process of its own, which sends its port and then its
+        events down the pipe. It lives as long as the campaign; its events go to
+        `server_events`."""
         with self.server_lock:
-            if (kind, store) not in self.servers:
+            if (kind, plan.store) not in self.servers:
                 assert self.effects is not None
                 config = {
-                    "store": self.store_spec(Plan(-1, store, kind, "none", 0, lease, 0), None),
+                    "store": self.store_spec(plan, None),
                     "effects": {"url": self.effects.url, "schema": self.effects.schema},
-                    "lease": lease,
+                    "lease": plan.lease,
                     "ttl": 60.0,
                 }
                 ctx = multiprocessing.get_context("forkserver")
                 reader, writer = ctx.Pipe(duplex=False)
-                process = ctx.Process(target=_http.serve, args=(kind, config, writer), daemon=True)
+                process = ctx.Process(target=serve, args=(config, writer), daemon=True)
                 process.start()
                 writer.close()
                 # Generous: a loaded host's forkserver may be busy starting other workers.
                 if not reader.poll(120):
                     process.kill()
-                    raise RuntimeError(f"the {kind} server on {store} did not start")
+                    raise RuntimeError(f"the {kind} server on {plan.store} did not start")
                 port = int(reader.recv()["port"])
                 threading.Thread(target=self._read_server, args=(reader,), daemon=True).start()
-                self.servers[(kind, store)] = (port, process)
-            return self.servers[(kind, store)][0]
+                self.servers[(kind, plan.store)] = (port, process)
+            return int(self.servers[(kind, plan.store)][0])
 
     def _read_server(self, reader: Any) -> None:
         try:
@@ -260,7 +270,7 @@ class Services:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def store_spec(
-        self, plan: Plan, proxy: FaultProxy | None, redis: OwnRedis | None = None
+        self, plan: Plan, proxy: Proxy | None, redis: OwnRedis | None = None
     ) -> dict[str, Any]:
         namespace = f"faults-{self.run}-{plan.index}"
         if plan.store == "memory":
@@ -727,9 +737,9 @@ def run_history(plan: Plan, services: Services) -> Result:
     if plan.fault == "restart":  # a server of its own: the crash must not reach other histories
         with services.restart_lock:
             own = durable_redis(free_port(24500 + rng.randrange(1500)))
-    proxy: FaultProxy | None = None
+    proxy: Proxy | None = None
     if plan.fault in PROXIED:
-        proxy = FaultProxy(services.target_port(plan.store))
+        proxy = Proxy(services.target_port(plan.store))
     assert services.effects is not None
     base: dict[str, Any] = {
         "entry": plan.entry,

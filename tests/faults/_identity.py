@@ -259,30 +259,7 @@ def run_history(plan: Any, services: Any) -> Any:
 def _server(services: Any, plan: Any) -> int:
     """The port of the identity server on *plan*'s store, started on first use (it lives as
     long as the campaign's other servers; its events go where theirs do)."""
-    import multiprocessing
-
-    with services.server_lock:
-        if ("identity", plan.store) not in services.servers:
-            assert services.effects is not None
-            config = {
-                "store": services.store_spec(plan, None),
-                "effects": {"url": services.effects.url, "schema": services.effects.schema},
-                "lease": plan.lease,
-                "ttl": 60.0,
-            }
-            ctx = multiprocessing.get_context("forkserver")
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=serve, args=(config, writer), daemon=True)
-            process.start()
-            writer.close()
-            # Generous: a loaded host's forkserver may be busy starting other histories' workers.
-            if not reader.poll(120):
-                process.kill()
-                raise RuntimeError(f"the identity server on {plan.store} did not start")
-            port = int(reader.recv()["port"])
-            threading.Thread(target=services._read_server, args=(reader,), daemon=True).start()
-            services.servers[("identity", plan.store)] = (port, process)
-        return int(services.servers[("identity", plan.store)][0])
+    return int(services.serve_once("identity", plan, serve))
 
 
 def _story(

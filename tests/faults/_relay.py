@@ -202,8 +202,8 @@ class _Setup:
 def run_history(plan: Any, services: Any) -> Any:
     """Run one relay history (see the module) and check it."""
     import oncely
+    from tests._proxy import Proxy
     from tests.faults._campaign import Result
-    from tests.faults._proxy import FaultProxy
 
     started = now()
     history = History(plan.name)
@@ -222,11 +222,11 @@ def run_history(plan: Any, services: Any) -> Any:
     asyncio.run(_declare(setup))
     store = oncely.open_store(setup.store_url)
     store.migrate()  # type: ignore[attr-defined]
-    proxy: FaultProxy | None = None
+    proxy: Proxy | None = None
     amqp = setup.amqp
     if fault == "broker-down":
         port = urlsplit(setup.amqp).port or 5672
-        proxy = FaultProxy(port)
+        proxy = Proxy(port)
         proxy.up()
         amqp = setup.amqp.replace(f":{port}", f":{proxy.port}")
     base = {

@@ -37,7 +37,7 @@ from oncely.http.client import (
     OutcomeUnknownError,
 )
 from tests._helpers import eventually
-from tests.http._proxy import ResponseFaultProxy
+from tests._proxy import Proxy
 from tests.http.conftest import EXAMPLES, store_url
 
 SERVERS = {
@@ -469,7 +469,7 @@ def test_client_transport_retries_a_body_cut_in_transit(
     before = server.charges()
     key = str(uuid.uuid4())
     options = {"max_attempts": 6, "backoff": 0.05, "seed": 2}
-    with ResponseFaultProxy(server.host_port[1], [fault]) as proxy:
+    with Proxy(server.host_port[1], responses=[fault]) as proxy:
         reply = _post_through(
             mode, proxy.url, options, json=PAYMENT, headers={"Idempotency-Key": key}
         )
@@ -493,7 +493,7 @@ def test_client_transport_out_of_attempts_mid_body_keeps_the_key(
     before = server.charges()
     options = {"max_attempts": 2, "backoff": 0.05, "seed": 2}
     with (
-        ResponseFaultProxy(server.host_port[1], ["stall", "stall"]) as proxy,
+        Proxy(server.host_port[1], responses=["stall", "stall"]) as proxy,
         pytest.raises(OutcomeUnknownError) as raised,
     ):
         _post_through(mode, proxy.url, options, json=PAYMENT)

@@ -19,8 +19,8 @@ import pytest
 
 from oncely.errors import ConfigurationError, InvalidKeyError
 from oncely.outbox import NOT_ATTEMPTED, OutboxEvent, Publisher
+from tests._proxy import Proxy
 from tests.conftest import service_url
-from tests.faults._proxy import FaultProxy
 from tests.outbox._brokers_pub import BROKERS, Broker, Kafka, RabbitMQ, until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.kafka, pytest.mark.nats, pytest.mark.redis]
@@ -284,7 +284,7 @@ def test_the_publisher_reconnects_after_losing_its_connection(broker: Broker) ->
     before, during, after = (events(broker, 6, keys=("k",))[n : n + 2] for n in (0, 2, 4))
 
     async def test(_: Publisher) -> Any:
-        with FaultProxy(port) as proxy:
+        with Proxy(port) as proxy:
             publisher = broker.publisher(broker.url_at.format(port=proxy.port))
             try:
                 assert await publisher.publish(before) == [None, None]

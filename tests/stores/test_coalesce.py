@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import struct
-import threading
 import uuid
 from collections.abc import Awaitable, Iterator, Sequence
 from datetime import timedelta
@@ -20,6 +16,7 @@ from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely.errors import CorruptRecordError, StoreUnavailableError
 from oncely.stores._coalesce import CoalescingStore
 from oncely.stores.memory import MemoryStore
+from tests._proxy import Proxy
 from tests.conftest import service_url
 
 LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
@@ -299,84 +296,15 @@ def test_http_middleware_coalesces_concurrent_requests(coalesce: bool) -> None:
 # -- a batch call whose reply is lost, against the real Redis ----------------------------------
 
 
-class _CuttingProxy:
-    """Forwards loopback connections to the shared Redis. Armed with *marker* and a *mode*, the
-    first request carrying *marker* is either forwarded with its reply swallowed (``"reply"``:
-    the command ran, the client times out) or dropped with the connection reset (``"request"``:
-    the command never ran); then it disarms."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.marker: bytes | None = None
-        self.mode = "reply"
-        self.cut = threading.Event()
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, marker: bytes, mode: str) -> None:
-        with self._lock:
-            self.marker, self.mode = marker, mode
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
-            self._sockets += [client, server]
-            swallow = threading.Event()
-            threading.Thread(target=self._requests, args=(client, server, swallow)).start()
-            threading.Thread(target=self._replies, args=(server, client, swallow)).start()
-
-    def _requests(
-        self, client: socket.socket, server: socket.socket, swallow: threading.Event
-    ) -> None:
-        with contextlib.suppress(OSError):
-            while data := client.recv(65536):
-                with self._lock:
-                    hit = self.marker is not None and self.marker in data
-                    if hit:
-                        self.marker = None
-                if hit and self.mode == "request":
-                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    client.close()
-                    self.cut.set()
-                    break
-                if hit:
-                    swallow.set()
-                    self.cut.set()
-                server.sendall(data)
-        with contextlib.suppress(OSError):
-            server.shutdown(socket.SHUT_WR)
-
-    @staticmethod
-    def _replies(server: socket.socket, client: socket.socket, swallow: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := server.recv(65536):
-                if not swallow.is_set():
-                    client.sendall(data)
-        with contextlib.suppress(OSError):
-            client.shutdown(socket.SHUT_WR)
-
-
 @pytest.fixture
-def cutting() -> Iterator[tuple[_CuttingProxy, Any, Any]]:
+def cutting() -> Iterator[tuple[Proxy, Any, Any]]:
     """A proxy to the shared Redis, a store through it (0.5 s timeouts, no re-sends of its
     own) and one that goes straight to the server, in a namespace of this test's own."""
     from tests.consumers.conftest import delete_namespace
 
     url = service_url("ONCELY_TEST_REDIS_URL")
     namespace = f"oncely-t-{uuid.uuid4().hex[:12]}"
-    proxy = _CuttingProxy(urlsplit(url).port or 6379)
+    proxy = Proxy(urlsplit(url).port or 6379)
     through = oncely.open_store(
         f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5", namespace=namespace, retries=0
     )
@@ -397,7 +325,7 @@ async def _one_then_batch(first: Awaitable[Any], rest: list[Awaitable[Any]]) -> 
 
 @pytest.mark.redis
 def test_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
-    cutting: tuple[_CuttingProxy, Any, Any],
+    cutting: tuple[Proxy, Any, Any],
 ) -> None:
     """The completions ran but their reply never came: each caller learns its completion
     succeeded (the record shows its token and result), none gets the batch's timeout."""
@@ -405,7 +333,7 @@ def test_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
     keys = ["plain", "cut-1", "cut-2", "cut-3"]
     tokens = {key: direct.claim(key, "fp", lease=LEASE, ttl=TTL).token for key in keys}
     view = CoalescingStore(through, max_in_flight=1)
-    proxy.arm(b"cut-1", "reply")
+    proxy.arm(b"cut-1", hold=True)
 
     async def main() -> list[Any]:
         complete = [view.acomplete(key, tokens[key], key.encode(), ttl=TTL) for key in keys]
@@ -421,7 +349,7 @@ def test_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
 
 @pytest.mark.redis
 def test_a_batch_of_claims_never_applied_is_answered_per_caller(
-    cutting: tuple[_CuttingProxy, Any, Any],
+    cutting: tuple[Proxy, Any, Any],
 ) -> None:
     """The claims' connection broke before they reached the server: they are sent again and
     each caller gets its own answer, not the batch's error."""
@@ -429,7 +357,7 @@ def test_a_batch_of_claims_never_applied_is_answered_per_caller(
     done = direct.claim("done-2", "fp", lease=LEASE, ttl=TTL).token
     assert direct.complete("done-2", done, b"r", ttl=TTL) is None
     view = CoalescingStore(through, max_in_flight=1)
-    proxy.arm(b"cut-1", "request")
+    proxy.arm(b"cut-1", request=True)
 
     async def main() -> list[Any]:
         keys = ["plain", "cut-1", "done-2", "cut-3"]
@@ -444,14 +372,14 @@ def test_a_batch_of_claims_never_applied_is_answered_per_caller(
 
 @pytest.mark.redis
 def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_by_its_callers(
-    cutting: tuple[_CuttingProxy, Any, Any],
+    cutting: tuple[Proxy, Any, Any],
 ) -> None:
     """The claims ran but their reply never came: the batch is sent again with the same call
     ids, so each caller gets its own lease (Acquired), not InProgress or the batch's timeout,
     and no key is left locked for a lease."""
     proxy, through, direct = cutting
     view = CoalescingStore(through, max_in_flight=1)
-    proxy.arm(b"cut-1", "reply")
+    proxy.arm(b"cut-1", hold=True)
     keys = ["plain", "cut-1", "cut-2", "cut-3"]
 
     async def main() -> list[Any]:
@@ -477,7 +405,6 @@ def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_on_postgres()
     import psycopg
 
     from oncely.stores.postgres import PostgresStore
-    from tests.stores._cut import ReplyCutter
 
     url = service_url("ONCELY_TEST_POSTGRES_URL")
     schema = f"oncely_t_{uuid.uuid4().hex[:12]}"
@@ -487,7 +414,7 @@ def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_on_postgres()
     direct = PostgresStore(url, schema=schema)
     direct.migrate()
     try:
-        with ReplyCutter(port) as cutter:
+        with Proxy(port) as cutter:
             conninfo = psycopg.conninfo.make_conninfo(url, host="127.0.0.1", port=cutter.port)
             through = PostgresStore(conninfo, schema=schema)
             view = CoalescingStore(through, max_in_flight=1)

@@ -42,13 +42,14 @@ from oncely import (
     StoreUnavailableError,
     _execution,
 )
-from oncely._conformance import StoreCalls
 from oncely.stores.postgres import PostgresStore, _sql
 from oncely.stores.postgres import store as postgres_store
 from oncely.testing import FrozenClock
+from oncely.testing.conformance import StoreCalls
 from tests._helpers import eventually
+from tests._proxy import Proxy
 from tests.conftest import service_url
-from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
+from tests.stores._cut import VERBS, assert_lost_reply_is_recognised
 
 pytestmark = pytest.mark.postgres
 
@@ -899,44 +900,6 @@ def test_forked_child_opens_its_own_connections(
     assert isinstance(store.claim("child", "fp", lease=LEASE, ttl=TTL), InProgress)
 
 
-class _SlowProxy:
-    """A loopback TCP proxy that makes every connection after the first take *delay* to open."""
-
-    def __init__(self, host: str, port: int, delay: float) -> None:
-        self.target = (host, port)
-        self.delay = delay
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.accepted = 0
-        self._sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            threading.Thread(
-                target=self._serve,
-                args=(client, self.delay if self.accepted > 1 else 0),
-                daemon=True,
-            ).start()
-
-    def _serve(self, client: socket.socket, delay: float) -> None:
-        time.sleep(delay)
-        server = socket.create_connection(self.target)
-        self._sockets += [client, server]
-        for source, sink in ((client, server), (server, client)):
-            threading.Thread(target=_relay, args=(source, sink), daemon=True).start()
-
-
 def test_event_loop_shutdown_closes_a_busy_loop_pool(
     base_url: str,
     schema: str,
@@ -952,8 +915,10 @@ def test_event_loop_shutdown_closes_a_busy_loop_pool(
     # until the test ends, and the session would count as leaked.
     monkeypatch.setattr(logging.getLogger("psycopg.pool"), "propagate", False)
     params = psycopg.conninfo.conninfo_to_dict(base_url)
-    proxy = _SlowProxy(
-        str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432), delay=1.5
+    proxy = Proxy(
+        int(params.get("port") or 5432),
+        host=str(params.get("host") or "127.0.0.1"),
+        connect_delay=1.5,
     )
     conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
     store = PostgresStore(
@@ -1439,7 +1404,7 @@ def test_resent_transition_answers_as_the_first_send(
     again on a new connection, and the answer is the one the lost reply carried (Acquired for
     its own claim, done for its own settle), never InProgress or LeaseLost."""
     host = psycopg.conninfo.conninfo_to_dict(base_url)
-    with ReplyCutter(int(host.get("port") or 5432)) as cutter:
+    with Proxy(int(host.get("port") or 5432)) as cutter:
         conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=cutter.port)
         with PostgresStore(
             conninfo, schema=schema, namespace=_name("ns"), application_name=app
@@ -1487,14 +1452,13 @@ def test_concurrent_async_extends_share_round_trips(base_url: str, schema: str, 
     a connection per lease while the extends queue for one (each new connection costs round
     trips through that network, and each extend on it another to prepare): the extends that
     waited let their leases lapse while the store answered within a quarter of the lease."""
-    from tests.faults._proxy import FaultProxy
 
     host = psycopg.conninfo.conninfo_to_dict(base_url)
     namespace = _name("ns")
     keys = [f"k{index}" for index in range(8)]
     with PostgresStore(base_url, schema=schema, namespace=namespace) as direct:
         tokens = [direct.claim(key, "fp", lease=LEASE, ttl=TTL).token for key in keys]
-        with FaultProxy(int(host.get("port") or 5432)) as proxy:
+        with Proxy(int(host.get("port") or 5432)) as proxy:
             conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
             store = PostgresStore(
                 conninfo, schema=schema, namespace=namespace, application_name=app
@@ -1523,14 +1487,6 @@ _GONE = "Connection refused|server closed the connection unexpectedly"
 """The driver's reasons for a server that went away, as the store's error quotes them."""
 
 
-def _down(proxy: _SlowProxy) -> None:
-    """The server is gone: live sessions cut, new ones refused."""
-    for sock in proxy._sockets:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-    proxy.close()
-
-
 @pytest.mark.parametrize("world", ["sync", "async"])
 def test_a_server_lost_after_the_pool_opened_is_reported_with_its_reason_quietly(
     base_url: str, schema: str, caplog: pytest.LogCaptureFixture, world: str
@@ -1539,13 +1495,13 @@ def test_a_server_lost_after_the_pool_opened_is_reported_with_its_reason_quietly
     why: the reconnection refused, or, when the pool handed out a session the server had just
     cut before its check saw it, that session's end."""
     params = psycopg.conninfo.conninfo_to_dict(base_url)
-    proxy = _SlowProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432), 0)
+    proxy = Proxy(int(params.get("port") or 5432), host=str(params.get("host") or "127.0.0.1"))
     conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
     with PostgresStore(conninfo, schema=schema, pool_timeout=1) as store:
 
         async def both() -> None:
             await store.aget("k")
-            _down(proxy)
+            proxy.down(reset=False)  # the server is gone: sessions cut, new ones refused
             with pytest.raises(StoreUnavailableError, match=_GONE):
                 await store.aget("k")
 
@@ -1554,7 +1510,7 @@ def test_a_server_lost_after_the_pool_opened_is_reported_with_its_reason_quietly
                 asyncio.run(both())
             else:
                 store.get("k")
-                _down(proxy)
+                proxy.down(reset=False)
                 with pytest.raises(StoreUnavailableError, match=_GONE):
                     store.get("k")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

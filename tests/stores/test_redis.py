@@ -31,7 +31,6 @@ import redis.crc
 
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Record, Replay, Status
-from oncely._conformance import StoreCalls
 from oncely._core.keys import scope_key
 from oncely.cli._app import _all_records
 from oncely.errors import (
@@ -45,10 +44,12 @@ from oncely.stores import open_store
 from oncely.stores.redis import RedisClusterStore, RedisStore, _scripts
 from oncely.stores.redis._codec import HEAD, Keyspace
 from oncely.testing import FrozenClock
+from oncely.testing.conformance import StoreCalls
 from tests._helpers import eventually
+from tests._proxy import Proxy
 from tests._servers import OwnRedis, free_port
 from tests.conftest import service_url
-from tests.stores._cut import VERBS, ReplyCutter, assert_lost_reply_is_recognised
+from tests.stores._cut import VERBS, assert_lost_reply_is_recognised
 
 LEASE = timedelta(seconds=30)
 TTL = timedelta(minutes=5)
@@ -1415,19 +1416,17 @@ def _cluster_ports(cluster_url: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def _behind_cutters(
-    kind: str, url: str, ns: str, **options: Any
-) -> Iterator[tuple[Any, ReplyCutter]]:
-    """A store whose every connection goes through one `ReplyCutter` per server (node)."""
+def _behind_cutters(kind: str, url: str, ns: str, **options: Any) -> Iterator[tuple[Any, Proxy]]:
+    """A store whose every connection goes through one `Proxy` per server (node)."""
     if kind == "standalone":
         port = int(url.partition("://")[2].partition("/")[0].rpartition(":")[2])
         with (
-            ReplyCutter(port) as cutter,
+            Proxy(port) as cutter,
             RedisStore(f"redis://127.0.0.1:{cutter.port}/0", namespace=ns, **options) as store,
         ):
             yield store, cutter
         return
-    cutters = {port: ReplyCutter(port) for port in _cluster_ports(url)}
+    cutters = {port: Proxy(port) for port in _cluster_ports(url)}
     shared = _SharedCutter(list(cutters.values()))
 
     def remap(address: tuple[str, int]) -> tuple[str, int]:
@@ -1448,7 +1447,7 @@ def _behind_cutters(
 class _SharedCutter:
     """Arms every node's cutter: whichever node serves the key cuts the reply."""
 
-    def __init__(self, cutters: list[ReplyCutter]) -> None:
+    def __init__(self, cutters: list[Proxy]) -> None:
         self._cutters = cutters
 
     def arm(self, marker: bytes, *, until: bytes = b"", hold: bool = False) -> None:

@@ -4,13 +4,13 @@
   a ``with`` block; the pytest fixture ``oncely_store`` does it for one test.
 * `disabled`: turn oncely off inside a block, at every entry point (each call logs a warning).
 * `FrozenClock`: a clock that moves only when told, for deterministic expiry tests.
-* `StoreConformance`: the one test suite every store must pass (docs/contract.md).
-  Subclass it in a pytest module and implement `open_store`; it needs pytest and hypothesis
-  (``pip install 'oncely[testing]'``).
+* `StoreConformance`: the one test suite every store must pass (docs/contract.md), from
+  `oncely.testing.conformance`. Subclass it in a pytest module and implement `open_store`; it
+  needs pytest and hypothesis (``pip install 'oncely[testing]'``).
 
 .. code-block:: python
 
-    from oncely.testing import StoreConformance
+    from oncely.testing.conformance import StoreConformance
 
     class TestMyStore(StoreConformance):
         def open_store(self, clock):
@@ -34,7 +34,7 @@ __all__ = ["FrozenClock", "StoreConformance", "disabled", "override_store"]
 S = TypeVar("S")
 
 if TYPE_CHECKING:
-    from oncely._conformance import StoreConformance
+    from oncely.testing.conformance import StoreConformance
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def disabled() -> Iterator[None]:
 
 def __getattr__(name: str) -> Any:
     if name == "StoreConformance":
-        from oncely._conformance import StoreConformance
+        from oncely.testing.conformance import StoreConformance
 
         return StoreConformance
     raise AttributeError(f"module 'oncely.testing' has no attribute {name!r}")
