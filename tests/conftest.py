@@ -39,13 +39,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=first)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reference-flows",
+        action="store_true",
+        help="run every entry point through the reference flows instead of its fast path "
+        "(oncely._switches.reference_flows; also ONCELY_REFERENCE_FLOWS=1)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Preload drivers in the forkserver the process races use, once for the whole session.
+    """Take the reference flows if asked to; preload drivers in the forkserver the process
+    races use, once for the whole session.
 
     64 racing processes would otherwise each import the drivers: seconds of CPU on 2 cores.
     """
     import importlib.util
     import multiprocessing
+
+    from oncely import _switches
+
+    if config.getoption("--reference-flows"):
+        # The environment too: processes the tests start (the races, the servers) take it.
+        os.environ[_switches.REFERENCE_FLOWS_VARIABLE] = "1"
+        _switches.reference_flows = True
 
     preload = ["oncely", "oncely.testing._calls"]
     for module in ("redis", "redis.asyncio", "psycopg", "psycopg_pool"):

@@ -215,13 +215,13 @@ def _instrument(middleware: IdempotencyMiddleware, clock: _Clock) -> Callable[[]
         (_execution, "acquired", clock.sync("lease", _execution.acquired)),
         (
             _execution,
-            "_start_async_heartbeat",
-            clock.sync("lease", _execution._start_async_heartbeat),
+            "start_async_heartbeat",
+            clock.sync("lease", _execution.start_async_heartbeat),
         ),
         (
             _execution,
-            "_stop_async_heartbeat",
-            clock.sync("lease", _execution._stop_async_heartbeat),
+            "stop_async_heartbeat",
+            clock.sync("lease", _execution.stop_async_heartbeat),
         ),
         (_flow, "stored_outcome", clock.sync("encode", _flow.stored_outcome)),
         (_execution, "suppressed", clock.sync("replay", _execution.suppressed)),

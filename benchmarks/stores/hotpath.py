@@ -275,7 +275,7 @@ def stages(ops: int) -> dict[str, float]:
             marks.append(("decode", clock()))
             return add("sync replay", marks)
         lease = _execution.acquired(scoped, answer, policy)
-        lease.heartbeat = _execution._SCHEDULER.start(store, lease)
+        _execution.start_heartbeat(store, lease)
         marks.append(("lease", clock()))
         value = _execution.invoke_under(lease, lambda: plan.fn(key, 1250))
         marks.append(("run", clock()))
@@ -284,7 +284,7 @@ def stages(ops: int) -> dict[str, float]:
         lease.settling = True
         store.complete(scoped, lease.token, payload, ttl=policy.ttl)
         marks.append(("complete", clock()))
-        _execution._SCHEDULER.stop(lease)
+        _execution.stop_heartbeat(lease)
         marks.append(("lease", clock()))
         return add("sync new", marks)
 
@@ -301,7 +301,7 @@ def stages(ops: int) -> dict[str, float]:
             marks.append(("decode", clock()))
             return add("async replay", marks)
         lease = _execution.acquired(scoped, answer, policy)
-        _execution._start_async_heartbeat(store, lease)
+        _execution.start_async_heartbeat(store, lease)
         marks.append(("lease", clock()))
         value = await _execution.ainvoke_under(lease, lambda: aplan.fn(key, 1250))
         marks.append(("run", clock()))
@@ -310,7 +310,7 @@ def stages(ops: int) -> dict[str, float]:
         lease.settling = True
         await store.acomplete(scoped, lease.token, payload, ttl=policy.ttl)
         marks.append(("complete", clock()))
-        _execution._stop_async_heartbeat(lease)  # the task never starts: nothing to await
+        _execution.stop_async_heartbeat(lease)  # the task never starts: nothing to await
         marks.append(("lease", clock()))
         return add("async new", marks)
 

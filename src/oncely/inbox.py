@@ -379,7 +379,7 @@ def current_transaction() -> Any:
 
 
 def _running_lease() -> _execution.Lease:
-    lease = _execution._CURRENT.get()
+    lease = _execution.CURRENT.get()
     if lease is None:
         raise ConfigurationError(
             "an Inbox.transactional handler runs under an oncely consumer (or oncely.idempotent "
@@ -578,7 +578,7 @@ def _exit(
     except Exception as exc:
         if error is None:
             raise
-        _execution._chain(error, exc)
+        _execution.chain(error, exc)
 
 
 _UNPROTECTED = Acquired(token=0)

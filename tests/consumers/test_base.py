@@ -479,7 +479,7 @@ def test_store_outage_never_acks(
     store: Store, process: Process, down: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Store down before the claim or at completion: the verdict is RETRY, never ACK."""
-    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.0,))
+    monkeypatch.setattr("oncely._execution.flows.SETTLE_RETRY_DELAYS", (0.0,))
     flaky: Any = FlakyStore(store, {down})
     consumer = IdempotentConsumer(flaky, scope="orders", policy=POLICY)
     handler = Calls()

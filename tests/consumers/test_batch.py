@@ -160,7 +160,7 @@ def test_store_down_nothing_acked(
     store: BatchingStore, batch: Batch, down: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store down for the claim or the completion: every verdict is a retry, never an ack."""
-    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.0,))
+    monkeypatch.setattr("oncely._execution.flows.SETTLE_RETRY_DELAYS", (0.0,))
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
     store.down.add(down)
     seen: list[Any] = []
@@ -175,7 +175,7 @@ def test_a_completion_applied_with_its_reply_lost_is_processed(
 ) -> None:
     """complete_many applied but its reply lost: sent again it answers LeaseLost, and the
     record shows the completion was ours: processed and acked, not a lost lease."""
-    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.0,))
+    monkeypatch.setattr("oncely._execution.flows.SETTLE_RETRY_DELAYS", (0.0,))
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
     store.lost.add("complete_many")
     verdicts = batch(consumer, deliveries("a"), lambda m: m[1])

@@ -242,7 +242,7 @@ def test_store_down_at_completion_the_message_is_not_acked(
     completion is closed only by recording the key in the write's own transaction (the
     transactional inbox). This test pins exactly that documented behaviour.
     """
-    monkeypatch.setattr("oncely._execution.SETTLE_RETRY_DELAYS", (0.05,))
+    monkeypatch.setattr("oncely._execution.flows.SETTLE_RETRY_DELAYS", (0.05,))
     with Proxy(_redis_port(redis_url)) as proxy:
         flaky = RedisStore(
             f"redis://127.0.0.1:{proxy.port}/0",

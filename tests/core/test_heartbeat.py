@@ -24,8 +24,8 @@ from oncely import (
     Status,
     Store,
     StoreUnavailableError,
-    _execution,
 )
+from oncely._execution import heartbeat
 from oncely.stores.memory import MemoryStore
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
@@ -248,7 +248,7 @@ def test_an_extend_answered_after_complete_is_not_a_lost_lease(
             assert store.extending.wait(10)
             guard.complete("done")
         eventually(lambda: store.answers)
-        eventually(_execution._SCHEDULER.idle)
+        eventually(heartbeat.SCHEDULER.idle)
     assert store.answers == [LeaseLost()]
     assert not guard.lease_lost
     assert _lease_lost_lines(caplog) == []
@@ -399,7 +399,7 @@ def test_heartbeats_of_ended_calls_do_not_pile_up() -> None:
     """Each call leaves a beat in a heap, due a third of a lease later; the stopped ones are
     compacted away, so the heap follows the calls in flight, not those of the last interval."""
     store = MemoryStore()
-    calls = 3 * _execution._COMPACT_AT
+    calls = 3 * heartbeat._COMPACT_AT
 
     @oncely.idempotent(store=store, key="key", lease=30, ttl=60)
     def sync(key: str) -> int:
@@ -411,11 +411,11 @@ def test_heartbeats_of_ended_calls_do_not_pile_up() -> None:
 
     for index in range(calls):
         sync(f"s{index}")
-    assert len(_execution._SCHEDULER._timers) < calls * 3 / 4
+    assert len(heartbeat.SCHEDULER._timers) < calls * 3 / 4
 
     async def many() -> int:
         for index in range(calls):
             await async_(f"a{index}")
-        return len(_execution._ASYNC_STARTS[asyncio.get_running_loop()].due)
+        return len(heartbeat._STARTS.by_loop[asyncio.get_running_loop()].due)
 
     assert asyncio.run(many()) < calls * 3 / 4

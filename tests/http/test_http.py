@@ -58,7 +58,7 @@ def problem(reply: Reply, status: int, code: str) -> dict[str, object]:
 @pytest.fixture(autouse=True)
 def _fast_settle_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Settle retries of an unavailable store pause briefly (the real pauses add up to 1.75 s)."""
-    monkeypatch.setattr(_execution, "SETTLE_RETRY_DELAYS", (0.01, 0.02))
+    monkeypatch.setattr(_execution.flows, "SETTLE_RETRY_DELAYS", (0.01, 0.02))
 
 
 class TestNotProtected:

@@ -364,7 +364,7 @@ class TestFinish:
     def test_store_failure_after_the_handler_is_logged_not_raised(
         self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
-        monkeypatch.setattr(_execution, "SETTLE_RETRY_DELAYS", (0.0,))
+        monkeypatch.setattr(_execution.flows, "SETTLE_RETRY_DELAYS", (0.0,))
         down = StoreUnavailableError("down", backend="x")
         script = Script(complete=[down, down])
         drive(_flow.finish(self.lease(), self.capture(201, b"ok"), POLICY), script)

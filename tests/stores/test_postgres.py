@@ -1069,7 +1069,7 @@ def test_store_lost_until_after_complete_recovers_only_after_the_lease(
 ) -> None:
     """The store goes away mid-operation and complete gives up: the key is never executed again
     while the lease is live, and is recovered (executed once more) after it."""
-    monkeypatch.setattr(_execution, "SETTLE_RETRY_DELAYS", (0.01, 0.01))
+    monkeypatch.setattr(_execution.flows, "SETTLE_RETRY_DELAYS", (0.01, 0.01))
     namespace = _name("outage")
     lease = timedelta(seconds=3)
     calls: list[str] = []

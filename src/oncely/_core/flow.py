@@ -2,7 +2,14 @@
 
 A flow yields operations (store calls, "invoke the user's function", "sleep") and receives their
 results; an exception raised while performing an operation is thrown back into the flow at the
-point that yielded it. `drive` and `adrive` are the only places where sync and async differ.
+point that yielded it. `drive` and `adrive` are the reference drivers: a flow is the same for sync
+and async callers, only its driver differs.
+
+Some entry points run copies of a flow written out for speed (`oncely._execution`: the async
+driver inlines `adrive`'s loop, the decorator's `call` and `acall` write out its common paths).
+`oncely._switches.reference_flows` makes each of them run the flow through these drivers
+instead, and the test suite runs the entry points both ways (``pytest --reference-flows``), so
+a copy that drifts from its flow fails the same tests.
 """
 
 from __future__ import annotations

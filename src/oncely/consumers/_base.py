@@ -1052,7 +1052,7 @@ class IdempotentConsumer:
     def _complete_many(self, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
         """Complete every item in one call, retrying while the store is briefly unavailable."""
         retried = False
-        for delay in (*_execution.SETTLE_RETRY_DELAYS, None):
+        for delay in (*_execution.flows.SETTLE_RETRY_DELAYS, None):
             try:
                 answers: list[Any] = yield _execution.StoreCall(  # the handlers ran: shielded
                     "complete_many", (items,), {"ttl": self._policy.ttl}, shield=True

@@ -275,7 +275,7 @@ async def afinish(
             partial(_settle, lease, "complete", payload, policy, (lost, None)), lease, store
         )
     elif lease.heartbeat is not None:
-        started = _execution._stop_async_heartbeat(lease)
+        started = _execution.stop_async_heartbeat(lease)
         if started is not None:
             await asyncio.wait((started,))
 

@@ -199,7 +199,7 @@ class IdempotencyMiddleware:
         if isinstance(answer, Acquired):
             lease = _execution.acquired(plan.key, answer, core)
             if core.heartbeat:
-                _execution._start_async_heartbeat(calls, lease)
+                _execution.start_async_heartbeat(calls, lease)
             await self._run(lease, policy, _app_scope(scope), receive, send)
             return
         if isinstance(answer, Replay):
@@ -270,11 +270,11 @@ class IdempotencyMiddleware:
             await send(message)
 
         try:
-            reset = _execution._CURRENT.set(lease)  # `oncely.current_lease()` in the handler
+            reset = _execution.CURRENT.set(lease)  # `oncely.current_lease()` in the handler
             try:
                 await self.app(scope, receive, capture_send)
             finally:
-                _execution._CURRENT.reset(reset)
+                _execution.CURRENT.reset(reset)
         except BaseException as exc:
             if lease is None and parked is not None:
                 lease = parked.lease

@@ -147,7 +147,7 @@ class _Parked:
             self.state, self.answer = _State.REFUSED, outcome
         else:
             self.state, self.lease = _State.CLAIMED, outcome
-            _execution._CURRENT.set(outcome)  # `oncely.current_lease()` in the handler
+            _execution.CURRENT.set(outcome)  # `oncely.current_lease()` in the handler
 
     async def unclaimed(self, message: Message, send: Send, scope: Scope) -> None:
         """Send (or replace) one response message of a request the dependency did not claim."""
