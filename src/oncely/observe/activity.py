@@ -463,16 +463,21 @@ def read_activity(
         StoreError: The store failed (or, on PostgreSQL, no activity table exists yet and the
             store's role may not create it).
     """
-    if minutes < 1:
-        raise ConfigurationError("minutes must be 1 or more")
-    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     sink = sink_for(store)
     try:
-        last = now // MINUTE_MS
-        rows, listed = sink.read(since_minute=last - minutes + 1, until_minute=last, limit=recent)
+        return read_sink(sink, minutes=minutes, recent=recent, now_ms=now_ms)
     finally:
         if not isinstance(sink, MemorySink):
             sink.close()
+
+
+def read_sink(sink: Sink, *, minutes: int, recent: int, now_ms: int | None = None) -> Activity:
+    """`read_activity` through a sink kept open (the dashboard reads every few seconds)."""
+    if minutes < 1:
+        raise ConfigurationError("minutes must be 1 or more")
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    last = now // MINUTE_MS
+    rows, listed = sink.read(since_minute=last - minutes + 1, until_minute=last, limit=recent)
     return activity_of(rows, listed, now_ms=now, minutes=minutes)
 
 
