@@ -65,6 +65,7 @@ inbox message found already handled (``duplicate``), turned away while the first
 
 KINDS: tuple[Kind, ...] = ("replayed", "duplicate", "in_progress", "mismatch", "refused")
 _LISTED: frozenset[str] = frozenset({"mismatch", "refused"})
+_COUNTED: frozenset[str] = frozenset({"replayed", "in_progress", "mismatch", "refused"})
 _MESSAGES: frozenset[str] = frozenset({"consumer", "inbox"})
 
 CountKey: TypeAlias = tuple[int, str, str]
@@ -368,8 +369,8 @@ class ActivityRecorder:
         return int(self._clock() * 1000)
 
     def _on_event(self, event: _events.Event) -> None:
-        if type(event) is _events.Operation:
-            self.tally.add(event, self._now_ms())
+        if type(event) is _events.Operation and event.outcome in _COUNTED:
+            self.tally.add(event, int(self._clock() * 1000))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
