@@ -211,6 +211,7 @@ class _Exporter:
                 f"process {destination}",
                 kind=_trace.SpanKind.CONSUMER,
                 links=_producer_links(event.headers),
+                start_time=event.start_ns,
                 attributes={
                     "messaging.operation.type": "process",
                     "messaging.operation.name": "process",
@@ -221,6 +222,7 @@ class _Exporter:
             span = self.tracer.start_span(
                 f"oncely {event.operation}" if event.operation else "oncely",
                 kind=_trace.SpanKind.INTERNAL,
+                start_time=event.start_ns,
             )
         token = _context.attach(_trace.set_span_in_context(span))
         event.handle.slots[SCOPE_NAME] = (span, token)
@@ -259,7 +261,7 @@ class _Exporter:
             if event.error is not None:
                 span.set_attribute("error.type", event.error)
             span.set_status(_trace.Status(_trace.StatusCode.ERROR))
-        span.end()
+        span.end(end_time=event.end_ns)
 
     def send_span(self, event: _events.OutboxPublished) -> None:
         links = []
