@@ -80,10 +80,12 @@ def uninstall() -> None:
 class _Exporter:
     def __init__(self, meter_provider: Any, tracer_provider: Any) -> None:
         self.providers = (meter_provider, tracer_provider)
-        from oncely import __version__
-
-        meter = _metrics.get_meter(SCOPE_NAME, __version__, meter_provider)
-        self.tracer = _trace.get_tracer(SCOPE_NAME, __version__, tracer_provider)
+        try:
+            from oncely import __version__ as version
+        except ImportError:  # run from a source tree, not installed: no version to report
+            version = None
+        meter = _metrics.get_meter(SCOPE_NAME, version, meter_provider)
+        self.tracer = _trace.get_tracer(SCOPE_NAME, version, tracer_provider)
         self.operations = meter.create_counter(
             "oncely.operations", "{operation}", "Protected operations, by claim outcome."
         )
