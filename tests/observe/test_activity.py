@@ -347,3 +347,41 @@ def test_old_minutes_are_forgotten(sqlite_store: tuple[str, dict[str, Any]]) -> 
         assert rows == [(minute, "s", "replayed", 2)]
     finally:
         sink.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite_store", "postgres_store", "redis_store"])
+def test_a_forked_child_counts_apart_and_leaves_the_parents_connection(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url, options = request.getfixturevalue(backend)
+    records = oncely.open_store("memory://")
+    target = oncely.open_store(url, **options)
+    recorder = record_activity(target, interval=3600)
+    try:
+        _replays(records, 4)
+        assert recorder.flush()  # the parent's connection is open now
+        _replays(records, 2, scope="unflushed")  # the parent's to flush, not the child's
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            code = 1
+            try:
+                _replays(records, 6, scope="child")
+                code = 0 if recorder.flush() else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        _replays(records, 2, scope="after")
+        assert recorder.flush()  # the child left the parent's connection working
+        assert recorder.failures == 0
+    finally:
+        recorder.close()
+    try:
+        assert read_activity(target, minutes=10).by_scope == {
+            "ship": {"replayed": 2},
+            "unflushed": {"replayed": 1},
+            "child": {"replayed": 3},
+            "after": {"replayed": 1},
+        }
+    finally:
+        target.close()

@@ -29,6 +29,7 @@ process's clock, bucketed by minute.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -287,6 +288,10 @@ class MemorySink:
             recent = list(self.recent)[-limit:] if limit > 0 else []
         return rows, recent
 
+    def after_fork(self) -> None:
+        """A forked child's copy gets a lock of its own."""
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         """Nothing to let go of."""
 
@@ -364,9 +369,25 @@ class ActivityRecorder:
         self._thread = threading.Thread(target=self._run, name="oncely-activity", daemon=True)
         self._thread.start()
         atexit.register(self.close)
+        _RECORDERS.add(self)
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
+
+    def _after_fork(self) -> None:
+        # A forked child (a pre-forking server's worker) starts counting afresh: what the parent
+        # counted is the parent's to flush. Only the forking thread survives, maybe leaving a
+        # lock held, so the locks and the flusher are new; the parent's connection is left to
+        # the parent (see each sink's after_fork).
+        self.tally = Tally(max_counts=self.tally.max_counts, max_recent=self.keep_recent)
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        after_fork = getattr(self.sink, "after_fork", None)
+        if callable(after_fork):
+            after_fork()
+        if not self._closed:
+            self._thread = threading.Thread(target=self._run, name="oncely-activity", daemon=True)
+            self._thread.start()
 
     def _on_event(self, event: _events.Event) -> None:
         if type(event) is _events.Operation and event.outcome in _COUNTED:
@@ -423,6 +444,18 @@ class ActivityRecorder:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_RECORDERS: weakref.WeakSet[ActivityRecorder] = weakref.WeakSet()
+
+
+def _recorders_after_fork() -> None:
+    for recorder in list(_RECORDERS):
+        recorder._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_recorders_after_fork)
 
 
 def record_activity(

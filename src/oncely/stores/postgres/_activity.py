@@ -18,6 +18,8 @@ from psycopg import sql
 
 __all__ = ["PostgresActivity"]
 
+_INHERITED: list[Any] = []  # a parent process's connections: never used nor closed here
+
 _DDL = """
 CREATE TABLE IF NOT EXISTS {counts} (
     namespace text NOT NULL,
@@ -178,6 +180,13 @@ class PostgresActivity:
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: leave the parent's connection to the parent (closing it here
+        would end the parent's session), unclosed and referenced; connect anew on next use."""
+        _INHERITED.append(self._connection)
+        self._connection = None
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connection."""

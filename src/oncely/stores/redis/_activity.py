@@ -85,6 +85,9 @@ class RedisActivity:
             recent.append((int(at_ms), str(scope), str(surface), str(kind), str(reason)))
         return rows, recent
 
+    def after_fork(self) -> None:
+        """In a forked child: nothing to do, redis-py's pools reconnect in a new process."""
+
     def close(self) -> None:
         """Close the client."""
         self._client.close()

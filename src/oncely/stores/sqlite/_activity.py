@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = ["SQLiteActivity"]
 
+_INHERITED: list[Any] = []  # a parent process's connections: never used nor closed here
+
 _DDL = """
 CREATE TABLE IF NOT EXISTS oncely_activity (
     namespace TEXT NOT NULL,
@@ -127,6 +129,13 @@ class SQLiteActivity:
             rows = connection.execute(_READ_COUNTS, (ns, since_minute, until_minute)).fetchall()
             recent = connection.execute(_READ_RECENT, (ns, limit)).fetchall() if limit > 0 else []
         return [tuple(row) for row in rows], [tuple(row) for row in recent]
+
+    def after_fork(self) -> None:
+        """In a forked child: leave the parent's connection to the parent (closing it here
+        would end the parent's session), unclosed and referenced; connect anew on next use."""
+        _INHERITED.append(self._connection)
+        self._connection = None
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connection."""
