@@ -85,3 +85,47 @@ def test_activity_that_cannot_be_read_is_reported_and_the_rest_still_served(
     assert data["activity"]["error"].startswith("StoreUnavailableError")
     assert data["records"] == 0
     assert call(app, "/metrics")[0] == "200 OK"
+
+
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+def test_the_dashboard_reads_a_network_stores_activity_on_one_kept_connection(
+    backend: str,
+) -> None:
+    import uuid
+
+    from tests.conftest import service_url
+
+    name = f"oncely_dash_{uuid.uuid4().hex[:10]}"
+    if backend == "postgres":
+        url = service_url("ONCELY_TEST_POSTGRES_URL")
+        store = oncely.open_store(url, schema=name)
+        store.migrate()  # type: ignore[attr-defined]
+    else:
+        store = oncely.open_store(service_url("ONCELY_TEST_REDIS_URL"), namespace=name)
+    records = oncely.open_store("memory://")
+
+    @oncely.idempotent(store=records, key="order", scope="ship", ttl=timedelta(hours=1))
+    def ship(order: str) -> str:
+        return order
+
+    app = Dashboard(store, minutes=10, refresh=0)
+    try:
+        with record_activity(store, interval=60) as recorder:
+            ship("a")
+            ship("a")
+            assert recorder.flush()
+            first = json.loads(call(app, "/api/snapshot")[2])["activity"]
+            ship("a")
+        second = json.loads(call(app, "/api/snapshot")[2])["activity"]
+        assert (first["totals"]["replayed"], second["totals"]["replayed"]) == (1, 2)
+        assert second["by_scope"] == [{"scope": "ship", "replayed": 2}]
+    finally:
+        app.close()
+        if backend == "postgres":
+            import psycopg
+
+            with psycopg.connect(service_url("ONCELY_TEST_POSTGRES_URL"), autocommit=True) as c:
+                store.close()
+                c.execute(f'DROP SCHEMA "{name}" CASCADE')
+        else:
+            store.close()
