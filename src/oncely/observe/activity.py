@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, Protocol, TypeAlias
@@ -352,7 +352,7 @@ class ActivityRecorder:
         interval: float,
         retention: timedelta,
         recent: int,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.sink = sink
         self.interval = interval
@@ -434,7 +434,7 @@ class ActivityRecorder:
         self._unsubscribe()
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(1.0, self.interval))
+            self._thread.join(timeout=5.0)  # a flush under way: bounded by the store's timeouts
         self.flush()
         self.sink.close()
         atexit.unregister(self.close)
