@@ -157,6 +157,22 @@ def test_replays_and_refusals_reach_the_store_and_read_back() -> None:
     assert read_activity(oncely.open_store("memory://")).recent == []  # another store's
 
 
+def test_a_consumers_duplicates_are_counted_apart_from_replays() -> None:
+    from oncely.consumers import Delivery, IdempotentConsumer
+
+    store = oncely.open_store("memory://")
+    consumer = IdempotentConsumer(store, scope="orders", fingerprint=None)
+    with record_activity(store, interval=60):
+        for _ in range(3):
+            consumer.process(Delivery(b"{}", {"Idempotency-Key": "m-1"}, None, None), lambda: 1)
+        batch = [Delivery(b"{}", {"Idempotency-Key": f"m-{n % 2}"}, None, None) for n in range(4)]
+        consumer.process_batch(batch, lambda raw: 1)
+    activity = read_activity(store, minutes=5)
+    # one-by-one: two duplicates of m-1; the batch: m-1 twice more, m-0 once more
+    assert activity.by_scope == {"orders": {"duplicate": 5}}
+    assert sum(activity.series["replayed"]) == 0
+
+
 class _FailingSink(MemorySink):
     def __init__(self) -> None:
         super().__init__()
