@@ -401,3 +401,16 @@ def test_a_forked_child_counts_apart_and_leaves_the_parents_connection(
         }
     finally:
         target.close()
+
+
+def test_redis_activity_names_share_one_slot_and_never_match_the_records() -> None:
+    from redis.crc import key_slot
+
+    from oncely.stores.redis._activity import RedisActivity
+
+    for namespace in ("", "tenant-1", "odd{ns}"):
+        sink = RedisActivity(None, "oncely:", namespace)
+        names = [sink._minute(minute).encode() for minute in range(30_000_000, 30_000_200)]
+        names.append(sink._recent.encode())
+        assert len({key_slot(name) for name in names}) == 1, namespace
+        assert all(not name.startswith(b"oncely:{") for name in names)

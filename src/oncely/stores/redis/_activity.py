@@ -21,7 +21,8 @@ class RedisActivity:
 
     def __init__(self, client: Any, prefix: str, namespace: str) -> None:
         self._client = client
-        tag = namespace.replace("{", "(").replace("}", ")")
+        # Never an empty hash tag (``{}`` would hash the whole name: a slot per minute).
+        tag = "activity|" + namespace.replace("{", "(").replace("}", ")")
         self._head = f"{prefix}activity:{{{tag}}}:"
 
     @classmethod
