@@ -1,4 +1,5 @@
-"""A decorated call on ``memory://`` with no exporter, with each, and with both.
+"""A decorated call on ``memory://`` with no exporter, with each, with both, and with the
+activity recorder (``oncely.observe.record_activity``).
 
     PYTHONPATH=src python benchmarks/observe/bench_observe.py --ops 20000
 
@@ -7,7 +8,10 @@ repeat (replay), sync, over interleaved rounds, and the Python calls of one deco
 (counted as ``benchmarks/stores/hotpath.py`` counts them). "none" is the product as shipped
 when nothing is installed: its call count is the decorator's own (see
 ``tests/observe/test_function.py``). The OpenTelemetry rows use the SDK with an in-memory
-metric reader and no span processor, the Prometheus rows a fresh ``CollectorRegistry``.
+metric reader and no span processor, the Prometheus rows a fresh ``CollectorRegistry``. The
+subscriber row is a callback that does nothing (the event stream's own cost); the
+activity row counts into a memory store with a flush interval longer than the run: what it
+measures is the work on the caller's thread (a flush is one round trip every 10 s, off it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ import oncely
 
 def install(setting: str) -> Callable[[], None]:
     removers: list[Callable[[], None]] = []
+    if setting == "subscriber":  # the event stream's own cost: a callback that does nothing
+        from oncely.observe import subscribe
+
+        removers.append(subscribe(lambda event: None))
+    if setting == "activity":
+        from oncely.observe import record_activity
+
+        removers.append(record_activity(oncely.open_store("memory://"), interval=3600).close)
     if setting in ("prometheus", "both"):
         from prometheus_client import CollectorRegistry
 
@@ -78,7 +90,7 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     options = parser.parse_args()
-    settings = ["none", "prometheus", "otel", "both"]
+    settings = ["none", "subscriber", "activity", "prometheus", "otel", "both"]
     timings: dict[str, list[tuple[float, float]]] = {setting: [] for setting in settings}
     calls: dict[str, tuple[int, int]] = {}
     for round_ in range(options.rounds):

@@ -70,6 +70,8 @@ class Operation:
         attempt: The attempt number of the lease (0 when none was held).
         error: The class name of the exception the operation ended with, if any.
         detail: A bounded detail of the surface: the HTTP status, the consumer's verdict reason.
+        end_ns: When it ended (epoch nanoseconds), for an operation reported after the fact (a
+            batch's delivery, decided once every handler of the batch ran); ``None``: now.
     """
 
     surface: Surface
@@ -82,6 +84,7 @@ class Operation:
     error: str | None = None
     detail: str | None = None
     handle: Handle | None = field(default=None, compare=False, repr=False)
+    end_ns: int | None = None
 
 
 class Handle:
@@ -108,6 +111,8 @@ class Started:
             where the broker's message says.
         headers: A consumed message's headers (its ``traceparent`` names the trace that
             produced it); empty for other operations.
+        start_ns: When it began (epoch nanoseconds), for an operation reported after the fact
+            (see `Operation.end_ns`); ``None``: now.
     """
 
     surface: Surface
@@ -116,6 +121,7 @@ class Started:
     handle: Handle = field(compare=False, repr=False)
     destination: str | None = None
     headers: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    start_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""The dashboard in a real headless Chromium while a load runs: it loads, the chart follows the
-live data, client-chosen keys stay text, and the console stays clean.
+"""The dashboard in a real headless Chromium while a load runs: it loads, the charts follow the
+live data (records from a thread of this process, replays recorded by another process), client-
+chosen keys stay text, and the console stays clean.
 
 The browser is Debian's ``chromium`` with its ``chromedriver`` (``scripts/services`` installs
 both); Selenium is told the driver's path, so it never tries to download one. The screenshot in
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +33,35 @@ HOSTILE = '<img src=x onerror="window.__owned=1">'
 
 pytestmark = pytest.mark.slow
 
+# Another process of the app: replays (and refusals) through the decorator, activity recorded.
+APP_PROCESS = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import oncely, oncely.observe
+    store = oncely.open_store(sys.argv[1])
+    recorder = oncely.observe.record_activity(store, interval=0.3)
+
+    @oncely.idempotent(store=store, key="order", scope="refunds", ttl=timedelta(hours=1))
+    def refund(order):
+        return order
+
+    deadline = time.monotonic() + 90
+    n = 0
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        refund(str(n // 4))  # three replays in four calls
+        if n % 50 == 0:
+            try:
+                refund("")
+            except oncely.InvalidKeyError:
+                pass
+        n += 1
+        time.sleep(0.005)
+    recorder.close()
+    store.close()
+    """
+)
+
 
 def _driver_path() -> str:
     path = os.environ.get("ONCELY_TEST_CHROMEDRIVER") or shutil.which("chromedriver")
@@ -47,7 +80,7 @@ def browser() -> Iterator[Any]:
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
         options.add_argument(argument)
-    options.add_argument("--window-size=1200,1100")
+    options.add_argument("--window-size=1200,2000")  # the whole page in the screenshot
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(_driver_path()), options=options)
     try:
@@ -85,7 +118,12 @@ def test_the_dashboard_follows_a_live_load_in_chromium(browser: Any, tmp_path: P
             time.sleep(0.002)
 
     worker = threading.Thread(target=load, daemon=True)
-    server = serve(store, port=0, token=TOKEN, refresh=0.2)
+    stop = tmp_path / "stop"
+    app_process = subprocess.Popen(
+        [sys.executable, "-c", APP_PROCESS, f"sqlite:///{tmp_path / 'dashboard.db'}", str(stop)],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    server = serve(store, port=0, token=TOKEN, refresh=0.2, minutes=60)
     serving = threading.Thread(target=server.serve_forever, daemon=True)
     serving.start()
     worker.start()
@@ -110,6 +148,20 @@ def test_the_dashboard_follows_a_live_load_in_chromium(browser: Any, tmp_path: P
             "the chart move with the load",
         )
         assert later > first
+        activity = browser.find_element("id", "activity-chart")
+        replays = int(_wait(lambda: activity.get_attribute("data-points"), "replays"))
+        lines = activity.find_elements("css selector", "polyline")
+        assert [line.get_attribute("data-series") for line in lines] == ["replayed", "duplicate"]
+        _wait(
+            lambda: int(activity.get_attribute("data-points") or 0) > replays,
+            "the replays chart move with the other process's load",
+        )
+        recent = _wait(
+            lambda: browser.find_elements("css selector", "#recent tbody tr"), "a refusal"
+        )
+        cells = [cell.text for cell in recent[0].find_elements("tag name", "td")]
+        assert cells[0] == "refunds"
+        assert cells[2:] == ["refused", "function", "InvalidKeyError"]
         stuck_rows = browser.find_elements("css selector", "#stuck tbody tr")
         assert [row.find_element("tag name", "td").text for row in stuck_rows] == [
             f"payments|{HOSTILE}"
@@ -128,6 +180,8 @@ def test_the_dashboard_follows_a_live_load_in_chromium(browser: Any, tmp_path: P
         assert errors == []
     finally:
         done.set()
+        stop.touch()
+        assert app_process.wait(timeout=30) == 0
         worker.join(timeout=10)
         server.shutdown()
         server.server_close()

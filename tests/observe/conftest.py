@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -25,24 +25,32 @@ class Sinks:
     spans: InMemorySpanExporter
     tracer_provider: TracerProvider
     events: list[oncely.observe.Event]
+    points: dict[tuple[str, tuple[tuple[str, Any], ...]], float] = field(default_factory=dict)
 
     def prom(self, name: str, **labels: str) -> float:
         """A Prometheus sample's value (0 when absent)."""
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def otel(self, name: str, **attributes: Any) -> float:
-        """The sum (counter) or count (histogram) of an OTel metric's points with *attributes*."""
+        """The sum (counter) or count (histogram) of an OTel metric's points with *attributes*.
+
+        Every point collected is kept until a later collection updates it: the SDK's early
+        releases (1.20, the otel extra's floor) leave out of a cumulative collection the
+        histogram points that took no measurement since the one before.
+        """
         data = self.reader.get_metrics_data()
-        total = 0.0
         for resource in data.resource_metrics if data else []:
             for scope in resource.scope_metrics:
                 for metric in scope.metrics:
-                    if metric.name != name:
-                        continue
                     for point in metric.data.data_points:
-                        if all(point.attributes.get(k) == v for k, v in attributes.items()):
-                            total += getattr(point, "value", None) or getattr(point, "count", 0)
-        return total
+                        value = getattr(point, "value", None) or getattr(point, "count", 0)
+                        labels = tuple(sorted(point.attributes.items()))
+                        self.points[(metric.name, labels)] = value
+        return sum(
+            value
+            for (metric, labels), value in self.points.items()
+            if metric == name and all(dict(labels).get(k) == v for k, v in attributes.items())
+        )
 
     def finished(self, name: str) -> list[ReadableSpan]:
         return [span for span in self.spans.get_finished_spans() if span.name == name]

@@ -1,8 +1,10 @@
 """A small read-only dashboard of a store: ``oncely dashboard --store URL``.
 
 It shows records by status and scope, the leases that lapsed without a settle, first claims,
-completions and retried records per minute over the last hours, and the outbox's backlog when
-the store has one; ``/metrics`` serves the same figures as Prometheus text. Everything the page
+completions and retried records per minute over the last hours, replays and duplicates per
+minute with the recent mismatches and refusals (what the app's processes record with
+`oncely.observe.record_activity`), and the outbox's backlog when the store has one;
+``/metrics`` serves the same figures as Prometheus text. Everything the page
 loads is served by oncely (no build step, nothing from a CDN). It binds to loopback by default;
 give a token to require one.
 
@@ -24,8 +26,9 @@ from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from oncely._core.records import Record
-from oncely.dashboard._snapshot import Snapshot
+from oncely.dashboard._snapshot import Snapshot, activity_gauges
 from oncely.errors import ConfigurationError
+from oncely.observe.activity import MemorySink, Sink, read_sink, sink_for
 
 __all__ = ["Dashboard", "serve"]
 
@@ -62,9 +65,10 @@ class Dashboard:
         store: An open store with ``scan`` (every store oncely ships has one).
         token: When given, every request must carry it: ``Authorization: Bearer <token>``, or
             the cookie that opening ``/?token=<token>`` once sets.
-        minutes: How many minutes of activity the chart shows.
+        minutes: How many minutes of activity the charts show.
         refresh: Seconds a snapshot is reused, so many viewers cost one scan.
         max_records: Records read per snapshot at most (the page says when it read only part).
+        recent: Recent mismatches and refusals listed at most.
 
     .. versionadded:: 0.1.0
     """
@@ -77,6 +81,7 @@ class Dashboard:
         minutes: int = 180,
         refresh: float = 5.0,
         max_records: int = 100_000,
+        recent: int = 50,
     ) -> None:
         if not callable(getattr(store, "scan", None)):
             raise ConfigurationError(f"the dashboard needs a store with scan(), not {store!r}")
@@ -87,8 +92,10 @@ class Dashboard:
         self.minutes = minutes
         self.refresh = refresh
         self.max_records = max_records
+        self.recent = recent
         self._lock = threading.Lock()
-        self._cached: tuple[float, Snapshot, dict[str, Any] | None] | None = None
+        self._cached: tuple[float, Snapshot, dict[str, Any] | None, dict[str, Any]] | None = None
+        self._sink: Sink | None = None
         files = resources.files("oncely.dashboard") / "static"
         self._static = {
             path: ((files / name).read_bytes(), kind) for path, (name, kind) in _STATIC.items()
@@ -111,19 +118,45 @@ class Dashboard:
         except Exception as exc:  # no outbox table yet, or the store is away: say so
             return {"error": f"{type(exc).__name__}: {exc}"}
 
+    def _activity(self) -> dict[str, Any]:
+        """Every process's recorded activity (times are the recording processes' clocks)."""
+        try:
+            if self._sink is None:
+                self._sink = sink_for(self.store)
+            activity = read_sink(self._sink, minutes=self.minutes, recent=self.recent)
+        except Exception as exc:  # the store is away, or keeps no activity: say so
+            if self._sink is not None and not isinstance(self._sink, MemorySink):
+                self._sink.close()  # reconnect on the next read
+            self._sink = None
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return activity.as_json()
+
     def snapshot(self) -> tuple[Snapshot, dict[str, Any] | None]:
         """The current snapshot and outbox counts (reused for `refresh` seconds)."""
+        snapshot, outbox, _ = self.view()
+        return snapshot, outbox
+
+    def view(self) -> tuple[Snapshot, dict[str, Any] | None, dict[str, Any]]:
+        """The current snapshot, outbox counts and activity (reused for `refresh` seconds)."""
         with self._lock:
             cached = self._cached
             if cached is not None and time.monotonic() - cached[0] < self.refresh:
-                return cached[1], cached[2]
+                return cached[1], cached[2], cached[3]
             snapshot = Snapshot(self._now_ms(), self.minutes, self.max_records)
             for record in _records(self.store):
                 if not snapshot.add(record):
                     break
             outbox = self._outbox()
-            self._cached = (time.monotonic(), snapshot, outbox)
-            return snapshot, outbox
+            activity = self._activity()
+            self._cached = (time.monotonic(), snapshot, outbox, activity)
+            return snapshot, outbox, activity
+
+    def close(self) -> None:
+        """Let go of the activity reader's connection (the store stays open)."""
+        with self._lock:
+            sink, self._sink = self._sink, None
+        if sink is not None and not isinstance(sink, MemorySink):
+            sink.close()
 
     # -- WSGI ----------------------------------------------------------------------------------
 
@@ -145,13 +178,13 @@ class Dashboard:
             body, kind = self._static[path]
             return _respond(start_response, "200 OK", body, kind, method=method)
         if path == "/api/snapshot":
-            snapshot, outbox = self.snapshot()
-            body = json.dumps(snapshot.as_json(outbox)).encode()
+            snapshot, outbox, activity = self.view()
+            body = json.dumps({**snapshot.as_json(outbox), "activity": activity}).encode()
             return _respond(start_response, "200 OK", body, "application/json", method=method)
         if path == "/metrics":
-            snapshot, outbox = self.snapshot()
+            snapshot, outbox, activity = self.view()
             kind = "text/plain; version=0.0.4; charset=utf-8"
-            body = snapshot.prometheus(outbox).encode()
+            body = (snapshot.prometheus(outbox) + activity_gauges(activity)).encode()
             return _respond(start_response, "200 OK", body, kind, method=method)
         return _respond(start_response, "404 Not Found", b"not found\n", "text/plain")
 

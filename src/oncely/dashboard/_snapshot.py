@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oncely._core.records import Record, Status
+from oncely.observe.activity import KINDS
 
-__all__ = ["MINUTE_MS", "Snapshot"]
+__all__ = ["MINUTE_MS", "Snapshot", "activity_gauges"]
 
 MINUTE_MS = 60_000
 
@@ -145,3 +146,32 @@ class Snapshot:
                         f"oncely_outbox_{name}_events {outbox[name]}",
                     ]
         return "\n".join(lines) + "\n"
+
+
+def activity_gauges(activity: dict[str, Any]) -> str:
+    """The recorded activity (`oncely.observe.activity.Activity.as_json`) as Prometheus gauges:
+    each kind's count in the last complete minute and over the dashboard's window.
+
+    Gauges, not counters: they are read back from what every process recorded, over a window
+    that slides (each process's own counters are `oncely.observe.prometheus`'s).
+    """
+    if "error" in activity:
+        return "# oncely activity unavailable\n"
+    per_minute = "oncely_activity_last_minute_operations"
+    window = "oncely_activity_window_operations"
+    lines = [
+        f"# HELP {per_minute} Operations of each kind in the last complete minute, all "
+        "processes that record activity.",
+        f"# TYPE {per_minute} gauge",
+    ]
+    for kind in KINDS:
+        series = activity.get(kind) or [0, 0]
+        last = series[-2] if len(series) > 1 else 0
+        lines.append(f'{per_minute}{{kind="{kind}"}} {last}')
+    lines += [
+        f"# HELP {window} Operations of each kind over the dashboard's window.",
+        f"# TYPE {window} gauge",
+    ]
+    for kind in KINDS:
+        lines.append(f'{window}{{kind="{kind}"}} {sum(activity.get(kind) or ())}')
+    return "\n".join(lines) + "\n"

@@ -3,8 +3,10 @@
 Every entry point (``@idempotent``, `oncely.Guard`, the HTTP middleware and the httpx
 transport, each consumer, the inbox, the outbox writer and relay) reports what happened as a
 typed, frozen event. `subscribe` hands them to your callback; `oncely.observe.prometheus` and
-`oncely.observe.otel` turn them into metrics and spans. With nothing subscribed, nothing is
-built: an unobserved process pays one flag check per entry point.
+`oncely.observe.otel` turn them into metrics and spans; `record_activity` counts replays,
+duplicates, mismatches and refusals into the store, where the dashboard (and `read_activity`)
+sees every process's. With nothing subscribed, nothing is built: an unobserved process pays one
+flag check per entry point.
 
 .. code-block:: python
 
@@ -46,8 +48,17 @@ from oncely._events import (
     Verdict,
     subscribe,
 )
+from oncely.observe.activity import (
+    Activity,
+    ActivityRecorder,
+    migrate_activity,
+    read_activity,
+    record_activity,
+)
 
 __all__ = [
+    "Activity",
+    "ActivityRecorder",
     "DeadLetter",
     "Event",
     "Handle",
@@ -62,7 +73,10 @@ __all__ = [
     "StoreCall",
     "Surface",
     "Verdict",
+    "migrate_activity",
     "outcomes",
+    "read_activity",
+    "record_activity",
     "subscribe",
 ]
 

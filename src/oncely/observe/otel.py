@@ -80,10 +80,12 @@ def uninstall() -> None:
 class _Exporter:
     def __init__(self, meter_provider: Any, tracer_provider: Any) -> None:
         self.providers = (meter_provider, tracer_provider)
-        from oncely import __version__
-
-        meter = _metrics.get_meter(SCOPE_NAME, __version__, meter_provider)
-        self.tracer = _trace.get_tracer(SCOPE_NAME, __version__, tracer_provider)
+        try:
+            from oncely import __version__ as version
+        except ImportError:  # run from a source tree, not installed: no version to report
+            version = None
+        meter = _metrics.get_meter(SCOPE_NAME, version, meter_provider)
+        self.tracer = _trace.get_tracer(SCOPE_NAME, version, tracer_provider)
         self.operations = meter.create_counter(
             "oncely.operations", "{operation}", "Protected operations, by claim outcome."
         )
@@ -211,6 +213,7 @@ class _Exporter:
                 f"process {destination}",
                 kind=_trace.SpanKind.CONSUMER,
                 links=_producer_links(event.headers),
+                start_time=event.start_ns,
                 attributes={
                     "messaging.operation.type": "process",
                     "messaging.operation.name": "process",
@@ -221,6 +224,7 @@ class _Exporter:
             span = self.tracer.start_span(
                 f"oncely {event.operation}" if event.operation else "oncely",
                 kind=_trace.SpanKind.INTERNAL,
+                start_time=event.start_ns,
             )
         token = _context.attach(_trace.set_span_in_context(span))
         event.handle.slots[SCOPE_NAME] = (span, token)
@@ -259,7 +263,7 @@ class _Exporter:
             if event.error is not None:
                 span.set_attribute("error.type", event.error)
             span.set_status(_trace.Status(_trace.StatusCode.ERROR))
-        span.end()
+        span.end(end_time=event.end_ns)
 
     def send_span(self, event: _events.OutboxPublished) -> None:
         links = []

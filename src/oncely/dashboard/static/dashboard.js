@@ -4,6 +4,8 @@
 // name, label, colour, dash (completions often equal first claims: dashed, both stay visible)
 const SERIES = [["started", "first claims", "--started", ""], ["finished", "completions", "--finished", "6 4"],
                 ["retried", "retried", "--retried", ""]];
+const ACTIVITY = [["replayed", "replays", "--replayed", ""], ["duplicate", "duplicates", "--duplicate", "6 4"]];
+const WATCHED = [["in_progress", "in progress"], ["mismatch", "mismatches"], ["refused", "refusals"]];
 const STATUSES = [["in_progress", "in progress"], ["completed", "completed"], ["failed", "failed"],
                   ["released", "released"]];
 const NS = "http://www.w3.org/2000/svg";
@@ -43,11 +45,11 @@ function svg(tag, attrs) {
   return node;
 }
 
-function chart(series) {
-  const box = document.getElementById("chart");
+function chart(id, lines, series) {
+  const box = document.getElementById(id);
   const width = 900, height = 240, left = 40, bottom = 20, top = 10;
-  const count = series.started.length;
-  const peak = Math.max(1, ...SERIES.map(([name]) => Math.max(...series[name])));
+  const count = series[lines[0][0]].length;
+  const peak = Math.max(1, ...lines.map(([name]) => Math.max(...series[name])));
   const x = (i) => left + (i * (width - left - 10)) / Math.max(1, count - 1);
   const y = (v) => top + (height - top - bottom) * (1 - v / peak);
   const parts = [svg("line", {x1: left, y1: y(0), x2: width - 10, y2: y(0), class: "axis"}),
@@ -56,7 +58,7 @@ function chart(series) {
   label.textContent = String(peak);
   parts.push(label);
   const style = getComputedStyle(document.documentElement);
-  for (const [name, , color, dash] of SERIES) {
+  for (const [name, , color, dash] of lines) {
     const points = series[name].map((v, i) => x(i).toFixed(1) + "," + y(v).toFixed(1)).join(" ");
     parts.push(svg("polyline", {points, fill: "none", "stroke-width": 2, "stroke-dasharray": dash,
                                 stroke: style.getPropertyValue(color).trim(), "data-series": name}));
@@ -68,14 +70,41 @@ function chart(series) {
     parts.push(t);
   }
   box.replaceChildren(...parts);
-  box.dataset.points = String(series.started.reduce((a, b) => a + b, 0));
+  box.dataset.points = String(series[lines[0][0]].reduce((a, b) => a + b, 0));
+}
+
+function activity(data) {
+  const error = document.getElementById("activity-error");
+  error.hidden = !data.error;
+  if (data.error) {
+    error.textContent = "activity unavailable: " + data.error;
+    return;
+  }
+  const totals = data.totals;
+  document.getElementById("activity-cards").replaceChildren(
+    ...ACTIVITY.map(([key, label]) => card(totals[key] || 0, label)),
+    ...WATCHED.map(([key, label]) => card(totals[key] || 0, label)));
+  chart("activity-chart", ACTIVITY, data);
+  document.getElementById("recent-count").textContent = String(data.recent.length);
+  rows(document.getElementById("recent"), data.recent,
+       (e) => [e.scope, new Date(e.at_ms).toISOString().replace("T", " ").slice(0, 19) + " UTC",
+               e.kind, e.surface, e.reason]);
+}
+
+function legend(id, lines) {
+  document.getElementById(id).replaceChildren(...lines.map(([, label, color]) => {
+    const item = el("span", label);
+    item.style.setProperty("--swatch", "var(" + color + ")");
+    return item;
+  }));
 }
 
 function draw(data) {
   document.getElementById("statuses").replaceChildren(
     card(data.records, "live records"), ...STATUSES.map(([key, label]) => card(data.by_status[key] || 0, label)),
     card(data.stuck_count, "stuck leases"));
-  chart(data.series);
+  chart("chart", SERIES, data.series);
+  if (data.activity) activity(data.activity);
   document.getElementById("stuck-count").textContent = String(data.stuck_count);
   rows(document.getElementById("stuck"), data.stuck,
        (lease) => [lease.key, lease.token, lease.attempt, span(lease.lapsed_ms) + " ago"]);
@@ -107,12 +136,8 @@ async function refresh() {
 }
 
 function start() {
-  const legend = document.getElementById("legend");
-  legend.replaceChildren(...SERIES.map(([, label, color]) => {
-    const item = el("span", label);
-    item.style.setProperty("--swatch", "var(" + color + ")");
-    return item;
-  }));
+  legend("legend", SERIES);
+  legend("activity-legend", ACTIVITY);
   refresh();
   setInterval(refresh, 3000);
 }
