@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -225,6 +227,7 @@ def test_migrate_sql_prints_the_sqlite_ddl_and_changes_nothing(tmp_path: Path) -
         code, out = run("--store", f"{prefix}sqlite:///{path}", "migrate", "--sql")
         assert code == 0
         assert "CREATE TABLE IF NOT EXISTS oncely_records" in out
+        assert "CREATE TABLE IF NOT EXISTS oncely_activity (" in out  # the dashboard's
         assert not path.exists()
     code, out = run("--store", "memory://", "migrate", "--sql")
     assert code == 2
@@ -252,6 +255,12 @@ def test_migrate_sql_prints_the_postgres_ddl_for_its_schema() -> None:
                 admin.execute(out.encode())
             code, out = run("--store", url, "--json", "check")
             assert (code, json.loads(out)["schema_version"]) == (0, 3)
+            tables = admin.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = %s"
+                " AND tablename IN ('oncely_activity', 'oncely_activity_recent')",
+                (schema,),
+            )
+            assert tables.fetchone() == (2,)
         finally:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
@@ -307,6 +316,12 @@ def test_migrate_says_what_it_did_on_sqlite(tmp_path: Path) -> None:
     assert (code, out.strip()) == (0, "the oncely schema is already up to date (version 2)")
     code, out = run("--store", url, "--json", "migrate")
     assert json.loads(out) == {"migrated": True, "before": 2, "after": 2}
+    with contextlib.closing(sqlite3.connect(tmp_path / "x.db")) as db:
+        tables = db.execute(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table'"
+            " AND name IN ('oncely_activity', 'oncely_activity_recent')"
+        )
+        assert tables.fetchone() == (2,)  # the dashboard's activity, created by migrate too
 
 
 @pytest.mark.postgres
@@ -318,6 +333,13 @@ def test_migrate_says_what_it_did_on_postgres() -> None:
         code, out = run("--store", url, "--json", "migrate")
         assert (code, json.loads(out)["before"]) == (0, None)
         after = json.loads(out)["after"]
+        with psycopg.connect(base, autocommit=True) as connection:
+            tables = connection.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = %s"
+                " AND tablename IN ('oncely_activity', 'oncely_activity_recent')",
+                (schema,),
+            )
+            assert tables.fetchone() == (2,)
         code, out = run("--store", url, "migrate")
         assert (code, out.strip()) == (
             0,

@@ -363,6 +363,10 @@ def migrate(ctx: click.Context, sql: bool) -> None:
             before = _schema_version(store)
         _require(store, "migrate")()
         after = _schema_version(store)
+        if getattr(getattr(store, "inner", store), "backend", None) in ("postgres", "sqlite"):
+            from oncely.observe.activity import migrate_activity
+
+            migrate_activity(store)  # the dashboard's activity tables
     if before == after:
         line = f"the oncely schema is already up to date (version {after})"
     elif before is None:
@@ -417,14 +421,21 @@ def _schema_sql(ctx: click.Context) -> str:
     if url.startswith("sqlite"):
         # The same script for every SQLite database: nothing to open (opening would migrate).
         from oncely.stores.sqlite import SQLiteStore
+        from oncely.stores.sqlite._activity import SQLiteActivity
 
-        return SQLiteStore.schema_sql()
+        return SQLiteStore.schema_sql() + _ACTIVITY_HEADER + SQLiteActivity.schema_sql()
     with _store(ctx) as opened:
         store = getattr(opened, "inner", opened)  # a tiered store's schema is its inner one's
         if getattr(store, "schema_sql", None) is None:
             raise SetupError(f"{type(store).__name__} has no schema to print")
         script: str = store.schema_sql()
-    return script
+        from oncely.observe.activity import activity_schema_sql
+
+        activity = activity_schema_sql(store)
+    return script + (_ACTIVITY_HEADER + activity if activity else "")
+
+
+_ACTIVITY_HEADER = "\n-- the activity the dashboard reads (oncely.observe.record_activity)\n"
 
 
 @cli.command()

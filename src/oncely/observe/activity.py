@@ -515,6 +515,22 @@ def read_sink(sink: Sink, *, minutes: int, recent: int, now_ms: int | None = Non
     return activity_of(rows, listed, now_ms=now, minutes=minutes)
 
 
+def activity_schema_sql(store: Any) -> str:
+    """The activity tables' DDL for *store* (PostgreSQL or SQLite; empty for the others), for
+    ``oncely migrate --sql``. Opens no connection."""
+    base = _unwrapped(store)
+    backend = getattr(base, "backend", None)
+    if backend == "postgres":
+        from oncely.stores.postgres._activity import PostgresActivity
+
+        return PostgresActivity(base._conninfo, {}, base.schema, base.namespace).schema_sql()
+    if backend == "sqlite":
+        from oncely.stores.sqlite._activity import SQLiteActivity
+
+        return SQLiteActivity.schema_sql()
+    return ""
+
+
 def migrate_activity(store: Any) -> None:
     """Create the activity tables of a PostgreSQL or SQLite store now (idempotent).
 

@@ -90,12 +90,26 @@ class PostgresActivity:
             "recent_index": sql.Identifier("oncely_activity_recent_ns_id"),
         }
         self._ddl = sql.SQL(_DDL).format(**names)
+        self._schema = schema
         self._write = sql.SQL(_WRITE).format(**names)
         self._read_counts = sql.SQL(_READ_COUNTS).format(**names)
         self._read_recent = sql.SQL(_READ_RECENT).format(**names)
         self._connection: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._pruned_minute = -1
+
+    def schema_sql(self) -> str:
+        """The tables' DDL for this schema, as text for a migration tool (idempotent)."""
+
+        def quoted(name: str) -> str:
+            return '"' + name.replace('"', '""') + '"'
+
+        schema = quoted(self._schema)
+        return _DDL.format(
+            counts=f"{schema}.{quoted('oncely_activity')}",
+            recent=f"{schema}.{quoted('oncely_activity_recent')}",
+            recent_index=quoted("oncely_activity_recent_ns_id"),
+        )
 
     @classmethod
     def of(cls, store: Any) -> PostgresActivity:

@@ -70,6 +70,11 @@ class SQLiteActivity:
         self._connection: sqlite3.Connection | None = None
         self._lock = threading.Lock()
 
+    @staticmethod
+    def schema_sql() -> str:
+        """The tables' DDL, as text for a migration tool (idempotent)."""
+        return _DDL
+
     @classmethod
     def of(cls, store: Any) -> SQLiteActivity:
         """The activity of a `SQLiteStore` kept in a file."""
