@@ -248,6 +248,7 @@ def stages(ops: int) -> dict[str, float]:
     `oncely._execution.call` / ``acall`` run one by one with a clock read between them (the
     whole decorated call is timed apart, in `one_round`)."""
     from oncely import _execution
+    from oncely._execution.heartbeat import SCHEDULER
 
     sync, async_ = subjects()["oncely"]
     plan = sync._oncely_plan  # type: ignore[attr-defined]
@@ -275,7 +276,7 @@ def stages(ops: int) -> dict[str, float]:
             marks.append(("decode", clock()))
             return add("sync replay", marks)
         lease = _execution.acquired(scoped, answer, policy)
-        _execution.start_heartbeat(store, lease)
+        lease.heartbeat = SCHEDULER.start(store, lease)  # as `call` does
         marks.append(("lease", clock()))
         value = _execution.invoke_under(lease, lambda: plan.fn(key, 1250))
         marks.append(("run", clock()))
@@ -284,7 +285,7 @@ def stages(ops: int) -> dict[str, float]:
         lease.settling = True
         store.complete(scoped, lease.token, payload, ttl=policy.ttl)
         marks.append(("complete", clock()))
-        _execution.stop_heartbeat(lease)
+        SCHEDULER.stop(lease)
         marks.append(("lease", clock()))
         return add("sync new", marks)
 

@@ -5,11 +5,12 @@ results; an exception raised while performing an operation is thrown back into t
 point that yielded it. `drive` and `adrive` are the reference drivers: a flow is the same for sync
 and async callers, only its driver differs.
 
-Some entry points run copies of a flow written out for speed (`oncely._execution`: the async
-driver inlines `adrive`'s loop, the decorator's `call` and `acall` write out its common paths).
-`oncely._switches.reference_flows` makes each of them run the flow through these drivers
-instead, and the test suite runs the entry points both ways (``pytest --reference-flows``), so
-a copy that drifts from its flow fails the same tests.
+Some entry points run copies of a flow written out for speed (`oncely._execution`: the
+decorator's `call` and `acall` write out its common paths, and `arun` awaits a store call
+without `aperform` around it). `oncely._switches.reference_flows` makes each of them run the
+flow through these drivers and `perform`/`aperform` instead, and the test suite runs the entry
+points both ways (``pytest --reference-flows``), so a copy that drifts from its flow fails the
+same tests.
 """
 
 from __future__ import annotations

@@ -54,25 +54,17 @@ async def arun(
     """Run *flow* against an async store; *invoke* runs the protected coroutine function."""
     if _switches.reference_flows:
         return await adrive(flow, lambda op: aperform(op, store, invoke))
-    # `adrive`'s loop, written out: this driver runs three times per protected HTTP request,
-    # so it creates no closure per flow, and store calls (most operations) no coroutine.
     if _events.on:
         store = _observed.timed(store)
-    send: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            op = flow.throw(error) if error is not None else flow.send(send)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        send, error = None, None
-        try:
-            if type(op) is StoreCall:
-                send = await _astore_call(op, store)
-            else:
-                send = await aperform(op, store, invoke)
-        except BaseException as exc:  # the flow decides: release the lease, map the error...
-            error = exc
+
+    def perform(op: Any) -> Awaitable[Any]:
+        # A store call (most operations) is awaited as the store's own awaitable: no coroutine
+        # of `aperform` around it.
+        if type(op) is StoreCall:
+            return _astore_call(op, store)
+        return aperform(op, store, invoke)
+
+    return await adrive(flow, perform)
 
 
 async def aperform(
