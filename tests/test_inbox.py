@@ -463,7 +463,8 @@ def round_trips(connection: psycopg.Connection[Any], block: Any) -> int:
 
 @pytest.mark.postgres
 def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any) -> None:
-    """Claim (savepoint, bounded wait, claim) is one round trip; complete and release, one."""
+    """Claim (savepoint, bounded wait, claim) is one round trip; recording a value, one more;
+    a replay, or a block that records nothing, none more."""
     inbox = Inbox(pg_store, final_errors=(Declined,))
     order = f"o-{uuid.uuid4().hex[:8]}"
 
@@ -477,14 +478,20 @@ def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any
         with pytest.raises(ValueError), inbox.claim(connection, order + "-x", scope="s"):
             raise ValueError("rolled back to the claim")
 
+    def records_nothing() -> None:
+        with inbox.claim(connection, order + "-none", scope="s") as entry:
+            assert not entry.replayed
+
     with pg_connect(pg) as connection, connection.transaction():
         connection.execute("SET LOCAL lock_timeout = '3s'")
         assert round_trips(connection, lambda: claim_and_complete(False)) == 2
-        assert round_trips(connection, lambda: claim_and_complete(True)) == 2
+        assert round_trips(connection, lambda: claim_and_complete(True)) == 1
         assert round_trips(connection, block_raises) == 2
+        assert round_trips(connection, records_nothing) == 1
         assert connection.execute("SHOW lock_timeout").fetchone() == ("3s",)  # restored
     assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
     assert pg_store.get(f"s|{order}-x") is None
+    assert pg_store.get(f"s|{order}-none").status is oncely.Status.COMPLETED
 
 
 # -- final errors ---------------------------------------------------------------------------------

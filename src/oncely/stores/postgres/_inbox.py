@@ -1,0 +1,328 @@
+"""The transactional inbox on PostgreSQL: `oncely._inbox_store.InboxDriver` over psycopg 3.
+
+A claim is one round trip (a savepoint and one claim statement, pipelined) on the caller's
+connection, in the caller's transaction. A key never seen (the common case) is a single INSERT
+of the record *already completed* with the outcome of a block that records nothing: the
+transaction hides it until the commit and takes it away with a rollback, and a concurrent
+duplicate's INSERT waits on the unique index for that transaction to end. So a block that
+completes with ``None`` costs nothing more, one that completes with a value one UPDATE, and a
+replay nothing after its claim. Only a key that already has a row (an expired record, a
+released one, a lease held elsewhere) goes through ``oncely_claim`` and its in-progress record.
+
+The savepoints are named by how deeply inbox claims are nested in this context, and the ones
+no longer needed are left to the commit: releasing them would cost a round trip, and a later
+claim at the same depth takes the name over (PostgreSQL rolls back to the newest of a name).
+
+psycopg's exceptions meet the inbox in one place, `_translated`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Awaitable, Callable, Generator
+from datetime import timedelta
+from typing import Any
+
+from oncely import _txn
+from oncely._core.flow import adrive, drive
+from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Status
+from oncely._inbox_store import Begin, Finish, Op, Rollback, Settle
+from oncely.errors import SchemaMissingError
+from oncely.stores.postgres import _sql
+
+__all__ = ["InboxDriver"]
+
+_USER = "the inbox"
+_BUSY_HINT = timedelta(seconds=1)
+"""`InProgress.retry_after` when another transaction holds the key: a short hint."""
+
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("oncely_inbox_depth", default=0)
+"""How many inbox claims hold their savepoint around the code running in this context."""
+
+_CLAIM = """
+WITH wait AS MATERIALIZED (
+    SELECT previous, set_config('lock_timeout', %(wait_ms)s, true)
+      FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS saved
+), inserted AS (
+    INSERT INTO {schema}.oncely_records AS r
+           (key, status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at,
+            updated_at, result, op)
+    SELECT %(key)s, 'completed', %(fingerprint)s, 1, 1, statement_timestamp(),
+           statement_timestamp() + %(ttl_ms)s::bigint * interval '1 millisecond',
+           statement_timestamp(), statement_timestamp(), %(result)s, %(op)s
+      FROM wait
+    ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+)
+SELECT 'written'::text, NULL::timestamptz, NULL::text, NULL::text, 1::bigint, 1::integer,
+       NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::bytea,
+       set_config('lock_timeout', wait.previous, true)
+  FROM inserted, wait
+UNION ALL
+SELECT c.*, set_config('lock_timeout', wait.previous, true)
+  FROM wait, {schema}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint,
+                                   %(ttl_ms)s::bigint, %(op)s::text) AS c
+ WHERE NOT EXISTS (SELECT FROM inserted)
+"""
+"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement.
+
+A key never seen is one INSERT of the record, completed with *result* (``written``). The
+INSERT waits for a transaction holding the key: if that commits, ``oncely_claim`` judges its
+record (its reads take fresh snapshots); if it rolls back, the INSERT goes ahead. The data flow
+orders the rest: the timeout is set (``wait``) before the INSERT reads its row from it, and the
+caller's is restored as each answer row is produced. The reply is ``oncely_claim``'s row with
+the restored setting as a last column."""
+
+_REWRITE = """
+UPDATE {schema}.oncely_records
+   SET status = %s, result = %s, updated_at = statement_timestamp()
+ WHERE key = %s AND token = %s AND op = %s
+"""
+"""A written record's outcome changed: status, result, key, token, op (the claim's). Neither
+the key nor the expiry changes: the update stays on its page (HOT). No row: the record is no
+longer the one the claim wrote."""
+
+_FINISH = """
+UPDATE {schema}.oncely_records
+   SET status = %s, result = %s, expires_at = statement_timestamp() + %s,
+       lease_expires_at = statement_timestamp(), updated_at = statement_timestamp(), op = %s
+ WHERE key = %s AND token = %s AND expires_at > statement_timestamp()
+   AND status = 'in_progress'
+"""
+"""An in-progress record settled by its token: status, result, ttl, op, key, token. No row:
+the lease was lost (or the record changed in this transaction)."""
+
+
+@functools.cache
+def _pipelines() -> bool:
+    """Whether the libpq psycopg uses has pipeline mode (libpq 14 and later)."""
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
+
+
+def _translated(exc: BaseException) -> Exception | None:
+    """The one place where psycopg's errors in the inbox become oncely's answers: the busy
+    marker `InProgress` for a lock wait that timed out, `SchemaMissingError`, or ``None`` (the
+    caller's own driver error, in the caller's transaction: it propagates as it is)."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate == "55P03":  # lock_not_available: another transaction still holds the key
+        return _Busy()
+    if sqlstate in ("42P01", "42883"):  # undefined_table, undefined_function
+        return SchemaMissingError(
+            f"the oncely schema is missing or out of date: run store.migrate() or "
+            f"`oncely migrate` ({str(exc).splitlines()[0] if str(exc) else exc!r})",
+            backend="postgres",
+        )
+    return None
+
+
+class _Busy(Exception):
+    """The claim's wait for another transaction holding the key timed out."""
+
+
+_Script = list[tuple[str, Any]]
+"""Statements and their parameters, sent in one round trip (pipeline mode)."""
+
+_Flow = Generator[_Script, list[_sql.Reply], Any]
+
+
+class _Statements:
+    """The store's inbox statements, rendered once per driver."""
+
+    def __init__(self, store: Any) -> None:
+        schema = _sql.quote_identifier(store.schema)
+        self.store = store
+        self.claim = _CLAIM.format(schema=schema)
+        self.rewrite = _REWRITE.format(schema=schema)
+        self.finish = _FINISH.format(schema=schema)
+
+
+class _Claim:
+    """One claim's operations on one connection, as scripts (sync and async alike)."""
+
+    __slots__ = ("_depth", "_op", "_reset", "_result", "_savepoint", "_sql", "_written")
+
+    def __init__(self, statements: _Statements) -> None:
+        self._sql = statements
+        self._written = False  # the claim inserted the record, completed with _result
+        self._result = b""
+        self._op = ""
+        self._savepoint = ""
+        self._reset: contextvars.Token[int] | None = None
+
+    def flow(self, op: Op) -> _Flow:
+        kind = type(op)
+        if kind is Begin:
+            return (yield from self._begin(op))  # type: ignore[arg-type]
+        if kind is Finish:
+            return (yield from self._finish(op))  # type: ignore[arg-type]
+        if kind is Settle:
+            return (yield from self._settle(op))  # type: ignore[arg-type]
+        if kind is Rollback:
+            self._leave()
+            yield self._rollback()
+            return None
+        raise TypeError(f"cannot perform {op!r}")
+
+    def _begin(self, op: Begin) -> _Flow:
+        store = self._sql.store
+        depth = _DEPTH.get()
+        savepoint = self._savepoint = f"oncely_inbox_{depth}"
+        self._op = _sql.call_id()
+        params = {
+            "key": store._stored_key(op.key),
+            "fingerprint": op.fingerprint,
+            "lease_ms": _sql.ms(op.lease),
+            "ttl_ms": _sql.ms(op.ttl),
+            "op": self._op,
+            "result": op.result,
+            "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
+        }
+        script: _Script = [(f"SAVEPOINT {savepoint}", None), (self._sql.claim, params)]
+        if op.nested:
+            script.append((f"SAVEPOINT {savepoint}_block", None))
+        try:
+            replies = yield script
+        except Exception as exc:
+            translated = _translated(exc)
+            if translated is None:
+                raise  # the caller's driver error, in the caller's transaction
+            yield self._rollback()  # the claim's failure undone; the transaction usable again
+            if type(translated) is _Busy:
+                return InProgress(retry_after=_BUSY_HINT)
+            raise translated from exc
+        row = replies[1].rows[0]
+        if row[0] == "written":
+            self._written, self._result = True, op.result
+            answer: ClaimResult = Acquired(1, attempt=1)
+        else:
+            rows = [row[:-1]]  # without the restored lock_timeout
+            answer = _sql.decode_claim(op.key, _sql.Reply(rows, 1))
+        if type(answer) is Acquired:
+            self._reset = _DEPTH.set(depth + 1)
+        return answer
+
+    def _finish(self, op: Finish) -> _Flow:
+        self._leave()
+        if self._written and not op.undo_block and op.result == self._result:
+            return None  # the claim wrote this very outcome
+        store = self._sql.store
+        script: _Script = []
+        if op.undo_block:
+            script.append((f"ROLLBACK TO SAVEPOINT {self._savepoint}_block", None))
+        stored, status, result = store._stored_key(op.key), op.status.value, bytes(op.result)
+        if self._written:
+            script.append((self._sql.rewrite, (status, result, stored, op.token, self._op)))
+        else:
+            ttl = timedelta(milliseconds=_sql.ms(op.ttl))
+            params = (status, result, ttl, self._op, stored, op.token)
+            script.append((self._sql.finish, params))
+        try:
+            replies = yield script
+        except Exception:
+            with contextlib.suppress(Exception):  # give the caller its transaction back
+                yield self._rollback()
+            raise
+        if replies[-1].rowcount == 1:
+            return None
+        yield self._rollback()  # the record changed under the block: undo the block too
+        return LeaseLost()
+
+    def _settle(self, op: Settle) -> _Flow:
+        """Complete a record claimed with a lease elsewhere: no savepoint, one statement."""
+        store = self._sql.store
+        ttl = timedelta(milliseconds=_sql.ms(op.ttl))
+        params = (
+            Status.COMPLETED.value,
+            bytes(op.result),
+            ttl,
+            _sql.call_id(),
+            store._stored_key(op.key),
+            op.token,
+        )
+        replies = yield [(self._sql.finish, params)]
+        return None if replies[0].rowcount == 1 else LeaseLost()
+
+    def _rollback(self) -> _Script:
+        savepoint = self._savepoint
+        return [
+            (f"ROLLBACK TO SAVEPOINT {savepoint}", None),
+            (f"RELEASE SAVEPOINT {savepoint}", None),
+        ]
+
+    def _leave(self) -> None:
+        """The block is over: a claim after this one, at this depth, may take the name."""
+        if self._reset is not None:
+            with contextlib.suppress(ValueError):  # reset from another context: nothing to undo
+                _DEPTH.reset(self._reset)
+            self._reset = None
+
+
+class InboxDriver:
+    """The inbox on a `PostgresStore`'s database, through the caller's psycopg connection (or
+    the SQLAlchemy session or connection, Django connection or cursor holding one)."""
+
+    def __init__(self, store: Any) -> None:
+        self._statements = _Statements(store)
+
+    def bind(self, connection: Any) -> Callable[[Op], Any]:
+        """See `oncely._inbox_store.InboxDriver.bind`."""
+        raw = _txn.raw_connection(connection, _USER)
+        _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements), functools.partial(_run, raw)
+        return lambda op: drive(claim.flow(op), run)
+
+    async def abind(self, connection: Any) -> Callable[[Op], Awaitable[Any]]:
+        """See `oncely._inbox_store.InboxDriver.abind`."""
+        raw = await _txn.araw_connection(connection)
+        _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements), functools.partial(_arun, raw)
+
+        async def perform(op: Op) -> Any:
+            return await adrive(claim.flow(op), run)
+
+        return perform
+
+
+def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
+    """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
+    from psycopg import Cursor
+    from psycopg.rows import tuple_row
+
+    # Server-side binding whatever the connection's cursor factory (Django's binds on the
+    # client): the statements are prepared after a few uses.
+    cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
+    if len(script) == 1 or not _pipelines():
+        for cursor, (sql, params) in zip(cursors, script, strict=True):
+            cursor.execute(sql, params)
+    else:
+        with connection.pipeline():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                cursor.execute(sql, params)
+    return [
+        _sql.Reply(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
+        for cursor in cursors
+    ]
+
+
+async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
+    from psycopg import AsyncCursor
+    from psycopg.rows import tuple_row
+
+    cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
+    if len(script) == 1 or not _pipelines():
+        for cursor, (sql, params) in zip(cursors, script, strict=True):
+            await cursor.execute(sql, params)
+    else:
+        async with connection.pipeline():
+            for cursor, (sql, params) in zip(cursors, script, strict=True):
+                await cursor.execute(sql, params)
+    return [
+        _sql.Reply(
+            await cursor.fetchall() if cursor.description is not None else [], cursor.rowcount
+        )
+        for cursor in cursors
+    ]
