@@ -708,3 +708,61 @@ def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path) -
         assert not entry.replayed  # the retry runs
     connection.execute("COMMIT")
     store.close()
+
+
+@pytest.mark.postgres
+def test_postgres_nested_claims_roll_back_to_their_own_claim(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A claim inside another's block, finished without a round trip (its savepoint left to the
+    commit), does not capture the outer claim's rollback: the outer block's error undoes both
+    claims and both blocks' writes, and only those."""
+    inbox = Inbox(pg_store)
+    outer, inner, before = (f"o-{uuid.uuid4().hex[:8]}" for _ in range(3))
+    with pg_connect(pg) as connection:
+        with connection.transaction():
+            with inbox.claim(connection, before, scope="s") as entry:  # records nothing
+                assert not entry.replayed
+            with pytest.raises(ValueError), inbox.claim(connection, outer, scope="s"):
+                connection.execute("INSERT INTO orders VALUES (%s, 1)", (outer,))
+                with inbox.claim(connection, inner, scope="s") as entry:
+                    connection.execute("INSERT INTO orders VALUES (%s, 2)", (inner,))
+                with inbox.claim(connection, inner, scope="s") as again:
+                    assert again.replayed and again.result is None
+                raise ValueError("the outer block fails after the inner ones")
+            with inbox.claim(connection, outer, scope="s") as entry:  # runs again
+                assert not entry.replayed
+                entry.complete("second")
+    assert pg_store.get(f"s|{inner}") is None
+    assert pg_store.get(f"s|{before}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{outer}").status is oncely.Status.COMPLETED
+    ids = [row[0] for row in pg_orders(pg)]
+    assert outer not in ids
+    assert inner not in ids
+    with pg_connect(pg) as connection, connection.transaction():
+        with inbox.claim(connection, outer, scope="s") as entry:
+            assert entry.result == "second"
+        with inbox.claim(connection, before, scope="s") as entry:
+            assert entry.replayed and entry.result is None
+
+
+@pytest.mark.postgres
+def test_postgres_a_key_with_a_row_records_even_a_none_outcome(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A key whose row exists (here a tombstone released by the decorator's path) is claimed in
+    progress, not written complete: the block's None outcome is still recorded as completed."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    claim = pg_store.claim(f"s|{order}", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1))
+    assert isinstance(claim, oncely.Acquired)
+    pg_store.release(f"s|{order}", claim.token)
+    with pg_connect(pg) as connection:
+        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+            assert not entry.replayed
+            assert entry.token == claim.token + 1
+        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+            assert entry.replayed and entry.result is None
+    record = pg_store.get(f"s|{order}")
+    assert record.status is oncely.Status.COMPLETED
+    assert record.token == claim.token + 1
