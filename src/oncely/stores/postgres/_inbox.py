@@ -1,7 +1,8 @@
 """The transactional inbox on PostgreSQL: `oncely._inbox_store.InboxDriver` over psycopg 3.
 
-A claim is one round trip (a savepoint and one claim statement, pipelined) on the caller's
-connection, in the caller's transaction. A key never seen (the common case) is a single INSERT
+A claim is one round trip (a savepoint and one claim statement, prepared once per session, sent
+as one query) on the caller's connection, in the caller's transaction. A key never seen (the
+common case) is a single INSERT
 of the record *already completed* with the outcome of a block that records nothing: the
 transaction hides it until the commit and takes it away with a rollback, and a concurrent
 duplicate's INSERT waits on the unique index for that transaction to end. So a block that
@@ -21,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
+import weakref
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
 from typing import Any
@@ -42,16 +45,17 @@ _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("oncely_inbox_depth
 """How many inbox claims hold their savepoint around the code running in this context."""
 
 _CLAIM = """
+PREPARE {name} (text, text, bigint, bigint, text, bytea, text) AS
 WITH wait AS MATERIALIZED (
-    SELECT previous, set_config('lock_timeout', %(wait_ms)s, true)
+    SELECT previous, set_config('lock_timeout', $7, true)
       FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS saved
 ), inserted AS (
     INSERT INTO {schema}.oncely_records AS r
            (key, status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at,
             updated_at, result, op)
-    SELECT %(key)s, 'completed', %(fingerprint)s, 1, 1, statement_timestamp(),
-           statement_timestamp() + %(ttl_ms)s::bigint * interval '1 millisecond',
-           statement_timestamp(), statement_timestamp(), %(result)s, %(op)s
+    SELECT $1, 'completed', $2, 1, 1, statement_timestamp(),
+           statement_timestamp() + $4 * interval '1 millisecond',
+           statement_timestamp(), statement_timestamp(), $6, $5
       FROM wait
     ON CONFLICT (key) DO NOTHING
     RETURNING 1
@@ -62,11 +66,11 @@ SELECT 'written'::text, NULL::timestamptz, NULL::text, NULL::text, 1::bigint, 1:
   FROM inserted, wait
 UNION ALL
 SELECT c.*, set_config('lock_timeout', wait.previous, true)
-  FROM wait, {schema}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint,
-                                   %(ttl_ms)s::bigint, %(op)s::text) AS c
+  FROM wait, {schema}.oncely_claim($1, $2, $3, $4, $5) AS c
  WHERE NOT EXISTS (SELECT FROM inserted)
 """
-"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement.
+"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement,
+prepared once per session: key, fingerprint, lease_ms, ttl_ms, op, result, wait_ms.
 
 A key never seen is one INSERT of the record, completed with *result* (``written``). The
 INSERT waits for a transaction holding the key: if that commits, ``oncely_claim`` judges its
@@ -95,14 +99,6 @@ UPDATE {schema}.oncely_records
 the lease was lost (or the record changed in this transaction)."""
 
 
-@functools.cache
-def _pipelines() -> bool:
-    """Whether the libpq psycopg uses has pipeline mode (libpq 14 and later)."""
-    import psycopg
-
-    return bool(psycopg.Pipeline.is_supported())
-
-
 def _translated(exc: BaseException) -> Exception | None:
     """The one place where psycopg's errors in the inbox become oncely's answers: the busy
     marker `InProgress` for a lock wait that timed out, `SchemaMissingError`, or ``None`` (the
@@ -110,6 +106,8 @@ def _translated(exc: BaseException) -> Exception | None:
     sqlstate = getattr(exc, "sqlstate", None)
     if sqlstate == "55P03":  # lock_not_available: another transaction still holds the key
         return _Busy()
+    if sqlstate == "26000":  # invalid_sql_statement_name: the claim is not prepared here
+        return _Unprepared()
     if sqlstate in ("42P01", "42883"):  # undefined_table, undefined_function
         return SchemaMissingError(
             f"the oncely schema is missing or out of date: run store.migrate() or "
@@ -123,8 +121,22 @@ class _Busy(Exception):
     """The claim's wait for another transaction holding the key timed out."""
 
 
+class _Unprepared(Exception):
+    """The session has no claim statement prepared (it was reset since it was prepared)."""
+
+
 _Script = list[tuple[str, Any]]
-"""Statements and their parameters, sent in one round trip (pipeline mode)."""
+"""Statements and their parameters (a tuple, or ``None``), sent as one query: one round trip.
+A single statement is bound on the server (and prepared by psycopg after a few uses); several
+are bound on the client and sent together (the simple query protocol), which costs far less
+client time than pipeline mode."""
+
+_TUPLES_OK = 2
+"""``psycopg.pq.ExecStatus.TUPLES_OK``: the result has rows to fetch."""
+
+_PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+"""The claim statements prepared in each connection's session (a reset session, a pooler's
+other server connection, is found out by the error and prepared again)."""
 
 _Flow = Generator[_Script, list[_sql.Reply], Any]
 
@@ -135,7 +147,9 @@ class _Statements:
     def __init__(self, store: Any) -> None:
         schema = _sql.quote_identifier(store.schema)
         self.store = store
-        self.claim = _CLAIM.format(schema=schema)
+        text = _CLAIM.format(schema=schema, name="{name}")
+        self.claim = "oncely_inbox_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.prepare = text.format(name=self.claim).strip()
         self.rewrite = _REWRITE.format(schema=schema)
         self.finish = _FINISH.format(schema=schema)
 
@@ -143,10 +157,11 @@ class _Statements:
 class _Claim:
     """One claim's operations on one connection, as scripts (sync and async alike)."""
 
-    __slots__ = ("_depth", "_op", "_reset", "_result", "_savepoint", "_sql", "_written")
+    __slots__ = ("_connection", "_op", "_reset", "_result", "_savepoint", "_sql", "_written")
 
-    def __init__(self, statements: _Statements) -> None:
+    def __init__(self, statements: _Statements, connection: Any) -> None:
         self._sql = statements
+        self._connection = connection
         self._written = False  # the claim inserted the record, completed with _result
         self._result = b""
         self._op = ""
@@ -172,29 +187,40 @@ class _Claim:
         depth = _DEPTH.get()
         savepoint = self._savepoint = f"oncely_inbox_{depth}"
         self._op = _sql.call_id()
-        params = {
-            "key": store._stored_key(op.key),
-            "fingerprint": op.fingerprint,
-            "lease_ms": _sql.ms(op.lease),
-            "ttl_ms": _sql.ms(op.ttl),
-            "op": self._op,
-            "result": op.result,
-            "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
-        }
-        script: _Script = [(f"SAVEPOINT {savepoint}", None), (self._sql.claim, params)]
-        if op.nested:
-            script.append((f"SAVEPOINT {savepoint}_block", None))
-        try:
-            replies = yield script
-        except Exception as exc:
-            translated = _translated(exc)
-            if translated is None:
-                raise  # the caller's driver error, in the caller's transaction
-            yield self._rollback()  # the claim's failure undone; the transaction usable again
-            if type(translated) is _Busy:
-                return InProgress(retry_after=_BUSY_HINT)
-            raise translated from exc
-        row = replies[1].rows[0]
+        params = (
+            store._stored_key(op.key),
+            op.fingerprint,
+            _sql.ms(op.lease),
+            _sql.ms(op.ttl),
+            self._op,
+            op.result,
+            str(max(int(op.wait.total_seconds() * 1000), 1)),
+        )
+        prepared = _PREPARED.setdefault(self._connection, set())
+        name = self._sql.claim
+        while True:
+            script: _Script = [(f"SAVEPOINT {savepoint}", None)]
+            if name not in prepared:
+                script.append((self._sql.prepare, None))
+            script.append((f"EXECUTE {name} (%s, %s, %s, %s, %s, %s, %s)", params))
+            if op.nested:
+                script.append((f"SAVEPOINT {savepoint}_block", None))
+            try:
+                replies = yield script
+            except Exception as exc:
+                translated = _translated(exc)
+                if translated is None:
+                    raise  # the caller's driver error, in the caller's transaction
+                yield self._rollback()  # the claim's failure undone; the transaction usable
+                if type(translated) is _Unprepared and name in prepared:
+                    prepared.discard(name)  # the session was reset: prepare it again
+                    continue
+                if type(translated) is _Busy:
+                    return InProgress(retry_after=_BUSY_HINT)
+                raise translated from exc
+            prepared.add(name)
+            break
+        row = replies[len(script) - 2 if op.nested else -1].rows[0]
         if row[0] == "written":
             self._written, self._result = True, op.result
             answer: ClaimResult = Acquired(1, attempt=1)
@@ -272,14 +298,14 @@ class InboxDriver:
         """See `oncely._inbox_store.InboxDriver.bind`."""
         raw = _txn.raw_connection(connection, _USER)
         _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements), functools.partial(_run, raw)
+        claim, run = _Claim(self._statements, raw), functools.partial(_run, raw)
         return lambda op: drive(claim.flow(op), run)
 
     async def abind(self, connection: Any) -> Callable[[Op], Awaitable[Any]]:
         """See `oncely._inbox_store.InboxDriver.abind`."""
         raw = await _txn.araw_connection(connection)
         _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements), functools.partial(_arun, raw)
+        claim, run = _Claim(self._statements, raw), functools.partial(_arun, raw)
 
         async def perform(op: Op) -> Any:
             return await adrive(claim.flow(op), run)
@@ -287,42 +313,50 @@ class InboxDriver:
         return perform
 
 
+def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
+    """*script* as one query of several statements, with all their parameters."""
+    params: tuple[Any, ...] = ()
+    for _, each in script:
+        if each is not None:
+            params += each
+    return "; ".join(sql for sql, _ in script), params or None
+
+
 def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
-    """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
-    from psycopg import Cursor
+    """Send *script* in one round trip; each statement's reply, in order."""
+    from psycopg import ClientCursor, Cursor
     from psycopg.rows import tuple_row
 
-    # Server-side binding whatever the connection's cursor factory (Django's binds on the
-    # client): the statements are prepared after a few uses.
-    cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
-    if len(script) == 1 or not _pipelines():
-        for cursor, (sql, params) in zip(cursors, script, strict=True):
-            cursor.execute(sql, params)
+    if len(script) == 1:
+        # Server-side binding whatever the connection's cursor factory (Django's binds on the
+        # client): the statement is prepared after a few uses.
+        cursor: Any = Cursor(connection, row_factory=tuple_row)
+        cursor.execute(*script[0])
     else:
-        with connection.pipeline():
-            for cursor, (sql, params) in zip(cursors, script, strict=True):
-                cursor.execute(sql, params)
-    return [
-        _sql.Reply(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
-        for cursor in cursors
-    ]
+        cursor = ClientCursor(connection, row_factory=tuple_row)
+        cursor.execute(*_query(script))
+    replies = []
+    while True:
+        # The result's status, not ``description``: that builds a Column per field on each read.
+        rows = cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else []
+        replies.append(_sql.Reply(rows, cursor.rowcount))
+        if not cursor.nextset():
+            return replies
 
 
 async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
-    from psycopg import AsyncCursor
+    from psycopg import AsyncClientCursor, AsyncCursor
     from psycopg.rows import tuple_row
 
-    cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
-    if len(script) == 1 or not _pipelines():
-        for cursor, (sql, params) in zip(cursors, script, strict=True):
-            await cursor.execute(sql, params)
+    if len(script) == 1:
+        cursor: Any = AsyncCursor(connection, row_factory=tuple_row)
+        await cursor.execute(*script[0])
     else:
-        async with connection.pipeline():
-            for cursor, (sql, params) in zip(cursors, script, strict=True):
-                await cursor.execute(sql, params)
-    return [
-        _sql.Reply(
-            await cursor.fetchall() if cursor.description is not None else [], cursor.rowcount
-        )
-        for cursor in cursors
-    ]
+        cursor = AsyncClientCursor(connection, row_factory=tuple_row)
+        await cursor.execute(*_query(script))
+    replies = []
+    while True:
+        rows = await cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else []
+        replies.append(_sql.Reply(rows, cursor.rowcount))
+        if not cursor.nextset():
+            return replies
