@@ -719,20 +719,20 @@ def test_postgres_nested_claims_roll_back_to_their_own_claim(
     claims and both blocks' writes, and only those."""
     inbox = Inbox(pg_store)
     outer, inner, before = (f"o-{uuid.uuid4().hex[:8]}" for _ in range(3))
-    with pg_connect(pg) as connection:
-        with connection.transaction():
-            with inbox.claim(connection, before, scope="s") as entry:  # records nothing
-                assert not entry.replayed
-            with pytest.raises(ValueError), inbox.claim(connection, outer, scope="s"):
-                connection.execute("INSERT INTO orders VALUES (%s, 1)", (outer,))
-                with inbox.claim(connection, inner, scope="s") as entry:
-                    connection.execute("INSERT INTO orders VALUES (%s, 2)", (inner,))
-                with inbox.claim(connection, inner, scope="s") as again:
-                    assert again.replayed and again.result is None
-                raise ValueError("the outer block fails after the inner ones")
-            with inbox.claim(connection, outer, scope="s") as entry:  # runs again
-                assert not entry.replayed
-                entry.complete("second")
+    with pg_connect(pg) as connection, connection.transaction():
+        with inbox.claim(connection, before, scope="s") as entry:  # records nothing
+            assert not entry.replayed
+        with pytest.raises(ValueError), inbox.claim(connection, outer, scope="s"):
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (outer,))
+            with inbox.claim(connection, inner, scope="s") as entry:
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (inner,))
+            with inbox.claim(connection, inner, scope="s") as again:
+                assert again.replayed
+                assert again.result is None
+            raise ValueError("the outer block fails after the inner ones")
+        with inbox.claim(connection, outer, scope="s") as entry:  # runs again
+            assert not entry.replayed
+            entry.complete("second")
     assert pg_store.get(f"s|{inner}") is None
     assert pg_store.get(f"s|{before}").status is oncely.Status.COMPLETED
     assert pg_store.get(f"s|{outer}").status is oncely.Status.COMPLETED
@@ -743,7 +743,8 @@ def test_postgres_nested_claims_roll_back_to_their_own_claim(
         with inbox.claim(connection, outer, scope="s") as entry:
             assert entry.result == "second"
         with inbox.claim(connection, before, scope="s") as entry:
-            assert entry.replayed and entry.result is None
+            assert entry.replayed
+            assert entry.result is None
 
 
 @pytest.mark.postgres
@@ -762,7 +763,8 @@ def test_postgres_a_key_with_a_row_records_even_a_none_outcome(
             assert not entry.replayed
             assert entry.token == claim.token + 1
         with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
-            assert entry.replayed and entry.result is None
+            assert entry.replayed
+            assert entry.result is None
     record = pg_store.get(f"s|{order}")
     assert record.status is oncely.Status.COMPLETED
     assert record.token == claim.token + 1
