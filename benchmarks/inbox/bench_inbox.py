@@ -202,7 +202,7 @@ def render(results: dict[int, dict[str, list[float]]], context: dict[str, Any]) 
         "Each transaction inserts one order row and commits. `dedupe` first inserts the key "
         "into a table of processed ids (`INSERT … ON CONFLICT DO NOTHING`, by hand): what "
         "every team writes. `inbox` claims the key with `oncely.Inbox` instead (one round "
-        "trip: a savepoint and one INSERT of the record, already complete, pipelined) and "
+        "trip: a savepoint and one INSERT of the record, already complete, in one query) and "
         "records the block's result after the insert (one UPDATE); `inbox-none` records no "
         "result (the claim alone). `replay` claims a key committed earlier and reads its "
         "result back, writing nothing.",

@@ -33,8 +33,10 @@ How it behaves, seen from one transaction:
   replay raises it again.
 
 On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
-one pipeline) and its completion another. `Inbox.idempotent` is the decorator form, for
-functions that are given the connection or session.
+one query; a new key's record is written complete at once, the transaction hiding it until
+commit); recording a value is one UPDATE more, and a replay or a block that records nothing
+needs none. Each backend's SQL lives behind `oncely._inbox_store`. `Inbox.idempotent` is the
+decorator form, for functions that are given the connection or session.
 
 Connections: psycopg 3 (`psycopg.Connection`; `psycopg.AsyncConnection` with `aclaim`), the
 standard library's `sqlite3.Connection` (in a transaction that holds the write lock: ``BEGIN

@@ -1,14 +1,14 @@
 """The transactional inbox on PostgreSQL: `oncely._inbox_store.InboxDriver` over psycopg 3.
 
-A claim is one round trip (a savepoint and one claim statement, prepared once per session, sent
-as one query) on the caller's connection, in the caller's transaction. A key never seen (the
-common case) is a single INSERT
-of the record *already completed* with the outcome of a block that records nothing: the
-transaction hides it until the commit and takes it away with a rollback, and a concurrent
-duplicate's INSERT waits on the unique index for that transaction to end. So a block that
-completes with ``None`` costs nothing more, one that completes with a value one UPDATE, and a
-replay nothing after its claim. Only a key that already has a row (an expired record, a
-released one, a lease held elsewhere) goes through ``oncely_claim`` and its in-progress record.
+A claim is one round trip on the caller's connection, in the caller's transaction: a savepoint
+and one claim statement (prepared once per session), sent as one query. A key never seen (the
+common case) is a single INSERT of the record *already completed* with the outcome of a block
+that records nothing: the transaction hides it until the commit and takes it away with a
+rollback, and a concurrent duplicate's INSERT waits on the unique index for that transaction
+to end. So a block that records ``None`` costs nothing more, one that records a value one
+UPDATE, and a replay nothing after its claim. Only a key that already has a row (an expired
+record, a released one, a lease held elsewhere) goes through ``oncely_claim`` and an
+in-progress record that the block's outcome then settles.
 
 The savepoints are named by how deeply inbox claims are nested in this context, and the ones
 no longer needed are left to the commit: releasing them would cost a round trip, and a later
@@ -27,6 +27,9 @@ import weakref
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
 from typing import Any
+
+from psycopg import AsyncClientCursor, AsyncCursor, ClientCursor, Cursor
+from psycopg.rows import tuple_row
 
 from oncely import _txn
 from oncely._core.flow import adrive, drive
@@ -324,9 +327,6 @@ def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
 
 def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
     """Send *script* in one round trip; each statement's reply, in order."""
-    from psycopg import ClientCursor, Cursor
-    from psycopg.rows import tuple_row
-
     if len(script) == 1:
         # Server-side binding whatever the connection's cursor factory (Django's binds on the
         # client): the statement is prepared after a few uses.
@@ -345,9 +345,6 @@ def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
 
 
 async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
-    from psycopg import AsyncClientCursor, AsyncCursor
-    from psycopg.rows import tuple_row
-
     if len(script) == 1:
         cursor: Any = AsyncCursor(connection, row_factory=tuple_row)
         await cursor.execute(*script[0])
