@@ -768,3 +768,96 @@ def test_postgres_a_key_with_a_row_records_even_a_none_outcome(
     record = pg_store.get(f"s|{order}")
     assert record.status is oncely.Status.COMPLETED
     assert record.token == claim.token + 1
+
+
+@pytest.mark.postgres
+def test_postgres_in_the_callers_pipeline(pg: tuple[str, str], pg_store: Any) -> None:
+    """A connection in pipeline mode: the claim syncs once; the value's UPDATE is queued with
+    the caller's own statements and commit, costing no wait of its own."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    def place(key: str, value: Any) -> Any:
+        with (
+            connection.pipeline(),
+            connection.transaction(),
+            inbox.claim(connection, key, scope="s") as entry,
+        ):
+            if entry.replayed:
+                return entry.result
+            connection.execute("INSERT INTO orders VALUES (%s, 8)", (key,))
+            entry.complete(value)
+        return "ran"
+
+    def by_hand(key: str) -> None:  # the same transaction, deduplicated by hand
+        with connection.pipeline(), connection.transaction():
+            seen = connection.execute("SELECT count(*) FROM orders WHERE id = %s", (key,))
+            if seen.fetchone() == (0,):
+                connection.execute("INSERT INTO orders VALUES (%s, 8)", (key,))
+
+    with pg_connect(pg) as connection:
+        outcome: list[Any] = []
+        floor = round_trips(connection, lambda: by_hand(order + "-h"))
+        assert round_trips(connection, lambda: outcome.append(place(order, "v"))) == floor + 1
+        assert round_trips(connection, lambda: outcome.append(place(order, "v"))) == floor + 1
+        assert round_trips(connection, lambda: place(order + "-n", None)) == floor + 1
+        with (
+            pytest.raises(ValueError),
+            connection.pipeline(),
+            connection.transaction(),
+            inbox.claim(connection, order + "-x", scope="s"),
+        ):
+            connection.execute("INSERT INTO orders VALUES (%s, 9)", (order + "-x",))
+            raise ValueError("rolled back to the claim")
+    assert outcome == ["ran", "v"]
+    rows = [row for row in pg_orders(pg) if row[0].startswith(order)]
+    assert sorted(rows) == [(order, 8), (order + "-h", 8), (order + "-n", 8)]
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{order}-x") is None
+
+
+@pytest.mark.postgres
+def test_postgres_record_changed_in_a_pipelined_transaction_fails_it(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """In pipeline mode the value's UPDATE is not waited for: a record changed under the block
+    fails the caller's transaction when it syncs, and nothing of it commits."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with (
+        pg_connect(pg) as connection,
+        pytest.raises(psycopg.errors.InvalidTextRepresentation, match="changed"),
+        connection.pipeline(),
+        connection.transaction(),
+        inbox.claim(connection, order, scope="s") as entry,
+    ):
+        connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+        connection.execute("DELETE FROM oncely_records WHERE key = %s", (f"s|{order}",))
+        entry.complete("x")
+    assert pg_store.get(f"s|{order}") is None
+    assert order not in [row[0] for row in pg_orders(pg)]
+
+
+@pytest.mark.postgres
+def test_postgres_async_in_the_callers_pipeline(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    base, schema = pg
+
+    async def place() -> Any:
+        async with await psycopg.AsyncConnection.connect(base) as connection:
+            await connection.execute(f'SET search_path TO "{schema}"')
+            async with (
+                connection.pipeline(),
+                connection.transaction(),
+                inbox.aclaim(connection, order, scope="s") as entry,
+            ):
+                if entry.replayed:
+                    return entry.result
+                await connection.execute("INSERT INTO orders VALUES (%s, 3)", (order,))
+                entry.complete("async")
+            return "ran"
+
+    assert asyncio.run(place()) == "ran"
+    assert asyncio.run(place()) == "async"
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 3)]

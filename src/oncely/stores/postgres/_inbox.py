@@ -47,6 +47,8 @@ _BUSY_HINT = timedelta(seconds=1)
 _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("oncely_inbox_depth", default=0)
 """How many inbox claims hold their savepoint around the code running in this context."""
 
+_CLAIM_TYPES = ("text", "text", "bigint", "bigint", "text", "bytea", "text")
+
 _CLAIM = """
 PREPARE {name} (text, text, bigint, bigint, text, bytea, text) AS
 WITH wait AS MATERIALIZED (
@@ -144,6 +146,21 @@ other server connection, is found out by the error and prepared again)."""
 _Flow = Generator[_Script, list[_sql.Reply], Any]
 
 
+class _Queue(list[tuple[str, Any]]):
+    """A script queued in the caller's pipeline, answered when the caller syncs: no replies."""
+
+
+def _guarded(update: str) -> str:
+    """*update* made to fail when it changes no row. The cast is of a value known only at run
+    time: PostgreSQL cannot fold it while planning."""
+    return (
+        f"WITH done AS ({update.strip()} RETURNING 1)\n"
+        "SELECT CASE count(*) WHEN 1 THEN 1 ELSE "
+        "('oncely: the inbox record was changed in this transaction ' || count(*))::int END "
+        "FROM done"
+    )
+
+
 class _Statements:
     """The store's inbox statements, rendered once per driver."""
 
@@ -153,6 +170,13 @@ class _Statements:
         text = _CLAIM.format(schema=schema, name="{name}")
         self.claim = "oncely_inbox_" + hashlib.sha256(text.encode()).hexdigest()[:16]
         self.prepare = text.format(name=self.claim).strip()
+        self.execute = f"EXECUTE {self.claim} (%s, %s, %s, %s, %s, %s, %s)"
+        # In the caller's pipeline (no multi-statement query there): the statement itself,
+        # bound on the server, each parameter cast to the type PREPARE declares.
+        body = text.split(" AS\n", 1)[1]
+        for number, kind in enumerate(_CLAIM_TYPES, start=1):
+            body = body.replace(f"${number}", f"%(p{number})s::{kind}")
+        self.pipelined_claim = body
         self.rewrite = _REWRITE.format(schema=schema)
         self.finish = _FINISH.format(schema=schema)
 
@@ -199,13 +223,18 @@ class _Claim:
             op.result,
             str(max(int(op.wait.total_seconds() * 1000), 1)),
         )
+        pipelined = _pipelined(self._connection)
         prepared = _PREPARED.setdefault(self._connection, set())
         name = self._sql.claim
         while True:
             script: _Script = [(f"SAVEPOINT {savepoint}", None)]
-            if name not in prepared:
-                script.append((self._sql.prepare, None))
-            script.append((f"EXECUTE {name} (%s, %s, %s, %s, %s, %s, %s)", params))
+            if pipelined:  # the statement itself: EXECUTE takes no parameters bound there
+                named = {f"p{number}": value for number, value in enumerate(params, start=1)}
+                script.append((self._sql.pipelined_claim, named))
+            else:
+                if name not in prepared:
+                    script.append((self._sql.prepare, None))
+                script.append((self._sql.execute, params))
             if op.nested:
                 script.append((f"SAVEPOINT {savepoint}_block", None))
             try:
@@ -221,7 +250,8 @@ class _Claim:
                 if type(translated) is _Busy:
                     return InProgress(retry_after=_BUSY_HINT)
                 raise translated from exc
-            prepared.add(name)
+            if not pipelined:
+                prepared.add(name)
             break
         row = replies[len(script) - 2 if op.nested else -1].rows[0]
         if row[0] == "written":
@@ -249,6 +279,14 @@ class _Claim:
             ttl = timedelta(milliseconds=_sql.ms(op.ttl))
             params = (status, result, ttl, self._op, stored, op.token)
             script.append((self._sql.finish, params))
+        if _pipelined(self._connection):
+            # Queued in the caller's pipeline, sent with its next statements or its commit: no
+            # round trip of its own. A record changed under the block fails the statement,
+            # and with it the caller's transaction, at the caller's next sync.
+            sql, params = script[-1]
+            script[-1] = (_guarded(sql), params)
+            yield _Queue(script)
+            return None
         try:
             replies = yield script
         except Exception:
@@ -325,8 +363,23 @@ def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
     return "; ".join(sql for sql, _ in script), params or None
 
 
+def _pipelined(connection: Any) -> bool:
+    """Whether the caller's connection is in pipeline mode (no multi-statement query there)."""
+    return bool(connection.pgconn.pipeline_status)
+
+
 def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
     """Send *script* in one round trip; each statement's reply, in order."""
+    if type(script) is _Queue:
+        for sql, params in script:
+            Cursor(connection, row_factory=tuple_row).execute(sql, params)
+        return []
+    if _pipelined(connection):
+        cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
+        with connection.pipeline():  # nested in the caller's: synced on leaving
+            for each, (sql, params) in zip(cursors, script, strict=True):
+                each.execute(sql, params)
+        return [_reply(each) for each in cursors]
     if len(script) == 1:
         # Server-side binding whatever the connection's cursor factory (Django's binds on the
         # client): the statement is prepared after a few uses.
@@ -337,14 +390,29 @@ def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
         cursor.execute(*_query(script))
     replies = []
     while True:
-        # The result's status, not ``description``: that builds a Column per field on each read.
-        rows = cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else []
-        replies.append(_sql.Reply(rows, cursor.rowcount))
+        replies.append(_reply(cursor))
         if not cursor.nextset():
             return replies
 
 
+def _reply(cursor: Any) -> _sql.Reply:
+    # The result's status, not ``description``: that builds a Column per field on each read.
+    result = cursor.pgresult
+    rows = cursor.fetchall() if result is not None and result.status == _TUPLES_OK else []
+    return _sql.Reply(rows, cursor.rowcount)
+
+
 async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
+    if type(script) is _Queue:
+        for sql, params in script:
+            await AsyncCursor(connection, row_factory=tuple_row).execute(sql, params)
+        return []
+    if _pipelined(connection):
+        cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
+        async with connection.pipeline():
+            for each, (sql, params) in zip(cursors, script, strict=True):
+                await each.execute(sql, params)
+        return [await _areply(each) for each in cursors]
     if len(script) == 1:
         cursor: Any = AsyncCursor(connection, row_factory=tuple_row)
         await cursor.execute(*script[0])
@@ -353,7 +421,12 @@ async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
         await cursor.execute(*_query(script))
     replies = []
     while True:
-        rows = await cursor.fetchall() if cursor.pgresult.status == _TUPLES_OK else []
-        replies.append(_sql.Reply(rows, cursor.rowcount))
+        replies.append(await _areply(cursor))
         if not cursor.nextset():
             return replies
+
+
+async def _areply(cursor: Any) -> _sql.Reply:
+    result = cursor.pgresult
+    rows = await cursor.fetchall() if result is not None and result.status == _TUPLES_OK else []
+    return _sql.Reply(rows, cursor.rowcount)
