@@ -11,6 +11,8 @@ Each operation is one transaction that inserts an order row and commits:
 - ``dedupe``: the plain transaction with the dedupe every team writes by hand first: ``INSERT
   INTO processed (id) VALUES (…) ON CONFLICT DO NOTHING``, the order inserted only if that
   inserted a row. The target: ``inbox`` at least 0.9 of it;
+- ``inbox-pipeline``: ``inbox`` with the caller's transaction in psycopg's pipeline mode, where
+  the result's UPDATE goes with the commit;
 - ``inbox-none`` (for reference): ``inbox`` recording no result (the claim alone);
 - ``replay`` (for reference): a transaction that claims a key committed earlier and gets its
   stored result back, writing nothing.
@@ -49,7 +51,7 @@ from bench_stores import machine  # noqa: E402  (the same description of the mac
 
 RESULTS = ROOT / "benchmarks" / "results" / "inbox.md"
 TARGET = 0.9
-SUBJECTS = ("plain", "dedupe", "inbox", "inbox-none", "replay")
+SUBJECTS = ("plain", "dedupe", "inbox", "inbox-pipeline", "inbox-none", "replay")
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -106,6 +108,15 @@ class Bench:
                 connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
                 entry.complete({"order": key, "cents": 1250})
 
+        def inbox_pipeline(connection: psycopg.Connection[Any], key: str) -> None:
+            with (
+                connection.pipeline(),
+                connection.transaction(),
+                inbox.claim(connection, key, scope="orders") as entry,
+            ):
+                connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
+                entry.complete({"order": key, "cents": 1250})
+
         def inbox_none(connection: psycopg.Connection[Any], key: str) -> None:
             with connection.transaction(), inbox.claim(connection, key, scope="orders"):
                 connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
@@ -123,13 +134,30 @@ class Bench:
                     connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
 
         subjects = {"plain": plain, "dedupe": dedupe, "inbox": with_inbox}
-        return {**subjects, "inbox-none": inbox_none, "replay": replay}[subject]
+        subjects |= {"inbox-pipeline": inbox_pipeline, "inbox-none": inbox_none}
+        return {**subjects, "replay": replay}[subject]
+
+
+CPU: dict[str, list[tuple[float, float, int]]] = {}
+"""Per subject, per one-worker round: the client's and the server's CPU seconds, transactions
+(summed over the rounds: the server's clock ticks are coarse)."""
+
+
+def backend_cpu(connection: Any) -> float | None:
+    """CPU seconds the server process of *connection* has used (a local server only)."""
+    try:
+        with open(f"/proc/{connection.info.backend_pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed_round(
     bench: Bench, subject: str, workers: int, ops: int, connections: list[Any], tag: str
 ) -> float:
-    """Transactions per second of *workers* threads doing *ops* each."""
+    """Transactions per second of *workers* threads doing *ops* each (and, with one worker,
+    the client's and the server's CPU time per transaction, into `CPU`)."""
     operation = bench.operation(subject)
     if subject == "replay":
         keys = [
@@ -153,13 +181,18 @@ def timed_round(
     threads = [threading.Thread(target=work, args=(index,)) for index in range(workers)]
     for thread in threads:
         thread.start()
+    server = backend_cpu(connections[0]) if workers == 1 else None
     barrier.wait()
-    started = time.perf_counter()
+    started, client = time.perf_counter(), time.process_time()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
     if errors:
         raise errors[0]
+    if server is not None and not tag.startswith("warm"):
+        client = time.process_time() - client
+        server = (backend_cpu(connections[0]) or server) - server
+        CPU.setdefault(subject, []).append((client, server, ops))
     if subject == "inbox" and len(bench.replayable) < workers * ops:
         bench.replayable.extend(key for chunk in keys for key in chunk)
     return workers * ops / elapsed
@@ -211,7 +244,7 @@ def render(results: dict[int, dict[str, list[float]]], context: dict[str, Any]) 
         "",
         f"| workers | {' | '.join(SUBJECTS)} | inbox / dedupe (target ≥ {TARGET}) "
         "| inbox-none / dedupe | dedupe / plain | inbox / plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|" + "---|" * (len(SUBJECTS) + 5),
     ]
     for workers, samples in results.items():
 
@@ -226,6 +259,33 @@ def render(results: dict[int, dict[str, list[float]]], context: dict[str, Any]) 
             f"| {ratio('inbox-none', 'dedupe'):.2f} | {ratio('dedupe', 'plain'):.2f} "
             f"| {ratio('inbox', 'plain'):.2f} |"
         )
+    if CPU:
+        lines += [
+            "",
+            "## CPU per transaction",
+            "",
+            "One worker: the client process's CPU time and its server process's (from /proc), "
+            "per transaction, over all the rounds. Unlike throughput, these hardly move with "
+            "the load of a shared machine.",
+            "",
+            "| subject | client | server | total | total / dedupe's |",
+            "|---|---|---|---|---|",
+        ]
+        per = {
+            subject: (
+                sum(c for c, _, _ in rounds) / sum(n for _, _, n in rounds) * 1e6,
+                sum(v for _, v, _ in rounds) / sum(n for _, _, n in rounds) * 1e6,
+            )
+            for subject, rounds in CPU.items()
+        }
+        for subject in SUBJECTS:
+            if subject in per:
+                client, server = per[subject]
+                share = (client + server) / sum(per["dedupe"])
+                lines.append(
+                    f"| {subject} | {client:,.0f} µs | {server:,.0f} µs "
+                    f"| {client + server:,.0f} µs | {share:.2f} |"
+                )
     lines.append("")
     return "\n".join(lines)
 
