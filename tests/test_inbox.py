@@ -861,3 +861,33 @@ def test_postgres_async_in_the_callers_pipeline(pg: tuple[str, str], pg_store: A
     assert asyncio.run(place()) == "ran"
     assert asyncio.run(place()) == "async"
     assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 3)]
+
+
+@pytest.mark.postgres
+def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: Any) -> None:
+    """The claim is prepared once per session: a session reset behind oncely's back (DISCARD
+    ALL, a pooler's other server connection) is prepared again, and one prepared by someone
+    else is used as it is, with the caller's transaction intact."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        place_order_pg(inbox, connection, order, 1)
+        connection.execute("DEALLOCATE ALL")
+        connection.commit()
+        with connection.transaction():
+            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
+            with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+                assert not entry.replayed
+                entry.complete("after a reset")
+        with pg_connect(pg) as other:  # a session that has it, unknown to oncely's bookkeeping
+            name = inbox._driver._statements.claim  # type: ignore[attr-defined]
+            other.execute(inbox._driver._statements.prepare)  # type: ignore[attr-defined]
+            assert other.execute(
+                "SELECT count(*) FROM pg_prepared_statements WHERE name = %s", (name,)
+            ).fetchone() == (1,)
+            place_order_pg(inbox, other, order + "-3", 3)
+            assert place_order_pg(inbox, other, order + "-3", 3)["order"] == order + "-3"
+    assert pg_store.get(f"orders.place|{order}-2").status is oncely.Status.COMPLETED
+    ids = [row[0] for row in pg_orders(pg)]
+    assert order + "-before" in ids
+    assert order + "-3" in ids

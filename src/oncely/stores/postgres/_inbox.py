@@ -113,6 +113,8 @@ def _translated(exc: BaseException) -> Exception | None:
         return _Busy()
     if sqlstate == "26000":  # invalid_sql_statement_name: the claim is not prepared here
         return _Unprepared()
+    if sqlstate == "42P05":  # duplicate_prepared_statement: it is, though not by this driver
+        return _Prepared()
     if sqlstate in ("42P01", "42883"):  # undefined_table, undefined_function
         return SchemaMissingError(
             f"the oncely schema is missing or out of date: run store.migrate() or "
@@ -128,6 +130,11 @@ class _Busy(Exception):
 
 class _Unprepared(Exception):
     """The session has no claim statement prepared (it was reset since it was prepared)."""
+
+
+class _Prepared(Exception):
+    """The session has the claim statement prepared already (by another client of a pooler's
+    server connection, or before this process knew of the connection)."""
 
 
 _Script = list[tuple[str, Any]]
@@ -246,6 +253,9 @@ class _Claim:
                 yield self._rollback()  # the claim's failure undone; the transaction usable
                 if type(translated) is _Unprepared and name in prepared:
                     prepared.discard(name)  # the session was reset: prepare it again
+                    continue
+                if type(translated) is _Prepared and name not in prepared:
+                    prepared.add(name)
                     continue
                 if type(translated) is _Busy:
                     return InProgress(retry_after=_BUSY_HINT)
