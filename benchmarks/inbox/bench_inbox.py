@@ -236,9 +236,10 @@ def render(results: dict[int, dict[str, list[float]]], context: dict[str, Any]) 
         "into a table of processed ids (`INSERT … ON CONFLICT DO NOTHING`, by hand): what "
         "every team writes. `inbox` claims the key with `oncely.Inbox` instead (one round "
         "trip: a savepoint and one INSERT of the record, already complete, in one query) and "
-        "records the block's result after the insert (one UPDATE); `inbox-none` records no "
-        "result (the claim alone). `replay` claims a key committed earlier and reads its "
-        "result back, writing nothing.",
+        "records the block's result after the insert (one UPDATE); `inbox-pipeline` is "
+        "`inbox` with the transaction in psycopg's pipeline mode, where that UPDATE goes with "
+        "the commit; `inbox-none` records no result (the claim alone). `replay` claims a key "
+        "committed earlier and reads its result back, writing nothing.",
         "",
         "## Throughput",
         "",
