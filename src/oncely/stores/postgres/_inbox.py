@@ -259,6 +259,8 @@ class _Claim:
                     continue
                 if type(translated) is _Busy:
                     return InProgress(retry_after=_BUSY_HINT)
+                if isinstance(translated, (_Unprepared, _Prepared)):
+                    raise  # not the session's state this driver knew: a driver error
                 raise translated from exc
             if not pipelined:
                 prepared.add(name)
