@@ -891,3 +891,25 @@ def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: 
     ids = [row[0] for row in pg_orders(pg)]
     assert order + "-before" in ids
     assert order + "-3" in ids
+
+
+@pytest.mark.postgres
+def test_postgres_keys_and_scopes_travel_as_literals(pg: tuple[str, str], pg_store: Any) -> None:
+    """The claim's parameters are sent as literals escaped by libpq: quotes, backslashes and
+    statement separators in a key, and any text in a scope, are data."""
+    inbox = Inbox(pg_store)
+    order = f"o'; DELETE FROM orders; --\\{uuid.uuid4().hex[:8]}"
+    scope = "ordérs ' \\ ;"
+    with pg_connect(pg) as connection:
+        for _ in range(2):
+            with (
+                connection.transaction(),
+                inbox.claim(connection, order, scope=scope, fingerprint="f'\\") as entry,
+            ):
+                if not entry.replayed:
+                    connection.execute("INSERT INTO orders VALUES (%s, 6)", (order,))
+                    entry.complete({"order": order})
+        assert entry.replayed
+        assert entry.result == {"order": order}
+    assert pg_store.get(f"{scope}|{order}").status is oncely.Status.COMPLETED
+    assert (order, 6) in pg_orders(pg)

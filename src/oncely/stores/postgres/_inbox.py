@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
 from typing import Any
 
-from psycopg import AsyncClientCursor, AsyncCursor, ClientCursor, Cursor
+from psycopg import AsyncClientCursor, AsyncCursor, ClientCursor, Cursor, pq
 from psycopg.rows import tuple_row
 
 from oncely import _txn
@@ -177,7 +177,6 @@ class _Statements:
         text = _CLAIM.format(schema=schema, name="{name}")
         self.claim = "oncely_inbox_" + hashlib.sha256(text.encode()).hexdigest()[:16]
         self.prepare = text.format(name=self.claim).strip()
-        self.execute = f"EXECUTE {self.claim} (%s, %s, %s, %s, %s, %s, %s)"
         # In the caller's pipeline (no multi-statement query there): the statement itself,
         # bound on the server, each parameter cast to the type PREPARE declares.
         body = text.split(" AS\n", 1)[1]
@@ -241,7 +240,7 @@ class _Claim:
             else:
                 if name not in prepared:
                     script.append((self._sql.prepare, None))
-                script.append((self._sql.execute, params))
+                script.append((self._execute(params), None))
             if op.nested:
                 script.append((f"SAVEPOINT {savepoint}_block", None))
             try:
@@ -275,6 +274,14 @@ class _Claim:
         if type(answer) is Acquired:
             self._reset = _DEPTH.set(depth + 1)
         return answer
+
+    def _execute(self, params: tuple[Any, ...]) -> str:
+        """The EXECUTE of the prepared claim with *params* as literals, escaped by libpq for
+        this connection (no client-side adaptation machinery: the claim's hot path)."""
+        escape = pq.Escaping(self._connection.pgconn).escape_literal
+        encoding = self._connection.info.encoding
+        literals = [_literal(escape, encoding, value) for value in params]
+        return f"EXECUTE {self._sql.claim} ({', '.join(literals)})"
 
     def _finish(self, op: Finish) -> _Flow:
         self._leave()
@@ -373,6 +380,15 @@ def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
         if each is not None:
             params += each
     return "; ".join(sql for sql, _ in script), params or None
+
+
+def _literal(escape: Callable[[bytes], bytes], encoding: str, value: Any) -> str:
+    """*value* (text, bytes or an integer) as an SQL literal, quoted by libpq's *escape*."""
+    if type(value) is int:
+        return str(value)
+    if type(value) is bytes:
+        return escape(b"\\x" + value.hex().encode()).decode() + "::bytea"
+    return escape(value.encode(encoding)).decode(encoding)
 
 
 def _pipelined(connection: Any) -> bool:
