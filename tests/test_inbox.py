@@ -463,7 +463,8 @@ def round_trips(connection: psycopg.Connection[Any], block: Any) -> int:
 
 @pytest.mark.postgres
 def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any) -> None:
-    """Claim (savepoint, bounded wait, claim) is one round trip; complete and release, one."""
+    """Claim (savepoint, bounded wait, claim) is one round trip; recording a value, one more;
+    a replay, or a block that records nothing, none more."""
     inbox = Inbox(pg_store, final_errors=(Declined,))
     order = f"o-{uuid.uuid4().hex[:8]}"
 
@@ -477,14 +478,20 @@ def test_postgres_claim_costs_two_round_trips(pg: tuple[str, str], pg_store: Any
         with pytest.raises(ValueError), inbox.claim(connection, order + "-x", scope="s"):
             raise ValueError("rolled back to the claim")
 
+    def records_nothing() -> None:
+        with inbox.claim(connection, order + "-none", scope="s") as entry:
+            assert not entry.replayed
+
     with pg_connect(pg) as connection, connection.transaction():
         connection.execute("SET LOCAL lock_timeout = '3s'")
         assert round_trips(connection, lambda: claim_and_complete(False)) == 2
-        assert round_trips(connection, lambda: claim_and_complete(True)) == 2
+        assert round_trips(connection, lambda: claim_and_complete(True)) == 1
         assert round_trips(connection, block_raises) == 2
+        assert round_trips(connection, records_nothing) == 1
         assert connection.execute("SHOW lock_timeout").fetchone() == ("3s",)  # restored
     assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
     assert pg_store.get(f"s|{order}-x") is None
+    assert pg_store.get(f"s|{order}-none").status is oncely.Status.COMPLETED
 
 
 # -- final errors ---------------------------------------------------------------------------------
@@ -701,3 +708,208 @@ def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path) -
         assert not entry.replayed  # the retry runs
     connection.execute("COMMIT")
     store.close()
+
+
+@pytest.mark.postgres
+def test_postgres_nested_claims_roll_back_to_their_own_claim(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A claim inside another's block, finished without a round trip (its savepoint left to the
+    commit), does not capture the outer claim's rollback: the outer block's error undoes both
+    claims and both blocks' writes, and only those."""
+    inbox = Inbox(pg_store)
+    outer, inner, before = (f"o-{uuid.uuid4().hex[:8]}" for _ in range(3))
+    with pg_connect(pg) as connection, connection.transaction():
+        with inbox.claim(connection, before, scope="s") as entry:  # records nothing
+            assert not entry.replayed
+        with pytest.raises(ValueError), inbox.claim(connection, outer, scope="s"):
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (outer,))
+            with inbox.claim(connection, inner, scope="s") as entry:
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (inner,))
+            with inbox.claim(connection, inner, scope="s") as again:
+                assert again.replayed
+                assert again.result is None
+            raise ValueError("the outer block fails after the inner ones")
+        with inbox.claim(connection, outer, scope="s") as entry:  # runs again
+            assert not entry.replayed
+            entry.complete("second")
+    assert pg_store.get(f"s|{inner}") is None
+    assert pg_store.get(f"s|{before}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{outer}").status is oncely.Status.COMPLETED
+    ids = [row[0] for row in pg_orders(pg)]
+    assert outer not in ids
+    assert inner not in ids
+    with pg_connect(pg) as connection, connection.transaction():
+        with inbox.claim(connection, outer, scope="s") as entry:
+            assert entry.result == "second"
+        with inbox.claim(connection, before, scope="s") as entry:
+            assert entry.replayed
+            assert entry.result is None
+
+
+@pytest.mark.postgres
+def test_postgres_a_key_with_a_row_records_even_a_none_outcome(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A key whose row exists (here a tombstone released by the decorator's path) is claimed in
+    progress, not written complete: the block's None outcome is still recorded as completed."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    claim = pg_store.claim(f"s|{order}", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1))
+    assert isinstance(claim, oncely.Acquired)
+    pg_store.release(f"s|{order}", claim.token)
+    with pg_connect(pg) as connection:
+        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+            assert not entry.replayed
+            assert entry.token == claim.token + 1
+        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+            assert entry.replayed
+            assert entry.result is None
+    record = pg_store.get(f"s|{order}")
+    assert record.status is oncely.Status.COMPLETED
+    assert record.token == claim.token + 1
+
+
+@pytest.mark.postgres
+def test_postgres_in_the_callers_pipeline(pg: tuple[str, str], pg_store: Any) -> None:
+    """A connection in pipeline mode: the claim syncs once; the value's UPDATE is queued with
+    the caller's own statements and commit, costing no wait of its own."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    def place(key: str, value: Any) -> Any:
+        with (
+            connection.pipeline(),
+            connection.transaction(),
+            inbox.claim(connection, key, scope="s") as entry,
+        ):
+            if entry.replayed:
+                return entry.result
+            connection.execute("INSERT INTO orders VALUES (%s, 8)", (key,))
+            entry.complete(value)
+        return "ran"
+
+    def by_hand(key: str) -> None:  # the same transaction, deduplicated by hand
+        with connection.pipeline(), connection.transaction():
+            seen = connection.execute("SELECT count(*) FROM orders WHERE id = %s", (key,))
+            if seen.fetchone() == (0,):
+                connection.execute("INSERT INTO orders VALUES (%s, 8)", (key,))
+
+    with pg_connect(pg) as connection:
+        outcome: list[Any] = []
+        floor = round_trips(connection, lambda: by_hand(order + "-h"))
+        assert round_trips(connection, lambda: outcome.append(place(order, "v"))) == floor + 1
+        assert round_trips(connection, lambda: outcome.append(place(order, "v"))) == floor + 1
+        assert round_trips(connection, lambda: place(order + "-n", None)) == floor + 1
+        with (
+            pytest.raises(ValueError),
+            connection.pipeline(),
+            connection.transaction(),
+            inbox.claim(connection, order + "-x", scope="s"),
+        ):
+            connection.execute("INSERT INTO orders VALUES (%s, 9)", (order + "-x",))
+            raise ValueError("rolled back to the claim")
+    assert outcome == ["ran", "v"]
+    rows = [row for row in pg_orders(pg) if row[0].startswith(order)]
+    assert sorted(rows) == [(order, 8), (order + "-h", 8), (order + "-n", 8)]
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{order}-x") is None
+
+
+@pytest.mark.postgres
+def test_postgres_record_changed_in_a_pipelined_transaction_fails_it(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """In pipeline mode the value's UPDATE is not waited for: a record changed under the block
+    fails the caller's transaction when it syncs, and nothing of it commits."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with (
+        pg_connect(pg) as connection,
+        pytest.raises(psycopg.errors.InvalidTextRepresentation, match="changed"),
+        connection.pipeline(),
+        connection.transaction(),
+        inbox.claim(connection, order, scope="s") as entry,
+    ):
+        connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+        connection.execute("DELETE FROM oncely_records WHERE key = %s", (f"s|{order}",))
+        entry.complete("x")
+    assert pg_store.get(f"s|{order}") is None
+    assert order not in [row[0] for row in pg_orders(pg)]
+
+
+@pytest.mark.postgres
+def test_postgres_async_in_the_callers_pipeline(pg: tuple[str, str], pg_store: Any) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    base, schema = pg
+
+    async def place() -> Any:
+        async with await psycopg.AsyncConnection.connect(base) as connection:
+            await connection.execute(f'SET search_path TO "{schema}"')
+            async with (
+                connection.pipeline(),
+                connection.transaction(),
+                inbox.aclaim(connection, order, scope="s") as entry,
+            ):
+                if entry.replayed:
+                    return entry.result
+                await connection.execute("INSERT INTO orders VALUES (%s, 3)", (order,))
+                entry.complete("async")
+            return "ran"
+
+    assert asyncio.run(place()) == "ran"
+    assert asyncio.run(place()) == "async"
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 3)]
+
+
+@pytest.mark.postgres
+def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: Any) -> None:
+    """The claim is prepared once per session: a session reset behind oncely's back (DISCARD
+    ALL, a pooler's other server connection) is prepared again, and one prepared by someone
+    else is used as it is, with the caller's transaction intact."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        place_order_pg(inbox, connection, order, 1)
+        connection.execute("DEALLOCATE ALL")
+        connection.commit()
+        with connection.transaction():
+            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
+            with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+                assert not entry.replayed
+                entry.complete("after a reset")
+        with pg_connect(pg) as other:  # a session that has it, unknown to oncely's bookkeeping
+            name = inbox._driver._statements.claim  # type: ignore[attr-defined]
+            other.execute(inbox._driver._statements.prepare)  # type: ignore[attr-defined]
+            assert other.execute(
+                "SELECT count(*) FROM pg_prepared_statements WHERE name = %s", (name,)
+            ).fetchone() == (1,)
+            place_order_pg(inbox, other, order + "-3", 3)
+            assert place_order_pg(inbox, other, order + "-3", 3)["order"] == order + "-3"
+    assert pg_store.get(f"orders.place|{order}-2").status is oncely.Status.COMPLETED
+    ids = [row[0] for row in pg_orders(pg)]
+    assert order + "-before" in ids
+    assert order + "-3" in ids
+
+
+@pytest.mark.postgres
+def test_postgres_keys_and_scopes_travel_as_literals(pg: tuple[str, str], pg_store: Any) -> None:
+    """The claim's parameters are sent as literals escaped by libpq: quotes, backslashes and
+    statement separators in a key, and any text in a scope, are data."""
+    inbox = Inbox(pg_store)
+    order = f"o'; DELETE FROM orders; --\\{uuid.uuid4().hex[:8]}"
+    scope = "ordérs ' \\ ;"
+    with pg_connect(pg) as connection:
+        for _ in range(2):
+            with (
+                connection.transaction(),
+                inbox.claim(connection, order, scope=scope, fingerprint="f'\\") as entry,
+            ):
+                if not entry.replayed:
+                    connection.execute("INSERT INTO orders VALUES (%s, 6)", (order,))
+                    entry.complete({"order": order})
+        assert entry.replayed
+        assert entry.result == {"order": order}
+    assert pg_store.get(f"{scope}|{order}").status is oncely.Status.COMPLETED
+    assert (order, 6) in pg_orders(pg)

@@ -8,17 +8,21 @@ Each operation is one transaction that inserts an order row and commits:
 - ``plain``: ``BEGIN; INSERT INTO orders …; COMMIT`` with psycopg, no oncely;
 - ``inbox``: the same transaction, with the order's key claimed by `oncely.Inbox` before the
   insert and its result recorded after it (the record commits with the order);
+- ``dedupe``: the plain transaction with the dedupe every team writes by hand first: ``INSERT
+  INTO processed (id) VALUES (…) ON CONFLICT DO NOTHING``, the order inserted only if that
+  inserted a row. The target: ``inbox`` at least 0.9 of it;
+- ``inbox-pipeline``: ``inbox`` with the caller's transaction in psycopg's pipeline mode, where
+  the result's UPDATE goes with the commit;
+- ``inbox-none`` (for reference): ``inbox`` recording no result (the claim alone);
 - ``replay`` (for reference): a transaction that claims a key committed earlier and gets its
-  stored result back, writing nothing;
-- ``plain+insert`` (for reference): the plain transaction with one more INSERT of the key into a
-  table of keys: the floor of any record written in the transaction.
+  stored result back, writing nothing.
 
 Each worker is a thread with a connection of its own (one worker, and several concurrent ones).
 Subjects run interleaved, in rounds whose order rotates, so drift in the load of a shared machine
-falls on all of them; each figure is the median over the rounds, and the ratio is the median of
-the per-round ratios of ``inbox`` to ``plain``. The report goes to stdout and to
-``benchmarks/results/inbox.md``. Not a test: pytest never collects this directory. Its tables
-live in a schema of the run's own, dropped at the end.
+falls on all of them; each figure is the median over the rounds, and each ratio the median of
+the per-round ratios (``inbox`` to ``dedupe``, and each to ``plain``). The report goes to stdout
+and to ``benchmarks/results/inbox.md``. Not a test: pytest never collects this directory. Its
+tables live in a schema of the run's own, dropped at the end.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from bench_stores import machine  # noqa: E402  (the same description of the mac
 
 RESULTS = ROOT / "benchmarks" / "results" / "inbox.md"
 TARGET = 0.9
-SUBJECTS = ("plain", "inbox", "replay", "plain+insert")
+SUBJECTS = ("plain", "dedupe", "inbox", "inbox-pipeline", "inbox-none", "replay")
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -77,7 +81,7 @@ class Bench:
         self.inbox = oncely.Inbox(self.store)
         with self.connect() as connection:
             connection.execute("CREATE TABLE orders (id text PRIMARY KEY, cents integer)")
-            connection.execute("CREATE TABLE seen (key text PRIMARY KEY)")
+            connection.execute("CREATE TABLE processed (id text PRIMARY KEY)")
             connection.commit()
         self.replayable: list[str] = []
 
@@ -104,23 +108,56 @@ class Bench:
                 connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
                 entry.complete({"order": key, "cents": 1250})
 
+        def inbox_pipeline(connection: psycopg.Connection[Any], key: str) -> None:
+            with (
+                connection.pipeline(),
+                connection.transaction(),
+                inbox.claim(connection, key, scope="orders") as entry,
+            ):
+                connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
+                entry.complete({"order": key, "cents": 1250})
+
+        def inbox_none(connection: psycopg.Connection[Any], key: str) -> None:
+            with connection.transaction(), inbox.claim(connection, key, scope="orders"):
+                connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
+
         def replay(connection: psycopg.Connection[Any], key: str) -> None:
             with connection.transaction(), inbox.claim(connection, key, scope="orders") as entry:
                 assert entry.replayed
 
-        def plain_insert(connection: psycopg.Connection[Any], key: str) -> None:
+        def dedupe(connection: psycopg.Connection[Any], key: str) -> None:
             with connection.transaction():
-                connection.execute("INSERT INTO seen VALUES (%s)", (key,))
-                connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
+                seen = connection.execute(
+                    "INSERT INTO processed (id) VALUES (%s) ON CONFLICT DO NOTHING", (key,)
+                )
+                if seen.rowcount == 1:
+                    connection.execute("INSERT INTO orders VALUES (%s, %s)", (key, 1250))
 
-        subjects = {"plain": plain, "inbox": with_inbox, "replay": replay}
-        return {**subjects, "plain+insert": plain_insert}[subject]
+        subjects = {"plain": plain, "dedupe": dedupe, "inbox": with_inbox}
+        subjects |= {"inbox-pipeline": inbox_pipeline, "inbox-none": inbox_none}
+        return {**subjects, "replay": replay}[subject]
+
+
+CPU: dict[str, list[tuple[float, float, int]]] = {}
+"""Per subject, per one-worker round: the client's and the server's CPU seconds, transactions
+(summed over the rounds: the server's clock ticks are coarse)."""
+
+
+def backend_cpu(connection: Any) -> float | None:
+    """CPU seconds the server process of *connection* has used (a local server only)."""
+    try:
+        with open(f"/proc/{connection.info.backend_pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed_round(
     bench: Bench, subject: str, workers: int, ops: int, connections: list[Any], tag: str
 ) -> float:
-    """Transactions per second of *workers* threads doing *ops* each."""
+    """Transactions per second of *workers* threads doing *ops* each (and, with one worker,
+    the client's and the server's CPU time per transaction, into `CPU`)."""
     operation = bench.operation(subject)
     if subject == "replay":
         keys = [
@@ -144,13 +181,18 @@ def timed_round(
     threads = [threading.Thread(target=work, args=(index,)) for index in range(workers)]
     for thread in threads:
         thread.start()
+    server = backend_cpu(connections[0]) if workers == 1 else None
     barrier.wait()
-    started = time.perf_counter()
+    started, client = time.perf_counter(), time.process_time()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
     if errors:
         raise errors[0]
+    if server is not None and not tag.startswith("warm"):
+        client = time.process_time() - client
+        server = (backend_cpu(connections[0]) or server) - server
+        CPU.setdefault(subject, []).append((client, server, ops))
     if subject == "inbox" and len(bench.replayable) < workers * ops:
         bench.replayable.extend(key for chunk in keys for key in chunk)
     return workers * ops / elapsed
@@ -190,28 +232,61 @@ def render(results: dict[int, dict[str, list[float]]], context: dict[str, Any]) 
         f"end: {context['load_end']}. {context['rounds']} interleaved rounds of "
         f"{context['ops']} transactions per worker per subject, order rotating; medians.",
         "",
-        "Each transaction inserts one order row and commits. `inbox` adds the claim before the "
-        "insert and the record of its result after it: two round trips (savepoint and claim "
-        "in one pipeline, completion and release in another), the record committed with the "
-        "order. `replay` claims a key committed earlier and reads its result back, writing "
-        "nothing. `plain+insert` is the plain transaction with one more INSERT of the key into "
-        "a table of keys: the floor of any record written in the transaction.",
+        "Each transaction inserts one order row and commits. `dedupe` first inserts the key "
+        "into a table of processed ids (`INSERT … ON CONFLICT DO NOTHING`, by hand): what "
+        "every team writes. `inbox` claims the key with `oncely.Inbox` instead (one round "
+        "trip: a savepoint and one INSERT of the record, already complete, in one query) and "
+        "records the block's result after the insert (one UPDATE); `inbox-pipeline` is "
+        "`inbox` with the transaction in psycopg's pipeline mode, where that UPDATE goes with "
+        "the commit; `inbox-none` records no result (the claim alone). `replay` claims a key "
+        "committed earlier and reads its result back, writing nothing.",
         "",
         "## Throughput",
         "",
-        f"| workers | plain | inbox | replay | plain+insert | inbox / plain (target ≥ {TARGET}) "
-        "| plain+insert / plain |",
-        "|---|---|---|---|---|---|---|",
+        f"| workers | {' | '.join(SUBJECTS)} | inbox / dedupe (target ≥ {TARGET}) "
+        "| inbox-none / dedupe | dedupe / plain | inbox / plain |",
+        "|" + "---|" * (len(SUBJECTS) + 5),
     ]
     for workers, samples in results.items():
-        ratios = [i / p for i, p in zip(samples["inbox"], samples["plain"], strict=True)]
-        ratio = statistics.median(ratios)
-        verdict = "met" if ratio >= TARGET else "**not met**"
+
+        def ratio(a: str, b: str, samples: dict[str, list[float]] = samples) -> float:
+            return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
+
+        target = ratio("inbox", "dedupe")
+        verdict = "met" if target >= TARGET else "**not met**"
         cells = [f"{statistics.median(samples[s]):,.0f} tx/s" for s in SUBJECTS]
-        floor = statistics.median(
-            [f / p for f, p in zip(samples["plain+insert"], samples["plain"], strict=True)]
+        lines.append(
+            f"| {workers} | {' | '.join(cells)} | {target:.2f} ({verdict}) "
+            f"| {ratio('inbox-none', 'dedupe'):.2f} | {ratio('dedupe', 'plain'):.2f} "
+            f"| {ratio('inbox', 'plain'):.2f} |"
         )
-        lines.append(f"| {workers} | {' | '.join(cells)} | {ratio:.2f} ({verdict}) | {floor:.2f} |")
+    if CPU:
+        lines += [
+            "",
+            "## CPU per transaction",
+            "",
+            "One worker: the client process's CPU time and its server process's (from /proc), "
+            "per transaction, over all the rounds. Unlike throughput, these hardly move with "
+            "the load of a shared machine.",
+            "",
+            "| subject | client | server | total | total / dedupe's |",
+            "|---|---|---|---|---|",
+        ]
+        per = {
+            subject: (
+                sum(c for c, _, _ in rounds) / sum(n for _, _, n in rounds) * 1e6,
+                sum(v for _, v, _ in rounds) / sum(n for _, _, n in rounds) * 1e6,
+            )
+            for subject, rounds in CPU.items()
+        }
+        for subject in SUBJECTS:
+            if subject in per:
+                client, server = per[subject]
+                share = (client + server) / sum(per["dedupe"])
+                lines.append(
+                    f"| {subject} | {client:,.0f} µs | {server:,.0f} µs "
+                    f"| {client + server:,.0f} µs | {share:.2f} |"
+                )
     lines.append("")
     return "\n".join(lines)
 

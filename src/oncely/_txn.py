@@ -56,15 +56,13 @@ async def araw_connection(connection: Any) -> Any:
 
 def check_psycopg_transaction(connection: Any, user: str) -> None:
     """Refuse a psycopg connection in autocommit outside a transaction, or in a failed one."""
-    from psycopg.pq import TransactionStatus
-
-    status = connection.info.transaction_status
-    if status == TransactionStatus.IDLE and connection.autocommit:
+    status = connection.info.transaction_status.name  # psycopg.pq.TransactionStatus
+    if status == "IDLE" and connection.autocommit:
         raise ConfigurationError(
             f"{user} writes in the caller's transaction, and this psycopg connection has "
             "none: use `with connection.transaction():` (or a connection without autocommit)"
         )
-    if status == TransactionStatus.INERROR:
+    if status == "INERROR":
         raise ConfigurationError("the caller's transaction has failed: roll it back first")
 
 

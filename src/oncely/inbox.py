@@ -33,8 +33,10 @@ How it behaves, seen from one transaction:
   replay raises it again.
 
 On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
-one pipeline) and its completion another. `Inbox.idempotent` is the decorator form, for
-functions that are given the connection or session.
+one query; a new key's record is written complete at once, the transaction hiding it until
+commit); recording a value is one UPDATE more, and a replay or a block that records nothing
+needs none. Each backend's SQL lives behind `oncely._inbox_store`. `Inbox.idempotent` is the
+decorator form, for functions that are given the connection or session.
 
 Connections: psycopg 3 (`psycopg.Connection`; `psycopg.AsyncConnection` with `aclaim`), the
 standard library's `sqlite3.Connection` (in a transaction that holds the write lock: ``BEGIN
@@ -48,7 +50,6 @@ with `aclaim`) over those drivers, and Django's ``django.db.connection`` inside
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import inspect
@@ -60,7 +61,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _events, _execution, _observed, _switches, _txn
+from oncely import _events, _execution, _inbox_store, _observed, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -70,12 +71,12 @@ from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.records import (
     Acquired,
     ClaimResult,
-    InProgress,
     LeaseLost,
     Mismatch,
     Replay,
     Status,
 )
+from oncely._inbox_store import Begin, Finish, Rollback, Settle
 from oncely._log import fields
 from oncely.decorator import (
     _ALL,
@@ -109,11 +110,7 @@ _TRANSACTION: contextvars.ContextVar[Any] = contextvars.ContextVar("oncely_trans
 _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
 """The parameters `Inbox.idempotent` looks for the connection in, in this order."""
 
-_SAVEPOINT = "oncely_inbox"
 _USER = "the inbox"
-_BLOCK_SAVEPOINT = "oncely_inbox_block"
-"""Taken after the claim when the policy has final errors: such an error undoes the block's
-writes back to it, and keeps the claim to record the error on."""
 _BUSY_HINT = timedelta(seconds=1)
 """`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
@@ -154,8 +151,7 @@ class Inbox:
         final_errors: tuple[type[BaseException], ...] | _Unset = UNSET,
         codec: Codec | None = None,
     ) -> None:
-        backend = getattr(store, "backend", None)
-        if backend not in ("postgres", "sqlite"):
+        if not _inbox_store.supported(store):
             raise ConfigurationError(
                 f"the inbox writes records in the caller's SQL transaction: it needs a "
                 f"PostgresStore or an SQLiteStore, not {type(store).__name__}"
@@ -170,13 +166,9 @@ class Inbox:
             heartbeat=False,
         )
         self.codec: Codec = codec or JSONCodec()
-        self._scripts: _PostgresScripts | None = None
-
-    def _postgres_scripts(self) -> _PostgresScripts:
-        """The store's statements, rendered once."""
-        if self._scripts is None:
-            self._scripts = _PostgresScripts(self.store)
-        return self._scripts
+        self._driver = _inbox_store.driver_for(store)
+        self._none = _codec.encode_value(self.codec.encode(None))
+        """The outcome of a block that records none: written with the claim."""
 
     def claim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
@@ -191,14 +183,14 @@ class Inbox:
                 ``None`` to skip the check.
         """
         plan = self._plan(key, scope, fingerprint)
-        return InboxEntry(self, plan, _sync_performer(self, connection))
+        return InboxEntry(self, plan, _sleeping(self._driver.bind(connection)))
 
     def aclaim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
     ) -> AsyncInboxEntry:
         """`claim` for an async connection or session: an ``async with`` block."""
         plan = self._plan(key, scope, fingerprint)
-        return AsyncInboxEntry(self, plan, _AsyncPerformer(self, connection))
+        return AsyncInboxEntry(self, plan, connection)
 
     def idempotent(
         self,
@@ -303,7 +295,7 @@ class Inbox:
                         )
                     async with opened as connection:
                         # checked before the handler: its writes would otherwise commit alone
-                        perform = await _AsyncPerformer(self, connection).bind()
+                        perform = await self._driver.abind(connection)
                         reset = _TRANSACTION.set(connection)
                         try:
                             value = await handler(*args, **kwargs)
@@ -327,7 +319,7 @@ class Inbox:
                     )
                 with opened as connection:
                     # checked before the handler: its writes would otherwise commit alone
-                    perform = _sync_performer(self, connection)
+                    perform = self._driver.bind(connection)
                     reset = _TRANSACTION.set(connection)
                     try:
                         value = handler(*args, **kwargs)
@@ -343,10 +335,10 @@ class Inbox:
 
         return decorate
 
-    def _settle(self, lease: _execution.Lease, value: Any) -> _Settle:
+    def _settle(self, lease: _execution.Lease, value: Any) -> Settle:
         lease.settling = True  # a heartbeat's extend after this completion means nothing
         payload = _execution.outcome_of(lease, value, self.codec)
-        return _Settle(lease.key, lease.token, payload, lease.ttl or self.policy.ttl)
+        return Settle(lease.key, lease.token, payload, lease.ttl or self.policy.ttl)
 
     def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
         if not isinstance(scope, str) or not scope:
@@ -461,8 +453,7 @@ def _decorate(
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             claim, handle = prepare(args, kwargs)
-            performer = _AsyncPerformer(inbox, handle)
-            async with AsyncInboxEntry(inbox, claim, performer, plan.annotation) as entry:
+            async with AsyncInboxEntry(inbox, claim, handle, plan.annotation) as entry:
                 if entry.replayed:
                     return entry.result
                 value = await fn(*args, **kwargs)
@@ -474,8 +465,8 @@ def _decorate(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         claim, handle = prepare(args, kwargs)
-        performer = _sync_performer(inbox, handle)
-        with InboxEntry(inbox, claim, performer, plan.annotation) as entry:
+        perform = _sleeping(inbox._driver.bind(handle))
+        with InboxEntry(inbox, claim, perform, plan.annotation) as entry:
             if entry.replayed:
                 return entry.result
             value = fn(*args, **kwargs)
@@ -488,50 +479,6 @@ def _decorate(
 # -- the flow, once for sync and async ----------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Begin:
-    """Take a savepoint and claim. An `Acquired` answer keeps the savepoint open (and takes
-    the block's savepoint after the claim, if *nested*); any other answer (`InProgress` also
-    when the wait for another transaction timed out) drops it."""
-
-    key: str
-    fingerprint: str
-    lease: timedelta
-    ttl: timedelta
-    wait: timedelta
-    nested: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _Finish:
-    """Settle the record in the transaction (as *status*: completed, or failed with a final
-    error, after undoing the block back to its savepoint when *undo_block*), then drop the
-    savepoint; answers `LeaseLost` (after rolling back to the savepoint) or ``None``."""
-
-    key: str
-    token: int
-    status: Status
-    result: bytes
-    ttl: timedelta
-    undo_block: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Settle:
-    """Complete a record claimed with a lease (a consumer's), by its token, in the caller's
-    transaction; answers `LeaseLost` (the transaction must then roll back) or ``None``."""
-
-    key: str
-    token: int
-    result: bytes
-    ttl: timedelta
-
-
-@dataclass(frozen=True, slots=True)
-class _Rollback:
-    """Undo everything since the savepoint (the claim and the block's writes), drop it."""
-
-
 def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
     policy = inbox.policy
     deadline = time.monotonic() + policy.wait_timeout.total_seconds()
@@ -539,8 +486,14 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
         wait = timedelta(0)
         if policy.on_conflict == "wait":
             wait = timedelta(seconds=max(deadline - time.monotonic(), 0))
-        answer: ClaimResult = yield _Begin(
-            plan.key, plan.fingerprint, policy.lease, policy.ttl, wait, bool(policy.final_errors)
+        answer: ClaimResult = yield Begin(
+            plan.key,
+            plan.fingerprint,
+            policy.lease,
+            policy.ttl,
+            wait,
+            bool(policy.final_errors),
+            inbox._none,
         )
         if isinstance(answer, (Acquired, Replay)):
             return answer
@@ -564,12 +517,12 @@ def _exit(
             payload = _codec.encode_value(inbox.codec.encode(value))
         except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
             payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-        finish = _Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
+        finish = Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
     elif isinstance(error, policy.final_errors):
         payload = _codec.encode_error(error)
-        finish = _Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
+        finish = Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
     else:
-        yield _Rollback()
+        yield Rollback()
         return
     try:
         answer = yield finish
@@ -695,16 +648,22 @@ class AsyncInboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(
-        self, inbox: Inbox, plan: _Plan, performer: _AsyncPerformer, annotation: Any = Any
-    ) -> None:
+    def __init__(self, inbox: Inbox, plan: _Plan, connection: Any, annotation: Any = Any) -> None:
         super().__init__(inbox, plan, annotation)
-        self._performer = performer
+        self._connection = connection
+        self._perform: Callable[[Any], Awaitable[Any]] | None = None
+
+    async def _bound(self) -> Callable[[Any], Awaitable[Any]]:
+        if self._perform is None:
+            self._perform = functools.partial(
+                _asleep, await self._inbox._driver.abind(self._connection)
+            )
+        return self._perform
 
     async def __aenter__(self) -> AsyncInboxEntry:
         if self._unprotected():
             return self
-        perform = await self._performer.bind()
+        perform = await self._bound()
         flow = _enter(self._inbox, self._plan)
         if _events.on:
             flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
@@ -721,17 +680,27 @@ class AsyncInboxEntry(_EntryState):
             _observed.exited(self, exc)
         flow = self._exit_flow(exc)
         if flow is not None:
-            await adrive(flow, await self._performer.bind())
+            await adrive(flow, await self._bound())
 
 
-# -- drivers: what each operation is on each kind of connection ---------------------------------
+# -- drivers ------------------------------------------------------------------------------------
 
 
-def _sync_performer(inbox: Inbox, connection: Any) -> Callable[[Any], Any]:
-    raw = _raw_connection(connection)
-    if inbox.store.backend == "postgres":
-        return _PostgresPerformer(inbox, raw).perform
-    return _SQLitePerformer(inbox.store, raw).perform
+def _sleeping(perform: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """*perform* (a backend's), which also sleeps between attempts as the flow asks."""
+
+    def run(op: Any) -> Any:
+        if type(op) is _execution.Sleep:
+            return time.sleep(op.seconds)
+        return perform(op)
+
+    return run
+
+
+async def _asleep(perform: Callable[[Any], Awaitable[Any]], op: Any) -> Any:
+    if type(op) is _execution.Sleep:
+        return await asyncio.sleep(op.seconds)
+    return await perform(op)
 
 
 def _raw_connection(connection: Any) -> Any:
@@ -739,303 +708,3 @@ def _raw_connection(connection: Any) -> Any:
 
 
 _araw_connection = _txn.araw_connection
-
-
-def _check_psycopg_transaction(connection: Any) -> None:
-    _txn.check_psycopg_transaction(connection, _USER)
-
-
-_LEASE_LOST = "oncely: the inbox record was changed in this transaction"
-"""The text of the error a guarded finish raises when it updated no row (see `_guarded`)."""
-
-_CLAIM = """
-WITH wait AS MATERIALIZED (
-    SELECT previous, set_config('lock_timeout', %(wait_ms)s, true)
-      FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS saved
-), inserted AS (
-    INSERT INTO {schema}.oncely_records AS r
-           (key, status, fingerprint, token, attempt, lease_expires_at, expires_at, created_at,
-            updated_at, result, op)
-    SELECT %(key)s, 'in_progress', %(fingerprint)s, 1, 1,
-           statement_timestamp() + %(lease_ms)s::bigint * interval '1 millisecond',
-           statement_timestamp() + (%(lease_ms)s::bigint
-               + greatest(%(ttl_ms)s::bigint, %(lease_ms)s::bigint)) * interval '1 millisecond',
-           statement_timestamp(), statement_timestamp(), NULL, %(op)s
-      FROM wait
-    ON CONFLICT (key) DO NOTHING
-    RETURNING r.*
-)
-SELECT 'acquired'::text, statement_timestamp(), i.status, i.fingerprint, i.token, i.attempt,
-       i.lease_expires_at, i.expires_at, i.created_at, i.updated_at, i.result,
-       set_config('lock_timeout', wait.previous, true)
-  FROM inserted AS i, wait
-UNION ALL
-SELECT c.*, set_config('lock_timeout', wait.previous, true)
-  FROM wait, {schema}.oncely_claim(%(key)s, %(fingerprint)s, %(lease_ms)s::bigint,
-                                   %(ttl_ms)s::bigint, %(op)s::text) AS c
- WHERE NOT EXISTS (SELECT FROM inserted)
-"""
-"""The claim, bounded by a ``lock_timeout`` of *wait_ms* set for it alone, in one statement.
-
-A key never seen is one INSERT (the common case in the inbox: the row that ``oncely_claim``
-would insert, as schema.sql writes it); only a key that has a row runs ``oncely_claim``, whose
-reads then see that row. The INSERT waits for a transaction holding the key: if it commits, the
-claim function judges its record; if it rolls back, the INSERT goes ahead. The data flow orders
-the rest: the timeout is set (``wait``) before the INSERT reads its row from it, and the
-caller's is restored as each answer row is produced. Parameters: those of `_sql.CLAIM`, and
-wait_ms; the reply is `_sql.CLAIM`'s with the restored setting as a last column."""
-
-
-def _guarded(update: str) -> str:
-    """*update* made to fail when it changes no row, so that the savepoint release sent after
-    it in the same round trip does not run (and the block can still be rolled back).
-
-    The cast is of a value known only at run time: PostgreSQL cannot fold it while planning.
-    """
-    return (
-        f"WITH done AS ({update.strip()} RETURNING 1)\n"
-        f"SELECT CASE count(*) WHEN 1 THEN 1 ELSE ('{_LEASE_LOST} ' || count(*))::int END "
-        f"FROM done"
-    )
-
-
-_Script = list[tuple[str, Any]]
-"""Statements and their parameters, sent in one round trip (pipeline mode)."""
-
-
-class _PostgresScripts:
-    """Each operation on PostgreSQL as one script of statements, sent by the sync and async
-    performers in one round trip (pipeline mode, so each statement can be prepared)."""
-
-    def __init__(self, store: Any) -> None:
-        from oncely.stores.postgres import _sql
-
-        self.sql = _sql
-        self.store = store
-        queries = store._queries
-        self.rollback: _Script = [
-            (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", None),
-            (f"RELEASE SAVEPOINT {_SAVEPOINT}", None),
-        ]
-        self.release: _Script = [(f"RELEASE SAVEPOINT {_SAVEPOINT}", None)]
-        self._claim = _CLAIM.format(schema=_sql.quote_identifier(queries.schema))
-        self._complete = _guarded(queries.complete)
-
-    def begin(self, op: _Begin) -> _Script:
-        """The savepoint, the claim, then the block's savepoint: the claim's reply is the
-        second. A rollback to the savepoint undoes the claim's ``SET LOCAL`` too."""
-        store, sql = self.store, self.sql
-        params = {
-            "key": store._stored_key(op.key),
-            "fingerprint": op.fingerprint,
-            "lease_ms": sql.ms(op.lease),
-            "ttl_ms": sql.ms(op.ttl),
-            "op": sql.call_id(),
-            "wait_ms": str(max(int(op.wait.total_seconds() * 1000), 1)),
-        }
-        script: _Script = [(f"SAVEPOINT {_SAVEPOINT}", None), (self._claim, params)]
-        if op.nested:
-            script.append((f"SAVEPOINT {_BLOCK_SAVEPOINT}", None))
-        return script
-
-    def claimed(self, op: _Begin, replies: list[Any]) -> ClaimResult:
-        reply = replies[1]
-        rows = [row[:-1] for row in reply.rows]  # without the restored lock_timeout
-        return self.sql.decode_claim(op.key, self.sql.Reply(rows, reply.rowcount))
-
-    def completion(self, op: _Finish | _Settle) -> tuple[str, Any]:
-        """The guarded update that writes *op*'s outcome (see `_guarded`)."""
-        store = self.store
-        status = op.status if type(op) is _Finish else Status.COMPLETED
-        statement = self.sql.finish_statement(
-            store._queries, store._stored_key(op.key), op.key, op.token, status, op.result, op.ttl
-        )
-        return self._complete, statement.params
-
-    def finish(self, op: _Finish) -> _Script:
-        """Write the outcome and release the savepoint; a final error first undoes the block."""
-        script: _Script = [self.completion(op), *self.release]
-        if op.undo_block:
-            script.insert(0, (f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}", None))
-        return script
-
-    def flow(self, op: _Begin | _Finish | _Settle | _Rollback) -> Flow[Any]:
-        """Perform *op* as scripts (yielded, answered with their replies): sync and async."""
-        if type(op) is _Settle:
-            try:
-                yield [self.completion(op)]
-            except Exception as exc:
-                if not _is_lease_lost(exc):
-                    raise
-                return LeaseLost()  # the transaction has failed: the caller rolls it back
-            return None
-        if type(op) is _Begin:
-            try:
-                answer = self.claimed(op, (yield self.begin(op)))
-            except Exception as exc:
-                if not _is_lock_timeout(exc):
-                    raise  # the caller's driver error, in the caller's transaction
-                yield self.rollback  # another transaction still holds the key
-                return InProgress(retry_after=_BUSY_HINT)
-            if not isinstance(answer, Acquired):
-                yield self.release  # nothing was written
-            return answer
-        if type(op) is _Finish:
-            try:
-                yield self.finish(op)
-            except Exception as exc:
-                with contextlib.suppress(Exception):  # give the caller its transaction back
-                    yield self.rollback
-                if not _is_lease_lost(exc):
-                    raise
-                return LeaseLost()
-            return None
-        yield self.rollback
-        return None
-
-
-def _is_lock_timeout(exc: BaseException) -> bool:
-    return getattr(exc, "sqlstate", None) == "55P03"  # lock_not_available
-
-
-def _is_lease_lost(exc: BaseException) -> bool:
-    return getattr(exc, "sqlstate", None) == "22P02" and _LEASE_LOST in str(exc)
-
-
-def _pipelines() -> bool:
-    """Whether the libpq psycopg uses has pipeline mode (libpq 14 and later)."""
-    import psycopg
-
-    return bool(psycopg.Pipeline.is_supported())
-
-
-class _PostgresPerformer:
-    def __init__(self, inbox: Inbox, connection: Any) -> None:
-        _check_psycopg_transaction(connection)
-        self._scripts = inbox._postgres_scripts()
-        self._connection = connection
-        self._pipeline = _pipelines()
-
-    def _run(self, script: _Script) -> list[Any]:
-        """Send *script* (one round trip in pipeline mode); each statement's reply, in order."""
-        from psycopg import Cursor
-        from psycopg.rows import tuple_row
-
-        connection, reply = self._connection, self._scripts.sql.Reply
-        # Server-side binding whatever the connection's cursor factory (Django's binds on the
-        # client): the statements are prepared after a few uses.
-        cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
-        with connection.pipeline() if self._pipeline else contextlib.nullcontext():
-            for cursor, (sql, params) in zip(cursors, script, strict=True):
-                cursor.execute(sql, params)
-        return [
-            reply(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
-            for cursor in cursors
-        ]
-
-    def perform(self, op: Any) -> Any:
-        if type(op) is _execution.Sleep:
-            return time.sleep(op.seconds)
-        return drive(self._scripts.flow(op), self._run)
-
-
-class _AsyncPerformer:
-    """Async psycopg, directly or behind SQLAlchemy's ``AsyncSession`` / ``AsyncConnection``."""
-
-    def __init__(self, inbox: Inbox, connection: Any) -> None:
-        if inbox.store.backend != "postgres":
-            raise ConfigurationError("aclaim needs PostgreSQL (async psycopg): SQLite is sync")
-        self._scripts = inbox._postgres_scripts()
-        self._connection = connection
-        self._raw: Any = None
-        self._pipeline = _pipelines()
-
-    async def bind(self) -> Callable[[Any], Awaitable[Any]]:
-        """Find the driver connection (an await for SQLAlchemy); return the performer."""
-        if self._raw is None:
-            self._raw = await _araw_connection(self._connection)
-            _check_psycopg_transaction(self._raw)
-        return self.perform
-
-    async def _run(self, script: _Script) -> list[Any]:
-        from psycopg import AsyncCursor
-        from psycopg.rows import tuple_row
-
-        connection, reply = self._raw, self._scripts.sql.Reply
-        cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
-        async with connection.pipeline() if self._pipeline else contextlib.nullcontext():
-            for cursor, (sql, params) in zip(cursors, script, strict=True):
-                await cursor.execute(sql, params)
-        return [
-            reply(
-                await cursor.fetchall() if cursor.description is not None else [], cursor.rowcount
-            )
-            for cursor in cursors
-        ]
-
-    async def perform(self, op: Any) -> Any:
-        if type(op) is _execution.Sleep:
-            return await asyncio.sleep(op.seconds)
-        return await adrive(self._scripts.flow(op), self._run)
-
-
-class _SQLitePerformer:
-    def __init__(self, store: Any, connection: Any) -> None:
-        _txn.check_sqlite_transaction(connection, _USER)
-        self._store = store
-        self._connection = connection
-
-    def perform(self, op: Any) -> Any:
-        from oncely._core import machine
-        from oncely.stores._machine import _claim_step, _ms
-
-        connection, store = self._connection, self._store
-        kind = type(op)
-        if kind is _Begin:
-            stored = store._stored_key(op.key)
-            step = _claim_step(stored, op.fingerprint, _ms(op.lease), _ms(op.ttl))
-            connection.execute(f"SAVEPOINT {_SAVEPOINT}")
-            with store._translate_errors(op.key):
-                # SQLite has one writer at a time: the caller's transaction holds the write
-                # lock, so the record read here cannot change before this transaction ends.
-                answer = store._apply(connection, stored, step, store.clock.now_ms())
-            if not isinstance(answer, Acquired):
-                connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
-            elif op.nested:
-                connection.execute(f"SAVEPOINT {_BLOCK_SAVEPOINT}")
-            return store._unscoped(answer)
-        if kind is _Settle:
-            return self._finish(op.key, op.token, machine.complete, op.result, op.ttl)
-        if kind is _Finish:
-            if op.undo_block:
-                connection.execute(f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
-            settle = machine.complete if op.status is Status.COMPLETED else machine.fail
-            finished = self._finish(op.key, op.token, settle, op.result, op.ttl)
-            if isinstance(finished, LeaseLost):
-                connection.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
-            connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
-            return finished
-        if kind is _Rollback:
-            connection.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
-            connection.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
-            return None
-        if kind is _execution.Sleep:
-            time.sleep(op.seconds)
-            return None
-        raise TypeError(f"cannot perform {op!r}")
-
-    def _finish(
-        self, key: str, token: int, settle: Callable[..., Any], result: bytes, ttl: timedelta
-    ) -> Any:
-        """Settle *key*'s record by *token* in the caller's transaction (the write lock held)."""
-        from oncely.stores._machine import _keeping_op, _ms
-
-        store, payload, ttl_ms = self._store, bytes(result), _ms(ttl)
-
-        def finish(record: Any, now_ms: int) -> Any:
-            return settle(record, token, payload, now_ms=now_ms, ttl_ms=ttl_ms)
-
-        with store._translate_errors(key):
-            return store._apply(
-                self._connection, store._stored_key(key), _keeping_op(finish), store.clock.now_ms()
-            )
