@@ -913,3 +913,68 @@ def test_postgres_keys_and_scopes_travel_as_literals(pg: tuple[str, str], pg_sto
         assert entry.result == {"order": order}
     assert pg_store.get(f"{scope}|{order}").status is oncely.Status.COMPLETED
     assert (order, 6) in pg_orders(pg)
+
+
+@pytest.mark.postgres
+def test_postgres_the_same_key_claimed_inside_its_own_block_is_in_progress(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A block's own key claimed again inside it (a re-entrant handler) is in progress: it never
+    replays the provisional record, which would hand out an outcome the block has not made."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with (
+        pg_connect(pg) as connection,
+        connection.transaction(),
+        inbox.claim(connection, order, scope="s") as entry,
+    ):
+        with pytest.raises(oncely.InProgressError), inbox.claim(connection, order, scope="s"):
+            raise AssertionError("the nested block never runs")
+        connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+        entry.complete("made")
+    with (
+        pg_connect(pg) as connection,
+        connection.transaction(),
+        inbox.claim(connection, order, scope="s") as entry,
+    ):
+        assert entry.replayed
+        assert entry.result == "made"
+
+
+@pytest.mark.postgres
+def test_postgres_async_the_same_key_claimed_inside_its_own_block_is_in_progress(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    async def place() -> None:
+        async with await psycopg.AsyncConnection.connect(pg[0]) as connection:
+            await connection.execute(f'SET search_path TO "{pg[1]}"')
+            async with (
+                connection.transaction(),
+                inbox.aclaim(connection, order, scope="s") as entry,
+            ):
+                with pytest.raises(oncely.InProgressError):
+                    async with inbox.aclaim(connection, order, scope="s"):
+                        raise AssertionError("the nested block never runs")
+                entry.complete("made")
+
+    asyncio.run(place())
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+
+
+def test_sqlite_the_same_key_claimed_inside_its_own_block_is_in_progress(
+    sqlite_path: Path,
+) -> None:
+    store = oncely.open_store(f"sqlite:///{sqlite_path}")
+    inbox = Inbox(store)
+    connection = sqlite_connect(sqlite_path)
+    connection.execute("BEGIN IMMEDIATE")
+    with inbox.claim(connection, "o-1", scope="s") as entry:
+        with pytest.raises(oncely.InProgressError), inbox.claim(connection, "o-1", scope="s"):
+            raise AssertionError("the nested block never runs")
+        entry.complete("made")
+    connection.execute("COMMIT")
+    assert store.get("s|o-1").status is oncely.Status.COMPLETED
+    store.close()

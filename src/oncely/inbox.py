@@ -105,6 +105,12 @@ H = TypeVar("H", bound=Callable[..., Any])
 logger = logging.getLogger("oncely")
 
 _TRANSACTION: contextvars.ContextVar[Any] = contextvars.ContextVar("oncely_transaction")
+_OPEN: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
+    "oncely_inbox_open", default=frozenset()
+)
+"""The (store, key) pairs whose blocks are running in this context: a block's own key claimed
+again inside it is in progress. Its record is provisional (written complete with no outcome
+yet, in the caller's transaction), so the database alone would replay it."""
 """The connection or session of the `Inbox.transactional` handler running in this context."""
 
 _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
@@ -548,6 +554,8 @@ class _EntryState:
         self._acquired: Acquired | None = None
         self._replay: Replay | None = None
         self._value: Any = None
+        self._mark = (id(inbox.store), plan.key)
+        self._open = False
 
     @property
     def key(self) -> str:
@@ -596,13 +604,23 @@ class _EntryState:
         self._acquired = _UNPROTECTED
         return True
 
+    def _reentered(self) -> None:
+        """Raise `InProgressError` if this key's block is running in this context already."""
+        if self._mark in _OPEN.get():
+            raise InProgressError(self._plan.key, retry_after=_BUSY_HINT)
+
     def _entered(self, outcome: Acquired | Replay) -> None:
         if isinstance(outcome, Replay):
             self._replay = outcome
         else:
             self._acquired = outcome
+            _OPEN.set(_OPEN.get() | {self._mark})
+            self._open = True
 
     def _exit_flow(self, error: BaseException | None) -> Flow[None] | None:
+        if self._open:
+            _OPEN.set(_OPEN.get() - {self._mark})
+            self._open = False
         if self._acquired is None or self._acquired is _UNPROTECTED:
             return None  # replayed (nothing was written, the savepoint is gone), or disabled
         return _exit(self._inbox, self._plan, self._acquired.token, self._value, error)
@@ -623,6 +641,7 @@ class InboxEntry(_EntryState):
     def __enter__(self) -> InboxEntry:
         if self._unprotected():
             return self
+        self._reentered()
         flow = _enter(self._inbox, self._plan)
         if _events.on:
             flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
@@ -663,6 +682,7 @@ class AsyncInboxEntry(_EntryState):
     async def __aenter__(self) -> AsyncInboxEntry:
         if self._unprotected():
             return self
+        self._reentered()
         perform = await self._bound()
         flow = _enter(self._inbox, self._plan)
         if _events.on:
