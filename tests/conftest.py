@@ -52,7 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Take the reference flows if asked to; preload drivers in the forkserver the process
     races use, once for the whole session.
 
-    64 racing processes would otherwise each import the drivers: seconds of CPU on 2 cores.
+    64 racing processes would otherwise each import the drivers and the stores over them:
+    seconds of CPU on 2 cores.
     """
     import importlib.util
     import multiprocessing
@@ -64,8 +65,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_switches.REFERENCE_FLOWS_VARIABLE] = "1"
         _switches.reference_flows = True
 
-    preload = ["oncely", "oncely.testing._calls"]
-    for module in ("redis", "redis.asyncio", "psycopg", "psycopg_pool"):
-        if importlib.util.find_spec(module.partition(".")[0]) is not None:
-            preload.append(module)
+    preload = ["oncely", "oncely.testing._calls", "oncely.stores.sqlite"]
+    drivers = {
+        "redis": ("redis", "redis.asyncio", "oncely.stores.redis"),
+        "psycopg": ("psycopg", "psycopg_pool", "oncely.stores.postgres"),
+    }
+    for driver, modules in drivers.items():
+        if importlib.util.find_spec(driver) is not None:
+            preload.extend(modules)
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import logging
 import os
@@ -159,6 +160,17 @@ def test_the_testing_extra_installs_what_store_conformance_imports() -> None:
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     names = {re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras["testing"]}
     assert {"pytest", "hypothesis"} <= names
+    # Every module outside the standard library that the suite imports is one of them.
+    package = Path(oncely.__file__).parent / "testing"
+    imported: set[str] = set()
+    for module in package.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.partition(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"oncely", "__future__"}
+    assert third_party <= names, third_party - names
 
 
 def test_the_guides_store_of_your_own_passes_the_public_conformance_suite(tmp_path: Path) -> None:

@@ -1452,7 +1452,6 @@ def test_concurrent_async_extends_share_round_trips(base_url: str, schema: str, 
     a connection per lease while the extends queue for one (each new connection costs round
     trips through that network, and each extend on it another to prepare): the extends that
     waited let their leases lapse while the store answered within a quarter of the lease."""
-
     host = psycopg.conninfo.conninfo_to_dict(base_url)
     namespace = _name("ns")
     keys = [f"k{index}" for index in range(8)]
