@@ -146,7 +146,7 @@ class RawFloor:
 
         base, _, query = self.url.partition("?")
         schema = dict(part.split("=", 1) for part in query.split("&") if part).get("schema")
-        kwargs = {"autocommit": True}
+        kwargs: dict[str, Any] = {"autocommit": True}
         if schema:
             kwargs["options"] = f"-c search_path={schema}"
         pool = AsyncConnectionPool(base, min_size=4, max_size=10, kwargs=kwargs, open=False)
@@ -174,7 +174,7 @@ class RawFloor:
         messages = [message]
         held: list[dict[str, Any]] = []
 
-        async def replay() -> dict[str, Any]:
+        async def replay() -> Any:
             return messages.pop() if messages else await receive()
 
         async def capture(out: dict[str, Any]) -> None:

@@ -120,7 +120,7 @@ async def _scenarios(args: argparse.Namespace) -> dict[str, tuple[App, list[byte
             "ONCELY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
         )
         urls["postgres"] = f"{base}{'&' if '?' in base else '?'}schema={args.schema}"
-        with oncely.open_store(urls["postgres"]) as store:  # a schema of its own: see main
+        with oncely.open_store(urls["postgres"]) as store:  # type: ignore[attr-defined]
             store.migrate()
     for name, url in urls.items():
         middleware = _middleware(url)

@@ -312,9 +312,9 @@ def _targets(
             f"- floor: oncely-{backend} at {ours / floor:.2f} of floor-{backend}'s req/s "
             f"[{floor_cpu / ours_cpu:.2f} of its CPU µs/req] (the same two round trips by hand)"
         )
-        references = [value for s in REFERENCES if (value := median(s, "rps")) is not None]
-        if backend == "redis" and not work and references:
-            wanted = REDIS_TARGET * max(references)
+        peers = [value for s in REFERENCES if (value := median(s, "rps")) is not None]
+        if backend == "redis" and not work and peers:
+            wanted = REDIS_TARGET * max(peers)
             out.append(
                 f"- {REDIS_TARGET:g} x the best reference is {wanted:,.0f} req/s: "
                 f"{wanted / floor:.2f} x floor-redis, {wanted / base:.2f} x the bare app"
