@@ -313,11 +313,15 @@ def _targets(
             f"[{floor_cpu / ours_cpu:.2f} of its CPU µs/req] (the same two round trips by hand)"
         )
         peers = [value for s in REFERENCES if (value := median(s, "rps")) is not None]
-        if backend == "redis" and not work and peers:
+        peers_cpu = [value for s in REFERENCES if (value := median(s, "cpu_us")) is not None]
+        if backend == "redis" and not work and peers and peers_cpu:
             wanted = REDIS_TARGET * max(peers)
+            budget = min(peers_cpu) / REDIS_TARGET
             out.append(
                 f"- {REDIS_TARGET:g} x the best reference is {wanted:,.0f} req/s: "
-                f"{wanted / floor:.2f} x floor-redis, {wanted / base:.2f} x the bare app"
+                f"{wanted / floor:.2f} x floor-redis, {wanted / base:.2f} x the bare app "
+                f"[a CPU-bound server gets there at {budget:.0f} CPU µs/req: floor-redis takes "
+                f"{floor_cpu:.0f}, the bare app {base_cpu:.0f}]"
             )
     return [*out, ""]
 
