@@ -26,6 +26,7 @@ import gc
 import os
 import pstats
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -112,6 +113,15 @@ async def _scenarios(args: argparse.Namespace) -> dict[str, tuple[App, list[byte
     urls = {"memory": "memory://"}
     if args.redis:
         urls["redis"] = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if args.sqlite:
+        urls["sqlite"] = f"sqlite:///{tempfile.mkdtemp(prefix='oncely-profile-')}/oncely.db"
+    if args.postgres:
+        base = os.environ.get(
+            "ONCELY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+        )
+        urls["postgres"] = f"{base}{'&' if '?' in base else '?'}schema={args.schema}"
+        with oncely.open_store(urls["postgres"]) as store:  # type: ignore[attr-defined]
+            store.migrate()
     for name, url in urls.items():
         middleware = _middleware(url)
         scenarios[f"{name}-new"] = (middleware, fresh, 201)
@@ -370,6 +380,10 @@ if __name__ == "__main__":
     parser.add_argument("--requests", "-n", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=1, help="runs per scenario; best kept")
     parser.add_argument("--redis", action="store_true", help="add Redis (ONCELY_TEST_REDIS_URL)")
+    parser.add_argument("--sqlite", action="store_true", help="add SQLite (a temporary file)")
+    parser.add_argument(
+        "--postgres", action="store_true", help="add PostgreSQL (ONCELY_TEST_POSTGRES_URL)"
+    )
     parser.add_argument("--profile", metavar="SCENARIO", help="cProfile one scenario")
     parser.add_argument("--stages", action="store_true", help="time the stages; write results")
     parser.add_argument("--rounds", type=int, default=20, help="rounds of --stages")
@@ -379,9 +393,20 @@ if __name__ == "__main__":
         default=Path(__file__).resolve().parents[1] / "results" / "http_stages.md",
     )
     arguments = parser.parse_args()
-    if arguments.stages:
-        text = asyncio.run(stages(arguments))
-        arguments.output.write_text(text)
-        print(text)
-    else:
-        asyncio.run(main(arguments))
+    arguments.schema = f"oncely_profile_{uuid.uuid4().hex[:8]}"  # PostgreSQL: dropped at the end
+    try:
+        if arguments.stages:
+            text = asyncio.run(stages(arguments))
+            arguments.output.write_text(text)
+            print(text)
+        else:
+            asyncio.run(main(arguments))
+    finally:
+        if arguments.postgres:
+            import psycopg
+
+            postgres = os.environ.get(
+                "ONCELY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+            )
+            with psycopg.connect(postgres, autocommit=True) as connection:
+                connection.execute(f'DROP SCHEMA IF EXISTS "{arguments.schema}" CASCADE')

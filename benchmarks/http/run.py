@@ -38,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 ONCELY = ["oncely-memory", "oncely-sqlite", "oncely-redis", "oncely-postgres"]
 REFERENCES = ["idemkit-redis", "fastapi-idempotency-key-redis"]
-SCENARIOS = ["baseline", *ONCELY, *REFERENCES]
+FLOORS = ["floor-redis", "floor-postgres"]
+SCENARIOS = ["baseline", *ONCELY, *REFERENCES, *FLOORS]
 OURS = ["oncely", "starlette", "redis", "psycopg"]
 THEIRS = ["idemkit", "fastapi-idempotency-key", "starlette", "redis"]
 
@@ -302,6 +303,26 @@ def _targets(
                 f"({best:,.0f} req/s): {ours / best:.2f} x ({verdict(ours / best, REDIS_TARGET)})"
                 f" [{fastest_cpu / ours_cpu:.2f} x the reference with the least CPU µs/req]"
             )
+    for backend in ("redis", "postgres"):
+        ours, ours_cpu = median(f"oncely-{backend}", "rps"), median(f"oncely-{backend}", "cpu_us")
+        floor, floor_cpu = median(f"floor-{backend}", "rps"), median(f"floor-{backend}", "cpu_us")
+        if ours is None or ours_cpu is None or floor is None or floor_cpu is None:
+            continue
+        out.append(
+            f"- floor: oncely-{backend} at {ours / floor:.2f} of floor-{backend}'s req/s "
+            f"[{floor_cpu / ours_cpu:.2f} of its CPU µs/req] (the same two round trips by hand)"
+        )
+        peers = [value for s in REFERENCES if (value := median(s, "rps")) is not None]
+        peers_cpu = [value for s in REFERENCES if (value := median(s, "cpu_us")) is not None]
+        if backend == "redis" and not work and peers and peers_cpu:
+            wanted = REDIS_TARGET * max(peers)
+            budget = min(peers_cpu) / REDIS_TARGET
+            out.append(
+                f"- {REDIS_TARGET:g} x the best reference is {wanted:,.0f} req/s: "
+                f"{wanted / floor:.2f} x floor-redis, {wanted / base:.2f} x the bare app "
+                f"[a CPU-bound server gets there at {budget:.0f} CPU µs/req: floor-redis takes "
+                f"{floor_cpu:.0f}, the bare app {base_cpu:.0f}]"
+            )
     return [*out, ""]
 
 
@@ -346,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args.machine = machine()
     schema = None
     base_postgres = args.postgres_url
-    if "oncely-postgres" in args.scenarios and base_postgres:
+    if {"oncely-postgres", "floor-postgres"} & set(args.scenarios) and base_postgres:
         args.postgres_url, schema = _postgres_schema(base_postgres)
     results: dict[tuple[str, float], Result] = {}
     try:

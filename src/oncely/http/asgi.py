@@ -185,27 +185,29 @@ class IdempotencyMiddleware:
             return
         receive = _BufferedReceive(messages, receive)
         # The straight line: a claim that acquires (run, complete) or replays. Any other answer
-        # or error goes on in `_flow.begin` from the point reached.
+        # or error goes on in `_flow.begin` from the point reached; with the reference flows
+        # switched on, the whole claim is `_flow.begin`'s (and the settling `_flow.finish`'s).
         calls, core = self._calls, policy.core
         if _events.on:
             calls = _observed.timed(calls)
-        answer: ClaimResult | Exception
-        try:
-            answer = await _execution.aclaim(
-                calls, plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl
-            )
-        except Exception as exc:
-            answer = exc
-        if isinstance(answer, Acquired):
-            lease = _execution.acquired(plan.key, answer, core)
-            if core.heartbeat:
-                _execution.start_async_heartbeat(calls, lease)
-            await self._run(lease, policy, _app_scope(scope), receive, send)
-            return
-        if isinstance(answer, Replay):
-            _execution.suppressed(plan.key, answer)
-            await _send_response(send, _flow.replay(answer, policy))
-            return
+        answer: ClaimResult | Exception | None = None
+        if not _switches.reference_flows:
+            try:
+                answer = await _execution.aclaim(
+                    calls, plan.key, plan.fingerprint, lease=core.lease, ttl=core.ttl
+                )
+            except Exception as exc:
+                answer = exc
+            if isinstance(answer, Acquired):
+                lease = _execution.acquired(plan.key, answer, core)
+                if core.heartbeat:
+                    _execution.start_async_heartbeat(calls, lease)
+                await self._run(lease, policy, _app_scope(scope), receive, send)
+                return
+            if isinstance(answer, Replay):
+                _execution.suppressed(plan.key, answer)
+                await _send_response(send, _flow.replay(answer, policy))
+                return
         outcome = await _execution.arun(
             _flow.begin(plan, policy, method=method, path=path, first=answer), calls
         )
@@ -256,7 +258,12 @@ class IdempotencyMiddleware:
                         # Settle before the last chunk leaves: the client can only hold the
                         # whole response once its record is complete.
                         settled = capture.complete = True
-                        await _flow.afinish(lease, capture, policy, calls)
+                        if _switches.reference_flows:
+                            await _flow.asettle(
+                                partial(_flow.finish, lease, capture, policy), lease, calls
+                            )
+                        else:
+                            await _flow.afinish(lease, capture, policy, calls)
                 elif kind == "http.response.trailers" and not message.get("more_trailers"):
                     settled = True
                     await _flow.asettle(
