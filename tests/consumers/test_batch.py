@@ -547,18 +547,18 @@ def test_a_batch_claim_applied_with_its_reply_lost_runs_once_on_redis(batch: Bat
     same call ids, the runner's own claims answer Acquired: every handler runs once, now, and
     no key is left in progress for a lease."""
     from tests.conftest import service_url
-    from tests.stores.test_coalesce import _CuttingProxy
+    from tests._proxy import Proxy
 
     url = service_url("ONCELY_TEST_REDIS_URL")
     namespace = f"oncely-t-{uuid.uuid4().hex[:12]}"
-    proxy = _CuttingProxy(urlsplit(url).port or 6379)
+    proxy = Proxy(urlsplit(url).port or 6379)
     through = oncely.open_store(
         f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5", namespace=namespace, retries=0
     )
     direct = oncely.open_store(url, namespace=namespace)
     try:
         consumer = IdempotentConsumer(through, scope="s", policy=POLICY)
-        proxy.arm(b"s|b", "reply")
+        proxy.arm(b"s|b", hold=True)
         seen: list[Any] = []
         verdicts = batch(consumer, deliveries("a", "b", "c"), seen.append)
         assert proxy.cut.is_set()
