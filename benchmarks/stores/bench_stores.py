@@ -543,6 +543,7 @@ class Plan:
     oncely: Subject
     tiered: Subject | None = None
     decorated: list[Decorated] = field(default_factory=list)
+    floors: list[Any] = field(default_factory=list)  # x1 only (`floors`), in their worlds
     open_async: Callable[[], Awaitable[None]] | None = None  # make the raw async client
     close_async: Callable[[], Awaitable[None]] | None = None  # close every async client
     note: str = ""  # why a reference column is missing
@@ -574,6 +575,7 @@ def bench_sync(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) 
     for mode, concurrency in ((MODES[0], 1), (MODES[1], CONCURRENCY)):
         subjects: list[Subject] = [plan.raw, plan.oncely]
         if concurrency == 1:
+            subjects += [each for each in plan.floors if "sync" in each.worlds]
             subjects += plan.decorated
         warm = max(CONCURRENCY * 4, ops)
         for round_number in range(-1, rounds):  # round -1 is the warm-up
@@ -612,6 +614,7 @@ async def bench_async(plan: Plan, results: Results, keys: Keys, ops: int, rounds
         for mode, concurrency in ((MODES[2], 1), (MODES[3], CONCURRENCY)):
             subjects: list[Subject] = [plan.raw, plan.oncely]
             if concurrency == 1:
+                subjects += [each for each in plan.floors if "async" in each.worlds]
                 subjects += [each for each in plan.decorated if each.acall is not None]
             warm = max(CONCURRENCY * 4, ops)
             for round_number in range(-1, rounds):  # round -1 is the warm-up
@@ -999,14 +1002,17 @@ def redis_plan(servers: Servers, run_id: str, ops: int, cluster: bool) -> Iterat
 
 @contextlib.contextmanager
 def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
-    """The PostgreSQL store in a schema of this run's, and raw psycopg on the same pool kind."""
+    """The PostgreSQL store in a schema of this run's, raw psycopg on the same pool kind, and
+    the floors: psycopg and asyncpg on plain connections with prepared statements."""
     import psycopg
     import psycopg_pool
+    from floors import AsyncpgFloor, PsycopgFloor, asyncpg_missing
 
     schema = f"oncely_bench_{run_id}"
     store: Any = oncely.open_store(servers.postgres_url, namespace="bench", schema=schema)
     sizes: dict[str, Any] = {"min_size": 1, "max_size": 10}  # oncely's defaults
     pool: Any = None
+    floors: list[Any] = []
     try:
         store.migrate()
         with psycopg.connect(servers.postgres_url, autocommit=True) as connection:
@@ -1015,7 +1021,16 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
             servers.postgres_url, kwargs={"autocommit": True}, open=True, **sizes
         )
         raw = RawPostgres(pool, schema)
-        plan = Plan("PostgreSQL", raw, OncelySubject("oncely", store))
+        plan = Plan("PostgreSQL", raw, OncelySubject("oncely", store), floors=floors)
+        queries = (raw.insert, raw.update, raw.select)
+        floor_args = (servers.postgres_url, queries, FINGERPRINT, RESULT, LEASE, TTL)
+        plan.floors.append(PsycopgFloor(*floor_args))
+        missing = asyncpg_missing()
+        if missing:
+            plan.note = missing
+            _log(f"  asyncpg floor skipped: {missing}")
+        else:
+            plan.floors.append(AsyncpgFloor(*floor_args))
         plan.decorated.append(oncely_decorated(store))
 
         async def open_async() -> None:
@@ -1023,10 +1038,14 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
                 servers.postgres_url, kwargs={"autocommit": True}, open=False, **sizes
             )
             await raw.apool.open()
+            for floor in plan.floors:
+                await floor.open_async()
 
         async def close_async() -> None:
             if raw.apool is not None:
                 await raw.apool.close()
+            for floor in plan.floors:
+                await floor.close_async()
             await store.aclose()
 
         plan.open_async, plan.close_async = open_async, close_async
@@ -1036,6 +1055,8 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
             store.close()
         if pool is not None:
             pool.close()
+        for floor in floors:
+            floor.close()
         with psycopg.connect(servers.postgres_url, autocommit=True) as connection:
             connection.execute("SET client_min_messages = warning")
             connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -1200,38 +1221,81 @@ def sql_method_note(stores: Sequence[str]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+FLOORS = ("psycopg floor", "asyncpg floor")
+"""The floor subjects of a SQL store (`floors`), x1 only."""
+TARGET_FLOOR = {"sync x1": 0.8, "async x1": 0.8}
+"""The floor issue's targets: `@idempotent` over the fastest floor of its world."""
+
+
+def fastest_floor(results: Results, store: str, mode: str, op: str) -> str | None:
+    """The floor of *mode* with the highest median throughput for *op* (``None``: no floor)."""
+    found = [
+        (median_of(samples, "ops_per_s"), floor)
+        for floor in FLOORS
+        if (samples := results.get(store, mode, op, floor))
+    ]
+    return max(found)[1] if found else None
+
+
 def sql_decorator_section(results: Results, store: str) -> list[str]:
-    """The `@idempotent` rows of a SQL store (x1), beside its store verbs and the raw driver."""
-    subjects = ("raw", "oncely", "oncely @idempotent")
-    if not results.get(store, MODES[0], "cycle", subjects[2]):
+    """The `@idempotent` rows of a SQL store (x1), beside its store verbs, the raw driver and
+    the floors."""
+    subjects = ("raw", *FLOORS, "oncely", "oncely @idempotent")
+    if not results.get(store, MODES[0], "cycle", subjects[-1]):
         return []
     lines = [
         f"### {store}: decorated function, x1",
         "",
         "The payment function decorated by `@idempotent` (default policy: JSON codec, "
         "fingerprint of all arguments, heartbeat; sync, and async with an async function) on "
-        "this store, next to the store verbs and the raw driver of the same rounds.",
+        "this store, next to the store verbs, the raw driver and (PostgreSQL) the floors of "
+        "the same rounds. A floor is the driver's cheapest honest way to make the raw "
+        "reference's round trips: one plain connection, statements prepared on the server "
+        "(psycopg's `prepare=True` on a kept cursor; asyncpg's statement cache), one sequential "
+        "worker (`benchmarks/stores/floors.py`).",
         "",
-        "| mode | operation | subject | ops/s | p50 µs | p99 µs | ratio to raw (IQR) |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| mode | operation | subject | ops/s | p50 µs | p99 µs | ratio to raw (IQR) "
+        "| ratio to psycopg floor | ratio to asyncpg floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, op in itertools.product((MODES[0], MODES[2]), OPS):
         raw = results.get(store, mode, op, "raw")
+        floors = [results.get(store, mode, op, floor) for floor in FLOORS]
         for subject in subjects:
             samples = results.get(store, mode, op, subject)
             if not samples:
                 continue
-            label = "oncely store verbs" if subject == "oncely" else subject
+            label = {"oncely": "oncely store verbs", "raw": raw_label(store)}.get(subject, subject)
+            to_floors = " | ".join(
+                _ratio_cell(ratios(samples, floor)) if floor else "-" for floor in floors
+            )
             lines.append(
                 f"| {mode} | {OP_LABELS[op]} | {label} "
                 f"| {_n(median_of(samples, 'ops_per_s'))} | {_us(median_of(samples, 'p50_us'))} "
-                f"| {_us(median_of(samples, 'p99_us'))} | {_ratio_cell(ratios(samples, raw))} |"
+                f"| {_us(median_of(samples, 'p99_us'))} | {_ratio_cell(ratios(samples, raw))} "
+                f"| {to_floors} |"
             )
     return [*lines, ""]
 
 
+def raw_label(store: str) -> str:
+    """The raw reference's name in a table: on Redis it is the floor as well."""
+    if store.startswith("Redis"):
+        return "raw = floor (pooled redis-py, hiredis)" if _hiredis() else "raw (no hiredis)"
+    return "raw (pool)" if store == "PostgreSQL" else "raw"
+
+
+def _hiredis() -> bool:
+    try:
+        importlib.metadata.version("hiredis")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def sql_decorator_verdicts(results: Results, store: str, verdicts: list[Verdict]) -> None:
-    """The targets of the decorator rows (`sql_target`)."""
+    """The targets of the decorator rows (`sql_target`; `TARGET_FLOOR` over the fastest
+    floor)."""
     for mode, op in itertools.product((MODES[0], MODES[2]), OPS):
         raw = results.get(store, mode, op, "raw")
         mine = results.get(store, mode, op, "oncely @idempotent")
@@ -1239,6 +1303,12 @@ def sql_decorator_verdicts(results: Results, store: str, verdicts: list[Verdict]
             value = statistics.median(ratios(mine, raw))
             target = sql_target(store, op)
             verdicts.append(Verdict(f"{store}, {mode}, {op}: @idempotent/raw", value, target))
+        floor = fastest_floor(results, store, mode, op)
+        if floor is not None and mine:
+            value = statistics.median(ratios(mine, results.get(store, mode, op, floor)))
+            verdicts.append(
+                Verdict(f"{store}, {mode}, {op}: @idempotent/{floor}", value, TARGET_FLOOR[mode])
+            )
 
 
 def bench_sqlite(run_id: str, results: Results, keys: Keys, ops: int, rounds: int) -> None:
@@ -1513,7 +1583,10 @@ def render(
         "`psycopg_pool` pools of oncely's default sizes (1 to 10 connections) with one "
         "checkout per statement. Raw Redis is `SET NX PX` + `SET EX` (cycle) and `GET` "
         "(replay); raw PostgreSQL is `INSERT … ON CONFLICT DO NOTHING RETURNING` + `UPDATE` "
-        "(cycle) and `SELECT` (replay) on a table shaped like oncely's. Throughput and "
+        "(cycle) and `SELECT` (replay) on a table shaped like oncely's. On Redis the raw "
+        "reference is also the floor (the driver's cheapest honest way: a pooled redis-py "
+        "client with hiredis); on PostgreSQL the floors, measured x1 beside it, are plain "
+        "connections with prepared statements (psycopg sync and async, asyncpg). Throughput and "
         "latencies are medians over the rounds; a ratio is the median of the per-round "
         "ratios, with their interquartile range in brackets (its width is the noise). The "
         f"tiered store's timed runs go over their keys {TIERED_REPEAT} times (a replay from "
