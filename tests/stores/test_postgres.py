@@ -1590,3 +1590,23 @@ def test_a_direct_user_of_the_loop_pool_gets_the_kept_connection(
             await store.aclose()
 
         asyncio.run(main())
+
+
+def test_a_call_that_ends_after_close_leaves_no_session(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str
+) -> None:
+    """A statement still running when another thread closes the store does not keep its
+    connection: the session ends once the statement does."""
+    store = PostgresStore(base_url, schema=schema, application_name=app)
+    store.get("warm-up")
+    slow = threading.Thread(target=store._execute, args=(_sql.Statement("SELECT pg_sleep(1)", ()),))
+    slow.start()
+    eventually(
+        lambda: admin.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+            (app, "%pg_sleep%"),
+        ).fetchone()
+    )
+    store.close()
+    slow.join(timeout=10)
+    eventually(lambda: not _backends(admin, app), timeout=10)

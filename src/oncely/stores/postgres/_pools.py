@@ -97,7 +97,12 @@ class Parked:
         """Park *connection* for the next statement, or give it back to the pool: when a
         caller waits for one, when its statement failed (*reusable* false), or when the pool
         should see it again."""
-        if reusable and not self.queue and _parkable(connection, time.monotonic()):
+        if (
+            reusable
+            and not self.queue
+            and not self.pool.closed  # a closed pool closes what it gets back
+            and _parkable(connection, time.monotonic())
+        ):
             with self.lock:
                 if not self.wanting and len(self.idle) < self.most:
                     self.idle.append(connection)
