@@ -1610,3 +1610,46 @@ def test_a_call_that_ends_after_close_leaves_no_session(
     store.close()
     slow.join(timeout=10)
     eventually(lambda: not _backends(admin, app), timeout=10)
+
+
+# -- cancelled callers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", ["claim", "complete"])
+def test_a_caller_cancelled_mid_statement_leaves_the_key_settled(
+    base_url: str, schema: str, cut: str
+) -> None:
+    """The store's own answer to a cancelled caller (no shielding task around its verbs): a
+    claim in flight is given back, so the retry runs at once; a completion in flight lands, so
+    the retry replays."""
+    from tests.faults._proxy import FaultProxy
+
+    port = int(psycopg.conninfo.conninfo_to_dict(base_url).get("port") or 5432)
+    runs: list[str] = []
+    with FaultProxy(port) as proxy:
+        conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
+        store = PostgresStore(conninfo, schema=schema, namespace=_name("cancel"))
+
+        @oncely.idempotent(store=store, key="payment_id", lease=LEASE)
+        async def charge(payment_id: str) -> str:
+            runs.append(payment_id)
+            if cut == "complete":
+                proxy.latency = 0.4  # the completion is in flight when the caller gives up
+            return "charged"
+
+        async def main() -> Any:
+            await store.aget("warm-up")
+            if cut == "claim":
+                proxy.latency = 0.4
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(charge("p-1"), 0.2)
+            proxy.latency = 0
+            answer = await charge("p-1")
+            await store.aclose()
+            return answer
+
+        try:
+            assert asyncio.run(main()) == "charged"
+        finally:
+            store.close()
+    assert runs == ["p-1"]

@@ -34,9 +34,10 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from oncely._cancel import release_unused, shielded
 from oncely._core.clock import Clock
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
@@ -164,6 +165,7 @@ class PostgresStore:
     """
 
     backend = "postgres"
+    _cancel_safe: ClassVar[type[PostgresStore]]  # see aclaim
 
     def __init__(
         self,
@@ -594,29 +596,55 @@ class PostgresStore:
 
     # -- async verbs ---------------------------------------------------------------------------
 
+    # A caller cancelled while its claim or finish is in flight: the statement may have been
+    # applied with its reply lost. Each carries its call's op, so sending it again (shielded)
+    # finds its own effect: a claim's lease is then given back, a finish has landed. So the
+    # entry points await these verbs directly, without a task of their own to shield them
+    # (`_cancel_safe`).
+
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
-        """See `oncely.AsyncStore.aclaim`."""
+        """See `oncely.AsyncStore.aclaim`; a cancelled caller's lease is given back."""
         statement = self._claim(key, fingerprint, lease, ttl)
+        try:
+            return await self._aclaimed(key, statement)
+        except asyncio.CancelledError:
+            await shielded(self._give_back(key, statement))
+            raise
+
+    async def _aclaimed(self, key: str, statement: _sql.Statement) -> ClaimResult:
         answer = _sql.decode_claim_one(self._queries, statement, await self._aexecute(statement))
         if type(answer) is _sql.Statement:
             return _sql.decode_claim(key, await self._aexecute(answer))
         return answer  # type: ignore[return-value]
 
+    async def _give_back(self, key: str, statement: _sql.Statement) -> None:
+        try:
+            answer = await self._aclaimed(key, statement)
+        except Exception:
+            return  # not known: a lease it took expires on its own
+        await release_unused(self, key, answer)
+
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.acomplete`."""
-        return _sql.held(
-            await self._aexecute(self._finish(key, token, Status.COMPLETED, result, ttl))
-        )
+        """See `oncely.AsyncStore.acomplete`; it lands even if its caller is cancelled."""
+        return await self._afinish(self._finish(key, token, Status.COMPLETED, result, ttl))
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.afail`."""
-        return _sql.held(await self._aexecute(self._finish(key, token, Status.FAILED, error, ttl)))
+        """See `oncely.AsyncStore.afail`; it lands even if its caller is cancelled."""
+        return await self._afinish(self._finish(key, token, Status.FAILED, error, ttl))
+
+    async def _afinish(self, statement: _sql.Statement) -> LeaseLost | None:
+        try:
+            return _sql.held(await self._aexecute(statement))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await shielded(self._aexecute(statement))
+            raise
 
     async def arelease(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.AsyncStore.arelease`."""
@@ -834,3 +862,6 @@ def _forget_parent_pools() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parent_pools)
+
+
+PostgresStore._cancel_safe = PostgresStore
