@@ -1622,11 +1622,9 @@ def test_a_caller_cancelled_mid_statement_leaves_the_key_settled(
     """The store's own answer to a cancelled caller (no shielding task around its verbs): a
     claim in flight is given back, so the retry runs at once; a completion in flight lands, so
     the retry replays."""
-    from tests.faults._proxy import FaultProxy
-
     port = int(psycopg.conninfo.conninfo_to_dict(base_url).get("port") or 5432)
     runs: list[str] = []
-    with FaultProxy(port) as proxy:
+    with Proxy(port) as proxy:
         conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
         store = PostgresStore(conninfo, schema=schema, namespace=_name("cancel"))
 
