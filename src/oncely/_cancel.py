@@ -16,11 +16,21 @@ from oncely._core.protocols import AsyncStore
 from oncely._core.records import Acquired
 from oncely._log import fields, get_logger
 
-__all__ = ["give_back", "given_back_if_cancelled", "release_unused", "shielded"]
+__all__ = ["give_back", "given_back_if_cancelled", "guards_itself", "release_unused", "shielded"]
 
 logger = get_logger("oncely")
 
 T = TypeVar("T")
+
+
+def guards_itself(store: object) -> bool:
+    """Whether *store*'s async claim, complete and fail need no task to shield them from a
+    cancelled caller: its verbs never suspend (``memory://``), or they give a cancelled
+    claim's lease back and land a cancelled finish themselves (``_cancel_safe``)."""
+    kind = type(store)
+    return (
+        getattr(kind, "_inline_async", None) is kind or getattr(kind, "_cancel_safe", None) is kind
+    )
 
 
 async def shielded(call: Awaitable[T]) -> T:

@@ -1513,3 +1513,141 @@ def test_a_server_lost_after_the_pool_opened_is_reported_with_its_reason_quietly
                 with pytest.raises(StoreUnavailableError, match=_GONE):
                     store.get("k")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# -- connections kept between statements -----------------------------------------------------
+
+
+def _sessions_that_claimed(admin: psycopg.Connection[Any], app: str) -> list[int]:
+    rows = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+        (app, "%oncely_records%"),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+def test_a_sequential_caller_keeps_one_session(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str, world: str
+) -> None:
+    """One caller's statements go to one server session, not to the pool's sessions in turn
+    (each of which would then run with cold caches)."""
+    with PostgresStore(
+        base_url, schema=schema, namespace=_name("seq"), min_size=3, application_name=app
+    ) as store:
+
+        async def claims() -> None:
+            await store.aget("warm-up")
+            await asyncio.sleep(0.5)  # the pool opens its other sessions meanwhile
+            for index in range(12):
+                await store.aclaim(f"k{index}", "fp", lease=LEASE, ttl=TTL)
+            assert len(_sessions_that_claimed(admin, app)) == 1
+            await store.aclose()
+
+        if world == "async":
+            asyncio.run(claims())
+        else:
+            store.get("warm-up")
+            eventually(lambda: len(_backends(admin, app)) >= 3)
+            for index in range(12):
+                store.claim(f"k{index}", "fp", lease=LEASE, ttl=TTL)
+            assert len(_sessions_that_claimed(admin, app)) == 1
+
+
+def test_threads_share_a_one_connection_pool(base_url: str, schema: str) -> None:
+    """A kept connection never starves a caller waiting for the pool: with one connection
+    and many threads, every call is served well within the pool timeout."""
+    with PostgresStore(
+        base_url, schema=schema, namespace=_name("one"), max_size=1, pool_timeout=5
+    ) as store:
+
+        def calls(thread: int) -> float:
+            started = time.monotonic()
+            for index in range(20):
+                store.claim(f"t{thread}-{index}", "fp", lease=LEASE, ttl=TTL)
+            return time.monotonic() - started
+
+        with ThreadPoolExecutor(max_workers=8) as threads:
+            durations = list(threads.map(calls, range(8)))
+    assert max(durations) < 4
+
+
+def test_a_direct_user_of_the_loop_pool_gets_the_kept_connection(
+    base_url: str, schema: str
+) -> None:
+    """Code that takes connections from the store's loop pool itself (the outbox relay) is not
+    kept waiting by a connection the verbs keep between statements."""
+    with PostgresStore(
+        base_url, schema=schema, namespace=_name("direct"), max_size=1, pool_timeout=2
+    ) as store:
+
+        async def main() -> None:
+            await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
+            pool = await store._async_pool()
+            async with pool.connection(timeout=1) as connection:
+                await connection.execute("SELECT 1")
+            assert isinstance(await store.aclaim("k", "fp", lease=LEASE, ttl=TTL), InProgress)
+            await store.aclose()
+
+        asyncio.run(main())
+
+
+def test_a_call_that_ends_after_close_leaves_no_session(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str
+) -> None:
+    """A statement still running when another thread closes the store does not keep its
+    connection: the session ends once the statement does."""
+    store = PostgresStore(base_url, schema=schema, application_name=app)
+    store.get("warm-up")
+    slow = threading.Thread(target=store._execute, args=(_sql.Statement("SELECT pg_sleep(1)", ()),))
+    slow.start()
+    eventually(
+        lambda: admin.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+            (app, "%pg_sleep%"),
+        ).fetchone()
+    )
+    store.close()
+    slow.join(timeout=10)
+    eventually(lambda: not _backends(admin, app), timeout=10)
+
+
+# -- cancelled callers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", ["claim", "complete"])
+def test_a_caller_cancelled_mid_statement_leaves_the_key_settled(
+    base_url: str, schema: str, cut: str
+) -> None:
+    """The store's own answer to a cancelled caller (no shielding task around its verbs): a
+    claim in flight is given back, so the retry runs at once; a completion in flight lands, so
+    the retry replays."""
+    port = int(psycopg.conninfo.conninfo_to_dict(base_url).get("port") or 5432)
+    runs: list[str] = []
+    with Proxy(port) as proxy:
+        conninfo = psycopg.conninfo.make_conninfo(base_url, host="127.0.0.1", port=proxy.port)
+        store = PostgresStore(conninfo, schema=schema, namespace=_name("cancel"))
+
+        @oncely.idempotent(store=store, key="payment_id", lease=LEASE)
+        async def charge(payment_id: str) -> str:
+            runs.append(payment_id)
+            if cut == "complete":
+                proxy.latency = 0.4  # the completion is in flight when the caller gives up
+            return "charged"
+
+        async def main() -> Any:
+            await store.aget("warm-up")
+            if cut == "claim":
+                proxy.latency = 0.4
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(charge("p-1"), 0.2)
+            proxy.latency = 0
+            answer = await charge("p-1")
+            await store.aclose()
+            return answer
+
+        try:
+            assert asyncio.run(main()) == "charged"
+        finally:
+            store.close()
+    assert runs == ["p-1"]

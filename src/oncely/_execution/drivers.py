@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from oncely import _events, _observed, _switches
-from oncely._cancel import given_back_if_cancelled, shielded
+from oncely._cancel import given_back_if_cancelled, guards_itself, shielded
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._core.records import ClaimResult
@@ -92,8 +92,14 @@ async def aperform(
     raise TypeError(f"cannot perform {op!r}")
 
 
+_GUARDED_VERBS = frozenset({"claim", "complete", "fail"})
+"""The verbs a store that `guards_itself` answers safely to a cancelled caller."""
+
+
 def _astore_call(op: StoreCall, store: AsyncStore) -> Awaitable[Any]:
     call = getattr(store, "a" + op.verb)(*op.args, **op.kwargs)
+    if op.verb in _GUARDED_VERBS and guards_itself(store):
+        return call  # type: ignore[no-any-return]
     if op.shield:
         return shielded(call)
     if op.verb == "claim":
@@ -109,6 +115,6 @@ async def aclaim(
     """``store.aclaim(...)``, whose lease is given back if the caller is cancelled meanwhile
     (see `given_back_if_cancelled`)."""
     call = store.aclaim(key, fingerprint, lease=lease, ttl=ttl)
-    if getattr(type(store), "_inline_async", None) is type(store):
-        return await call  # never suspends: no claim is ever in flight
+    if guards_itself(store):
+        return await call  # no claim in flight, or the store gives its lease back itself
     return await given_back_if_cancelled(call, store, key)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from oncely import _switches
-from oncely._cancel import shielded
+from oncely._cancel import guards_itself, shielded
 from oncely._core import codec as _codec
 from oncely._core.policy import Policy
 from oncely._core.protocols import AsyncStore, SyncStore
@@ -125,7 +125,7 @@ async def acall(
     lease.settling = True
     try:  # the operation ran: a cancelled caller still records its outcome
         completing = store.acomplete(key, lease.token, payload, ttl=policy.ttl)
-        if getattr(type(store), "_inline_async", None) is not type(store):
+        if not guards_itself(store):
             completing = shielded(completing)
         lost = await completing
     except BaseException as exc:

@@ -16,9 +16,10 @@ connection: each carries the id of its call, so a re-sent claim finds its own le
 re-sent complete its own completion, and the caller gets the answer the lost reply carried.
 
 Sync callers share a `psycopg_pool.ConnectionPool`; async callers share an
-`psycopg_pool.AsyncConnectionPool` per event loop, opened on first use in that loop. Both run
-the same flows from ``_sql.py``, so statements and decoding exist once. Statements are prepared
-on the server the first time each connection runs them.
+`psycopg_pool.AsyncConnectionPool` per event loop, opened on first use in that loop (``_pools``,
+which also keeps a sequential caller on one connection between statements). Both run the same
+flows from ``_sql.py``, so statements and decoding exist once. Statements are prepared on the
+server the first time each connection runs them. Driver errors become oncely's in ``_errors``.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ import asyncio
 import atexit
 import contextlib
 import functools
-import itertools
-import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from oncely._cancel import release_unused, shielded
 from oncely._core.clock import Clock
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
@@ -48,12 +48,12 @@ from oncely.errors import (
     CorruptRecordError,
     SchemaMissingError,
     StoreError,
-    StoreUnavailableError,
 )
 from oncely.stores import _namespace
 from oncely.stores._coalesce import Coalescer
 from oncely.stores._machine import in_progress_refusal
-from oncely.stores.postgres import _sql
+from oncely.stores.postgres import _pools, _sql
+from oncely.stores.postgres._errors import Boundary
 
 if TYPE_CHECKING:
     import psycopg
@@ -72,15 +72,6 @@ _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 """Whether libpq has pipeline mode (14 and later; psycopg's binary wheels bundle one)."""
-
-
-_SCHEMA_MISSING = (
-    psycopg.errors.UndefinedTable,
-    psycopg.errors.UndefinedFunction,
-    psycopg.errors.UndefinedColumn,
-    psycopg.errors.InvalidSchemaName,
-)
-"""What the server says when the oncely schema is missing or older than this code."""
 
 
 def _has_rows(cursor: Any) -> bool:
@@ -140,119 +131,6 @@ connections (closing them would end the parent's sessions)."""
 _OPEN_STORES: weakref.WeakSet[PostgresStore] = weakref.WeakSet()
 """Every store of this process, so a forked child can make them forget their parent's pools."""
 
-_POOL_NUMBERS = itertools.count(1)
-"""Pool names are unique in the process: a loop's tasks are told apart by their pool's name."""
-
-_CLOSING: set[asyncio.Task[None]] = set()
-"""Pool closes scheduled on a running loop by a sync `close`; referenced until they finish."""
-
-_REFUSALS = (
-    "password authentication failed",
-    "authentication failed for user",
-    "no password supplied",
-    "no pg_hba.conf entry",
-    "does not exist",  # the role or the database (FATAL at connect time: nothing else)
-    "is not permitted to log in",
-    "permission denied for database",
-)
-"""What libpq and the server say when they refuse the settings rather than fail for the moment
-(a connection failure carries no SQLSTATE, so its message is all there is to go on)."""
-
-
-class _LoopPool:
-    """The async pool of one event loop, the connections it made, and what closes it with the loop.
-
-    A loop ends in one of two ways, and the pool must close in both, in that loop. Runners such
-    as ``asyncio.run`` first cancel every task: psycopg_pool's maintenance tasks swallow the
-    cancellation while they run a job, so the loop would wait for them forever. The guard, a
-    task of the pool's own, is cancelled along with them and closes the pool, which stops them
-    for good. Loops shut down without cancelling (``loop.shutdown_asyncgens()``, then
-    ``close()``) finalise live async generators instead: the finaliser closes the pool then.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, pool: psycopg_pool.AsyncConnectionPool[Any]
-    ) -> None:
-        self.loop = loop
-        self.pool = pool
-        self.connections: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
-        self.guard: asyncio.Task[None] | None = None
-        self.finaliser: AsyncGenerator[None, None] | None = None
-        self.forget: Callable[[_LoopPool], None] = lambda entry: None
-        self.closing = False
-
-    async def open(self, forget: Callable[[_LoopPool], None]) -> None:
-        """Open the pool (in its loop), tied to the loop's shutdown; *forget* drops the entry."""
-        if self.guard is None:
-            self.forget = forget
-            self.guard = self.loop.create_task(self._guard(), name=f"{self.pool.name}-guard")
-            self.finaliser = _close_with_loop(self)
-            await self.finaliser.__anext__()  # from now on the loop tracks it
-        await self.pool.open()
-
-    async def _guard(self) -> None:
-        try:
-            await self.loop.create_future()
-        except asyncio.CancelledError:
-            await self.shut_down()
-            raise
-
-    async def shut_down(self) -> None:
-        """The loop is ending: forget the pool and close it."""
-        if not self.closing:
-            self.forget(self)
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the pool from inside its loop (again: at once)."""
-        self.closing = True
-        if self.guard is not None and self.guard is not asyncio.current_task():
-            self.guard.cancel()
-        try:
-            await self.pool.close()
-        except asyncio.CancelledError:
-            # At shutdown the pool's workers were cancelled too, and its close gives up on
-            # them before it closes the sessions: end those here.
-            self.end_sessions()
-            raise
-        finaliser, self.finaliser = self.finaliser, None
-        if finaliser is not None:
-            await finaliser.aclose()
-
-    def end_sessions(self) -> None:
-        """Close the pool's connections at the libpq level, without the loop."""
-        for connection in list(self.connections):
-            with contextlib.suppress(Exception):
-                connection.pgconn.finish()
-
-    def abandon(self) -> None:
-        """End the pool's sessions without its loop (closed, or idle while another one runs).
-
-        If the loop is still open, the guard closes the pool itself when the loop shuts down.
-        """
-        self.closing = True
-        self.end_sessions()
-        if self.loop.is_closed():
-            # The pool's tasks can never run again. Finish their coroutines here, where the
-            # "Event loop is closed" each raises on its way out can be swallowed, rather than
-            # in the garbage collector, where it would surface as an unraisable exception.
-            for task in asyncio.all_tasks(self.loop):
-                if task.get_name().startswith(self.pool.name):
-                    with contextlib.suppress(RuntimeError):
-                        task.get_coro().close()
-                    # Nor report it as destroyed while pending: it is finished, as far as it can be.
-                    task._log_destroy_pending = False  # type: ignore[attr-defined]
-
-
-async def _close_with_loop(entry: _LoopPool) -> AsyncGenerator[None, None]:
-    """An async generator the loop finalises when it shuts down, closing *entry*'s pool."""
-    try:
-        yield
-    finally:
-        if entry.finaliser is not None:  # not closed through entry.close()
-            entry.finaliser = None
-            await entry.shut_down()
-
 
 class PostgresStore:
     """Records in a PostgreSQL table, shared by any number of processes and hosts.
@@ -287,6 +165,7 @@ class PostgresStore:
     """
 
     backend = "postgres"
+    _cancel_safe: ClassVar[type[PostgresStore]]  # see aclaim
 
     def __init__(
         self,
@@ -332,9 +211,11 @@ class PostgresStore:
         self._where = "{}:{}/{}".format(
             params.get("host") or "localhost", params.get("port") or 5432, params.get("dbname", "")
         )
+        self._boundary = Boundary(self._where, schema, pool_timeout)
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
-        self._loop_pools: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
+        self._parked: _pools.Parked | None = None
+        self._loop_pools: dict[asyncio.AbstractEventLoop, _pools.LoopPool] = {}
         self._extends = Coalescer(
             self._aextend_alone, self._aextend_many, max_in_flight=2, max_batch=256
         )
@@ -374,32 +255,40 @@ class PostgresStore:
         # The parent's pools stay referenced and unclosed, since closing them would end the
         # parent's sessions; this process opens its own on first use.
         self._lock = threading.Lock()
-        _INHERITED.extend([self._pool, *self._loop_pools.values()])
-        self._pool, self._loop_pools = None, {}
+        _INHERITED.extend([self._pool, self._parked, *self._loop_pools.values()])
+        self._pool, self._parked, self._loop_pools = None, None, {}
 
-    def _sync_pool(self) -> psycopg_pool.ConnectionPool[Any]:
+    def _sync_parked(self) -> _pools.Parked:
         self._usable()
-        pool = self._pool
-        if pool is None:
+        parked = self._parked
+        if parked is None:
             self._probe()  # outside the lock: a slow connect must not hold up other threads
             with self._lock:
-                pool = self._pool
-                if pool is None:
+                parked = self._parked
+                if parked is None:
                     pool = psycopg_pool.ConnectionPool(
                         self._conninfo,
                         kwargs=self._kwargs,
                         min_size=self._min_size,
                         max_size=self._max_size,
                         timeout=self._pool_timeout,
-                        name=f"oncely-{next(_POOL_NUMBERS)}",
-                        configure=_CONNECTIONS.add,
+                        name=f"oncely-{next(_pools.POOL_NUMBERS)}",
+                        configure=_pools.CONNECTIONS.add,
                         open=False,
                     )
                     pool.open()
-                    self._pool = pool
-        return pool
+                    self._pool, parked = pool, _pools.Parked(pool, self._min_size)
+                    self._parked = parked
+        return parked
 
     async def _async_pool(self) -> psycopg_pool.AsyncConnectionPool[Any]:
+        """The running loop's pool, for callers that take its connections themselves (with
+        the parked ones given back to it first)."""
+        entry = await self._loop_pool()
+        await entry.flush()
+        return entry.pool
+
+    async def _loop_pool(self) -> _pools.LoopPool:
         self._usable()
         loop = asyncio.get_running_loop()
         entry = self._loop_pools.get(loop)
@@ -413,7 +302,7 @@ class PostgresStore:
         if entry.pool.closed:  # not opened yet; opening twice is harmless
             await self._aprobe()
             await entry.open(self._forget)
-        return entry.pool
+        return entry
 
     def _probe(self) -> None:
         """Connect once before a pool opens, so a server that cannot be reached, or refuses
@@ -437,29 +326,19 @@ class PostgresStore:
             raise self._unreachable(exc) from exc
 
     def _unreachable(self, exc: psycopg.OperationalError) -> Exception:
-        """`ConfigurationError` if *exc* says the server refused these settings, else
-        `StoreUnavailableError`, quoting the driver's reason."""
-        text = str(exc)
-        if any(refusal in text for refusal in _REFUSALS):
-            return ConfigurationError(
-                f"PostgreSQL at {self._where} refused the store's settings: {_server_message(exc)}"
-            )
-        return StoreUnavailableError(
-            f"cannot connect to PostgreSQL at {self._where}: {_server_message(exc)}",
-            backend=self.backend,
-        )
+        return self._boundary.unreachable(exc)
 
-    def _forget(self, entry: _LoopPool) -> None:
+    def _forget(self, entry: _pools.LoopPool) -> None:
         with self._lock:
             if self._loop_pools.get(entry.loop) is entry:
                 del self._loop_pools[entry.loop]
 
-    def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> _LoopPool:
+    def _new_loop_pool(self, loop: asyncio.AbstractEventLoop) -> _pools.LoopPool:
         async def track(connection: psycopg.AsyncConnection[Any]) -> None:
             entry.connections.add(connection)
-            _CONNECTIONS.add(connection)
+            _pools.CONNECTIONS.add(connection)
 
-        entry = _LoopPool(
+        entry = _pools.LoopPool(
             loop,
             psycopg_pool.AsyncConnectionPool(
                 self._conninfo,
@@ -467,7 +346,7 @@ class PostgresStore:
                 min_size=self._min_size,
                 max_size=self._max_size,
                 timeout=self._pool_timeout,
-                name=f"oncely-async-{next(_POOL_NUMBERS)}",
+                name=f"oncely-async-{next(_pools.POOL_NUMBERS)}",
                 configure=track,
                 open=False,
             ),
@@ -485,67 +364,50 @@ class PostgresStore:
                 raise
             raise translated from exc
 
-    def _translated(self, exc: Exception, op: Any) -> Exception | None:
-        """The one place where psycopg's exceptions become oncely's (``None``: not psycopg's)."""
-        if isinstance(exc, psycopg_pool.PoolClosed):
-            return StoreError("the store is closed", backend=self.backend)
+    def _translated(self, exc: BaseException, op: Any) -> Exception | None:
+        """psycopg's exception *exc* as oncely's, *op* failing (``None``: not psycopg's)."""
+        last = None
         if isinstance(exc, psycopg_pool.PoolTimeout):
             pools = (p for p in (self._pool, *(e.pool for e in self._loop_pools.values())) if p)
-            last = _QUIET_POOLS.last_error(pools)
-            return StoreUnavailableError(
-                f"no connection to PostgreSQL at {self._where} within {self._pool_timeout}s "
-                f"for {op.subject}" + (f": {last}" if last else ""),
-                backend=self.backend,
-            )
-        if isinstance(exc, _SCHEMA_MISSING):
-            return SchemaMissingError(
-                f"the oncely schema is missing or out of date in schema {self.schema!r} at "
-                f"{self._where}: run store.migrate() or `oncely migrate` ({_first_line(exc)})",
-                backend=self.backend,
-            )
-        if isinstance(exc, psycopg.OperationalError):
-            return StoreUnavailableError(
-                f"PostgreSQL at {self._where} could not serve {op.subject}: {_first_line(exc)}",
-                backend=self.backend,
-            )
-        if isinstance(exc, psycopg.Error):
-            return StoreError(
-                f"PostgreSQL at {self._where} failed on {op.subject}: {_first_line(exc)}",
-                backend=self.backend,
-            )
-        return None
+            last = _pools.QUIET_POOLS.last_error(pools)
+        return self._boundary.translated(exc, op.subject, last)
 
     # The verbs' path: a plain try (free in CPython 3.11 until something raises) rather than
-    # the context managers of `_errors` and ``pool.connection()``, and `getconn`/`putconn`
-    # rather than ``pool.connection()``, whose ``with connection:`` adds a commit call (a no-op
-    # in autocommit mode) to every statement. What `putconn` does with a connection left in a
-    # transaction or broken is the same either way.
+    # the context managers of `_errors` and ``pool.connection()``, and the pool's `getconn` and
+    # `putconn` behind `_pools.Parked` rather than ``pool.connection()``, whose
+    # ``with connection:`` adds a commit call (a no-op in autocommit mode) to every statement.
+    # A connection whose statement failed goes back to the pool, which resets it.
 
     def _execute(self, op: _sql.Statement | _sql.Batch) -> Any:
         """Run a `Statement` (a `Reply`) or a `Batch` (a list of them) on a pooled connection."""
         try:
-            pool = self._pool or self._sync_pool()
+            parked = self._parked or self._sync_parked()
             sends_left = _RESENDS if op.resend else 0
             while True:
-                connection = pool.getconn()
+                connection = parked.get()
+                reusable = False
                 try:
                     if type(op) is _sql.Statement:
-                        return self._run(connection, op)
-                    return self._run_batch(connection, op)  # type: ignore[arg-type]
+                        reply: Any = self._run(connection, op)
+                    else:
+                        reply = self._run_batch(connection, op)  # type: ignore[arg-type]
+                    reusable = True
+                    return reply
                 except psycopg.OperationalError:
                     if not connection.broken:
                         raise
                     # A session that died usually did not die alone (a restart, a failover, a
                     # kill): weed out the pool's other dead sessions now, so that the next
                     # attempt gets a live one rather than the next dead one.
-                    pool.check()
+                    parked.flush()
+                    parked.pool.check()
                     if not sends_left:
                         raise
                     # The session died, perhaps after the server applied op but before its
                     # reply came back: op recognises its own effect (see _sql): send it again.
                     sends_left -= 1
                 finally:
-                    pool.putconn(connection)
+                    parked.put(connection, reusable)
         except Exception as exc:
             translated = self._translated(exc, op)
             if translated is None:
@@ -555,23 +417,28 @@ class PostgresStore:
     async def _aexecute(self, op: _sql.Statement | _sql.Batch) -> Any:
         """Async `_execute`."""
         try:
-            pool = await self._async_pool()
+            entry = await self._loop_pool()
             sends_left = _RESENDS if op.resend else 0
             while True:
-                connection = await pool.getconn()
+                connection = await entry.get()
+                reusable = False
                 try:
                     if type(op) is _sql.Statement:
-                        return await self._arun(connection, op)
-                    return await self._arun_batch(connection, op)  # type: ignore[arg-type]
+                        reply: Any = await self._arun(connection, op)
+                    else:
+                        reply = await self._arun_batch(connection, op)  # type: ignore[arg-type]
+                    reusable = True
+                    return reply
                 except psycopg.OperationalError:
                     if not connection.broken:
                         raise
-                    await pool.check()  # as in _execute
+                    await entry.flush()  # as in _execute
+                    await entry.pool.check()
                     if not sends_left:
                         raise
                     sends_left -= 1
                 finally:
-                    await pool.putconn(connection)
+                    await entry.put(connection, reusable)
         except Exception as exc:
             translated = self._translated(exc, op)
             if translated is None:
@@ -729,29 +596,55 @@ class PostgresStore:
 
     # -- async verbs ---------------------------------------------------------------------------
 
+    # A caller cancelled while its claim or finish is in flight: the statement may have been
+    # applied with its reply lost. Each carries its call's op, so sending it again (shielded)
+    # finds its own effect: a claim's lease is then given back, a finish has landed. So the
+    # entry points await these verbs directly, without a task of their own to shield them
+    # (`_cancel_safe`).
+
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
-        """See `oncely.AsyncStore.aclaim`."""
+        """See `oncely.AsyncStore.aclaim`; a cancelled caller's lease is given back."""
         statement = self._claim(key, fingerprint, lease, ttl)
+        try:
+            return await self._aclaimed(key, statement)
+        except asyncio.CancelledError:
+            await shielded(self._give_back(key, statement))
+            raise
+
+    async def _aclaimed(self, key: str, statement: _sql.Statement) -> ClaimResult:
         answer = _sql.decode_claim_one(self._queries, statement, await self._aexecute(statement))
         if type(answer) is _sql.Statement:
             return _sql.decode_claim(key, await self._aexecute(answer))
         return answer  # type: ignore[return-value]
 
+    async def _give_back(self, key: str, statement: _sql.Statement) -> None:
+        try:
+            answer = await self._aclaimed(key, statement)
+        except Exception:
+            return  # not known: a lease it took expires on its own
+        await release_unused(self, key, answer)
+
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.acomplete`."""
-        return _sql.held(
-            await self._aexecute(self._finish(key, token, Status.COMPLETED, result, ttl))
-        )
+        """See `oncely.AsyncStore.acomplete`; it lands even if its caller is cancelled."""
+        return await self._afinish(self._finish(key, token, Status.COMPLETED, result, ttl))
 
     async def afail(
         self, key: str, token: int, error: bytes, *, ttl: timedelta
     ) -> LeaseLost | None:
-        """See `oncely.AsyncStore.afail`."""
-        return _sql.held(await self._aexecute(self._finish(key, token, Status.FAILED, error, ttl)))
+        """See `oncely.AsyncStore.afail`; it lands even if its caller is cancelled."""
+        return await self._afinish(self._finish(key, token, Status.FAILED, error, ttl))
+
+    async def _afinish(self, statement: _sql.Statement) -> LeaseLost | None:
+        try:
+            return _sql.held(await self._aexecute(statement))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await shielded(self._aexecute(statement))
+            raise
 
     async def arelease(self, key: str, token: int) -> LeaseLost | None:
         """See `oncely.AsyncStore.arelease`."""
@@ -901,34 +794,36 @@ class PostgresStore:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def _detach(self) -> tuple[psycopg_pool.ConnectionPool[Any] | None, list[Any]]:
+    def _detach(self) -> tuple[_pools.Parked | None, list[Any]]:
         with self._lock:
             if self._closed:
                 return None, []
             self._closed = True
-            pool, self._pool = self._pool, None
+            parked, self._pool, self._parked = self._parked, None, None
             loop_pools, self._loop_pools = list(self._loop_pools.items()), {}
-        return pool, loop_pools
+        return parked, loop_pools
 
     def close(self) -> None:
         """Close every pool. Async pools whose loop is running elsewhere are closed there."""
-        pool, loop_pools = self._detach()
-        if pool is not None:
-            pool.close()
+        parked, loop_pools = self._detach()
+        if parked is not None:
+            parked.flush()
+            parked.pool.close()
         for loop, entry in loop_pools:
-            _close_elsewhere(loop, entry)
+            _pools.close_elsewhere(loop, entry)
 
     async def aclose(self) -> None:
         """Close every pool, awaiting the one of the running loop."""
-        pool, loop_pools = self._detach()
-        if pool is not None:
-            await asyncio.to_thread(pool.close)
+        parked, loop_pools = self._detach()
+        if parked is not None:
+            parked.flush()
+            await asyncio.to_thread(parked.pool.close)
         current = asyncio.get_running_loop()
         for loop, entry in loop_pools:
             if loop is current:
                 await entry.close()
             else:
-                _close_elsewhere(loop, entry)
+                _pools.close_elsewhere(loop, entry)
 
     def __enter__(self: _S) -> _S:
         return self
@@ -946,68 +841,6 @@ class PostgresStore:
         return (
             f"PostgresStore({self._where!r}, schema={self.schema!r}, namespace={self.namespace!r})"
         )
-
-
-def _close_elsewhere(loop: asyncio.AbstractEventLoop, entry: _LoopPool) -> None:
-    """Close an async pool from outside its loop, as far as that loop's state allows."""
-    if loop.is_closed():
-        entry.abandon()
-        return
-    if loop.is_running():
-        if _running_loop() is loop:  # a sync close() called inside this loop
-            task = loop.create_task(entry.close())
-            _CLOSING.add(task)
-            task.add_done_callback(_CLOSING.discard)
-            return
-        future = asyncio.run_coroutine_threadsafe(entry.close(), loop)
-        try:
-            future.result(timeout=10)
-        except Exception:
-            logger.warning("could not close an oncely PostgreSQL pool in its event loop")
-        return
-    if _running_loop() is None:
-        loop.run_until_complete(entry.close())
-    else:
-        entry.abandon()
-
-
-class _QuietPools(logging.Filter):
-    """Keeps the warnings psycopg_pool logs from its background threads about this module's
-    pools (a failed reconnection, every few seconds while the server is down) out of the
-    application's logs: the next call that cannot get a connection says it, with the reason
-    kept here."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._last: dict[str, str] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if record.levelno < logging.WARNING or not isinstance(args, tuple) or not args:
-            return True
-        name = args[0]
-        if not isinstance(name, str):  # about a connection: one of this module's pools'?
-            return name not in _CONNECTIONS
-        if not name.startswith("oncely-"):
-            return True
-        if len(args) > 1 and isinstance(args[1], BaseException):
-            self._last[name] = _server_message(args[1])
-        return False
-
-    def last_error(self, pools: Iterator[Any]) -> str | None:
-        """The reason of the last failed connection of one of *pools*, if any."""
-        for pool in pools:
-            reason = self._last.get(pool.name)
-            if reason is not None:
-                return reason
-        return None
-
-
-_CONNECTIONS: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The connections this module's pools made (see `_QuietPools`)."""
-
-_QUIET_POOLS = _QuietPools()
-logging.getLogger("psycopg.pool").addFilter(_QUIET_POOLS)
 
 
 def _close_at_exit() -> None:
@@ -1031,18 +864,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parent_pools)
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _server_message(exc: BaseException) -> str:
-    """The reason in a libpq connection error, without its "connection to server at" preamble."""
-    text = " ".join(str(exc).split())
-    return text.rsplit(" failed: ", 1)[-1]
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().split("\n", 1)[0]
+PostgresStore._cancel_safe = PostgresStore
