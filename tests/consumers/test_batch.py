@@ -546,8 +546,8 @@ def test_a_batch_claim_applied_with_its_reply_lost_runs_once_on_redis(batch: Bat
     """Against the real Redis: claim_many ran but its reply never came. Sent again with the
     same call ids, the runner's own claims answer Acquired: every handler runs once, now, and
     no key is left in progress for a lease."""
-    from tests.conftest import service_url
     from tests._proxy import Proxy
+    from tests.conftest import service_url
 
     url = service_url("ONCELY_TEST_REDIS_URL")
     namespace = f"oncely-t-{uuid.uuid4().hex[:12]}"
