@@ -375,7 +375,7 @@ def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, key
     a few keys with deep backlogs (testing each event against its key's others read three per
     event, so a relay catching up fell behind quadratically) as with a key per event (skipping
     from key to key through the index would take a descent per key)."""
-    from oncely.outbox._sql import PostgresQueries
+    from oncely.stores.postgres._outbox import PostgresQueries
 
     outbox = Outbox(pg.store())
     with pg.transaction() as connection:

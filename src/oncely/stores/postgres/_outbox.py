@@ -1,4 +1,7 @@
-"""The outbox's statements on PostgreSQL and SQLite, and why they keep each key's order.
+"""The outbox on PostgreSQL: its statements, and how they keep each key's order.
+
+The `oncely.outbox._store.OutboxBackend` of a `PostgresStore`; psycopg's errors become
+oncely's in `PostgresOutbox._errors` (through the store's own mapping), the one boundary.
 
 How events of one ordering key stay in commit order, with any number of writers and relays:
 
@@ -43,16 +46,42 @@ How events of one ordering key stay in commit order, with any number of writers 
    publishing, a claim is a mark instead (``claimed_until_ms``), taken in one write transaction
    and treated like a lock until it passes.
 
-Statements name their tables through ``{schema}`` (PostgreSQL), filled in by `PostgresQueries`.
+Statements name their tables through ``{schema}``, filled in by `PostgresQueries`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Final
+from datetime import timedelta
+from typing import Any, Final
 
-__all__ = ["PostgresQueries", "channel"]
+import psycopg
+
+from oncely import _txn
+from oncely.outbox._store import (
+    OPERATOR_ERROR,
+    Change,
+    ClaimedBatch,
+    EventState,
+    NewEvent,
+    Settlement,
+    event_from_row,
+    iso,
+    ms,
+)
+from oncely.stores.postgres._sql import Statement
+
+__all__ = ["PostgresOutbox", "PostgresQueries", "channel"]
+
+_USER: Final = "the outbox"
+_PURGE_BATCH: Final = 1000
+_WINDOW: Final = 4
+"""A claim looks for heads among the oldest ``limit`` times this many pending events first
+(see `PG_HEADS`)."""
 
 _EVENT: Final = (
     "o.id, o.message_id, o.destination, o.payload, o.headers, o.ordering_key, o.attempts"
@@ -322,109 +351,214 @@ def channel(schema: str) -> str:
     return "oncely_outbox_" + hashlib.sha256(schema.encode()).hexdigest()[:16]
 
 
-# -- SQLite ---------------------------------------------------------------------------------------
+_COLUMNS: Final = (
+    "id, message_id, destination, ordering_key, attempts, created_at, next_attempt_at, "
+    "published_at, dead_at, last_error"
+)
+"""The columns of an `EventState`, in its field order."""
 
-SQLITE_NEXT_SEQ: Final = """
-INSERT INTO oncely_outbox_keys (ordering_key, seq) VALUES (?, 1)
-ON CONFLICT (ordering_key) DO UPDATE SET seq = seq + 1
-RETURNING seq
-"""
-"""Parameters: ordering_key. One row: the key's next seq."""
 
-SQLITE_ADD: Final = """
-INSERT INTO oncely_outbox (message_id, destination, ordering_key, seq, payload, headers,
-                           created_at_ms, next_attempt_at_ms)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (message_id) DO NOTHING
-RETURNING id
-"""
-"""Parameters: message_id, destination, ordering_key, seq, payload, headers (JSON text), now_ms
-twice. One row (the new id), or none when the message id is taken already."""
+@dataclass(frozen=True, slots=True)
+class _Subject:
+    subject: str = _USER
 
-SQLITE_HEADS: Final = f"""
-SELECT {_EVENT}
-  FROM oncely_outbox AS o
- WHERE o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
-   AND o.next_attempt_at_ms <= :now
-   AND (o.claimed_until_ms IS NULL OR o.claimed_until_ms <= :now)
-   AND NOT EXISTS (SELECT 1 FROM oncely_outbox AS p
-                    WHERE p.ordering_key = o.ordering_key AND p.destination = o.destination
-                      AND p.seq < o.seq
-                      AND p.published_at_ms IS NULL AND p.dead_at_ms IS NULL)
- ORDER BY o.id
- LIMIT :limit
-"""
-"""`PG_HEADS` with claims for locks: a head claimed by a live relay is skipped."""
 
-SQLITE_FOLLOWERS: Final = f"""
-SELECT {_EVENT}
-  FROM oncely_outbox AS o
- WHERE o.ordering_key IN (SELECT json_extract(value, '$[0]') FROM json_each(:scopes))
-   AND EXISTS (SELECT 1 FROM json_each(:scopes) AS s
-                WHERE json_extract(s.value, '$[0]') = o.ordering_key
-                  AND json_extract(s.value, '$[1]') = o.destination)
-   AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL
-   AND o.id NOT IN (SELECT value FROM json_each(:ids))
- ORDER BY o.id
- LIMIT :limit
-"""
-"""Parameters: scopes (a JSON array of [key, destination] pairs), ids (a JSON array), limit. See
-`PG_FOLLOWERS`."""
+_SUBJECT: Final = _Subject()
 
-SQLITE_CLAIM: Final = """
-UPDATE oncely_outbox SET claimed_until_ms = :until WHERE id IN (SELECT value FROM json_each(:ids))
-"""
 
-SQLITE_PUBLISHED: Final = """
-UPDATE oncely_outbox SET published_at_ms = ?, claimed_until_ms = NULL WHERE id = ?
-"""
+class PostgresOutbox:
+    """The outbox's statements on a `PostgresStore`'s schema (an `OutboxBackend`)."""
 
-SQLITE_FAILED: Final = """
-UPDATE oncely_outbox
-   SET attempts = attempts + 1, last_error = ?, next_attempt_at_ms = ?, dead_at_ms = ?,
-       claimed_until_ms = NULL
- WHERE id = ?
-"""
-"""Parameters: error, next_attempt_at_ms, dead_at_ms (or NULL), id."""
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.queries = PostgresQueries(store.schema)
 
-SQLITE_RELEASED: Final = """
-UPDATE oncely_outbox SET claimed_until_ms = NULL, last_error = coalesce(?, last_error)
- WHERE id = ?
-"""
-"""Parameters: error (or NULL to keep the last one), id. Ends a claim without counting."""
+    def _errors(self) -> contextlib.AbstractContextManager[None]:
+        """psycopg's exceptions as oncely's: the store's one mapping."""
+        return self._store._errors(_SUBJECT)  # type: ignore[no-any-return]
 
-SQLITE_PURGE: Final = """
-DELETE FROM oncely_outbox
- WHERE id IN (SELECT id FROM oncely_outbox WHERE published_at_ms < ?
-               ORDER BY published_at_ms LIMIT ?)
-"""
+    # -- the writer ----------------------------------------------------------------------------
 
-SQLITE_PURGE_KEYS: Final = """
-DELETE FROM oncely_outbox_keys
- WHERE ordering_key IN (
-       SELECT c.ordering_key FROM oncely_outbox_keys AS c
-        WHERE NOT EXISTS (SELECT 1 FROM oncely_outbox AS o
-                           WHERE o.ordering_key = c.ordering_key
-                             AND o.published_at_ms IS NULL AND o.dead_at_ms IS NULL)
-        LIMIT ?)
-"""
+    def _add_statement(self, event: NewEvent, notify: bool) -> tuple[str, dict[str, Any]]:
+        params = {
+            "message_id": event.message_id,
+            "destination": event.destination,
+            "ordering_key": event.ordering_key,
+            "payload": event.payload,
+            "headers": event.headers,
+        }
+        if not notify:
+            return self.queries.add, params
+        params["channel"] = self.queries.channel
+        return self.queries.add_notify, params
 
-SQLITE_STATS: Final = """
-SELECT coalesce(sum(published_at_ms IS NULL AND dead_at_ms IS NULL), 0),
-       coalesce(sum(dead_at_ms IS NOT NULL), 0),
-       coalesce(sum(published_at_ms IS NOT NULL), 0),
-       min(CASE WHEN published_at_ms IS NULL AND dead_at_ms IS NULL THEN created_at_ms END)
-  FROM oncely_outbox
-"""
+    def add(self, connection: Any, event: NewEvent, *, notify: bool) -> bool:
+        """Store *event* in *connection*'s transaction (see `OutboxBackend.add`)."""
+        connection = _txn.raw_connection(connection, _USER)
+        _txn.check_psycopg_transaction(connection, _USER)
+        statement, params = self._add_statement(event, notify)
+        return connection.execute(statement, params).fetchone() is not None
 
-SQLITE_DUE: Final = """
-UPDATE oncely_outbox SET next_attempt_at_ms = ?
- WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
-"""
-"""Parameters: now_ms, id. See `PG_DUE`."""
+    async def aadd(self, connection: Any, event: NewEvent, *, notify: bool) -> bool:
+        """`add` on a psycopg ``AsyncConnection`` (or SQLAlchemy's over one)."""
+        connection = await _txn.araw_connection(connection)
+        _txn.check_psycopg_transaction(connection, _USER)
+        statement, params = self._add_statement(event, notify)
+        cursor = await connection.execute(statement, params)
+        return await cursor.fetchone() is not None
 
-SQLITE_DEAD_LETTER: Final = """
-UPDATE oncely_outbox SET dead_at_ms = ?, last_error = ?
- WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
-"""
-"""Parameters: now_ms, error, id. See `PG_DEAD_LETTER`."""
+    # -- the relay -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def claim(self, limit: int, hold: timedelta) -> AsyncIterator[ClaimedBatch]:
+        """Lock a batch in a transaction that lasts until the outcomes are recorded (the
+        module's docstring); *hold* is the transaction's own."""
+        with self._errors():
+            pool = await self._store._async_pool()
+            async with pool.connection() as connection, connection.transaction():
+                batch = _Batch(self.queries, connection)
+                await batch.load(limit)
+                yield batch
+
+    async def listen(self, wake: asyncio.Event) -> asyncio.Task[None] | None:
+        """Set *wake* on each ``NOTIFY`` of the outbox's channel."""
+        return asyncio.get_running_loop().create_task(self._listen(wake), name="oncely-listen")
+
+    async def _listen(self, wake: asyncio.Event) -> None:
+        """Set *wake* on each NOTIFY, reconnecting (and waking once) after a failure."""
+        from oncely._log import get_logger
+
+        store = self._store
+        delay = 0.1
+        while True:
+            try:
+                connection = await psycopg.AsyncConnection.connect(store._conninfo, **store._kwargs)
+                async with connection:
+                    await connection.execute(f'LISTEN "{self.queries.channel}"')
+                    delay = 0.1
+                    wake.set()  # a notification sent before LISTEN took effect is not lost
+                    async for _ in connection.notifies():
+                        wake.set()
+            except psycopg.Error as exc:
+                get_logger("oncely.outbox").warning(
+                    "outbox relay: LISTEN failed (%s); polling meanwhile, retrying in %.1f s",
+                    exc,
+                    delay,
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def purge(self, retention: timedelta) -> int:
+        """Delete old published events, and the counters of keys with nothing pending."""
+        store, queries = self._store, self.queries
+        purged: int = 0
+        while True:
+            params = {"retention": retention, "batch": _PURGE_BATCH}
+            reply = await store._aexecute(Statement(queries.purge, params, _USER))
+            purged += reply.rowcount
+            if reply.rowcount < _PURGE_BATCH:
+                break
+        while True:
+            statement = Statement(queries.purge_keys, {"batch": _PURGE_BATCH}, _USER)
+            if (await store._aexecute(statement)).rowcount < _PURGE_BATCH:
+                return purged
+
+    async def stats(self) -> dict[str, Any]:
+        """The outbox's counts and its oldest pending event's time."""
+        statement = Statement(self.queries.stats, {}, _USER, resend=True)
+        pending, dead, published, oldest = (await self._store._aexecute(statement)).rows[0]
+        return {
+            "pending": pending,
+            "dead": dead,
+            "published": published,
+            "oldest_pending": None if oldest is None else oldest.isoformat(),
+        }
+
+    async def aclose(self) -> None:
+        """Nothing to close: the pool is the store's."""
+
+    # -- the operators' verbs ------------------------------------------------------------------
+
+    def _rows(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        return self._store._execute(Statement(sql, params, _USER)).rows  # type: ignore[no-any-return]
+
+    def dead_letters(self, limit: int) -> list[EventState]:
+        """The dead-lettered events, oldest first."""
+        sql = f"SELECT {_COLUMNS} FROM {self.queries.table} WHERE dead_at IS NOT NULL"
+        rows = self._rows(f"{sql} ORDER BY id LIMIT %(limit)s", {"limit": limit})
+        return [_state(row) for row in rows]
+
+    def _event(self, event_id: int) -> EventState | None:
+        sql = f"SELECT {_COLUMNS} FROM {self.queries.table} WHERE id = %(id)s"
+        rows = self._rows(sql, {"id": event_id})
+        return _state(rows[0]) if rows else None
+
+    def transition(
+        self, event_id: int, decide: Callable[[EventState | None], Change]
+    ) -> EventState:
+        """One conditional statement: a relay publishing the event holds its row lock until it
+        recorded the outcome, and the statement then sees the new state."""
+        queries = self.queries
+        statements = {"requeue": queries.requeue, "due": queries.due, "dead": queries.dead_letter}
+        params = {"id": event_id, "channel": queries.channel, "error": OPERATOR_ERROR}
+        while True:
+            change = decide(self._event(event_id))
+            rows = self._rows(statements[change], params)
+            if rows:
+                after = self._event(rows[0][0])
+                assert after is not None
+                return after
+            # A relay (or another operator) changed it between the two statements: look again.
+
+
+class _Batch:
+    """The events one claim locked, on the claim's connection and transaction."""
+
+    def __init__(self, queries: PostgresQueries, connection: Any) -> None:
+        self._queries = queries
+        self._connection = connection
+        self.events: list[Any] = []
+
+    async def load(self, limit: int) -> None:
+        queries, connection = self._queries, self._connection
+        window = {"limit": limit, "window": limit * _WINDOW}
+        heads = await (await connection.execute(queries.heads, window)).fetchall()
+        scopes = list(dict.fromkeys((row[5], row[2]) for row in heads if row[5] is not None))
+        if scopes and len(heads) < limit:
+            params = {
+                "keys": [key for key, _ in scopes],
+                "destinations": [destination for _, destination in scopes],
+                "ids": [row[0] for row in heads],
+                "limit": limit - len(heads),
+            }
+            heads += await (await connection.execute(queries.followers, params)).fetchall()
+        heads.sort(key=lambda row: row[0])  # within a key, id order is commit order
+        self.events = [event_from_row(row) for row in heads]
+
+    async def settle(self, settlement: Settlement) -> None:
+        queries, connection = self._queries, self._connection
+        if settlement.published:
+            await connection.execute(queries.published, {"ids": settlement.published})
+        if settlement.failed:
+            failed = settlement.failed
+            params = {
+                "ids": [failure.id for failure in failed],
+                "errors": [failure.error for failure in failed],
+                "delays": [ms(failure.delay) for failure in failed],
+                "dead": [failure.dead for failure in failed],
+            }
+            await connection.execute(queries.failed, params)
+        if settlement.note is not None and settlement.untouched:
+            params = {"ids": settlement.untouched, "error": settlement.note}
+            await connection.execute(queries.noted, params)
+
+    async def extend(self) -> None:
+        pass  # the rows stay locked until the transaction ends
+
+
+def _state(row: Any) -> EventState:
+    event_id, message_id, destination, key, attempts, *times, error = row
+    created, due, published, dead = (None if t is None else iso(t) for t in times)
+    return EventState(
+        event_id, message_id, destination, key, attempts, created, due, published, dead, error
+    )
