@@ -201,6 +201,30 @@ their scope's head is pending and ours), oldest first. Within a key id order is 
 what the limit keeps of each scope is a prefix of its pending events; and the rows are those
 the heads' scan read first, near each other."""
 
+PG_CLAIM: Final = f"""
+WITH heads AS MATERIALIZED ({PG_HEADS}), followers AS (
+    SELECT {_EVENT}
+      FROM {{schema}}.oncely_outbox AS o
+     WHERE (o.ordering_key, o.destination) IN (
+               SELECT h.ordering_key, h.destination FROM heads AS h
+                WHERE h.ordering_key IS NOT NULL)
+       AND o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.id NOT IN (SELECT h.id FROM heads AS h)
+     ORDER BY o.id
+     LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM heads))
+       FOR UPDATE OF o
+)
+SELECT * FROM heads
+UNION ALL
+SELECT * FROM followers
+"""
+"""Parameters: limit, window. `PG_HEADS` and `PG_FOLLOWERS` in one statement, one round trip:
+the heads, locked, then the pending events after them in the scopes they hold, locked, oldest
+first, up to *limit* in all. Both parts read one snapshot, where every scope's visible pending
+events are a prefix of its events (a writer's later event commits after its earlier one), so
+what the limit keeps of each scope is a prefix of its pending events; events committed since
+wait for the next claim. Rows come unordered: the caller sorts them by id."""
+
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
  WHERE id = ANY(%(ids)s::bigint[])
@@ -304,6 +328,7 @@ class PostgresQueries:
     add_notify: str = field(init=False)
     heads: str = field(init=False)
     followers: str = field(init=False)
+    claim: str = field(init=False)
     published: str = field(init=False)
     failed: str = field(init=False)
     noted: str = field(init=False)
@@ -321,6 +346,7 @@ class PostgresQueries:
         for name, template in (
             ("heads", PG_HEADS),
             ("followers", PG_FOLLOWERS),
+            ("claim", PG_CLAIM),
             ("published", PG_PUBLISHED),
             ("failed", PG_FAILED),
             ("noted", PG_NOTED),
@@ -412,13 +438,22 @@ class PostgresOutbox:
     @contextlib.asynccontextmanager
     async def claim(self, limit: int, hold: timedelta) -> AsyncIterator[ClaimedBatch]:
         """Lock a batch in a transaction that lasts until the outcomes are recorded (the
-        module's docstring); *hold* is the transaction's own."""
+        module's docstring); *hold* is the transaction's own.
+
+        Two round trips in all, in pipeline mode: ``BEGIN`` with the claim (`PG_CLAIM`), and
+        the outcomes' statements with ``COMMIT`` (or ``ROLLBACK``), sent as the claim ends."""
         with self._errors():
             pool = await self._store._async_pool()
-            async with pool.connection() as connection, connection.transaction():
-                batch = _Batch(self.queries, connection)
-                await batch.load(limit)
-                yield batch
+            async with pool.connection() as connection, connection.pipeline():
+                await connection.execute(b"BEGIN")
+                try:
+                    batch = _Batch(self.queries, connection)
+                    await batch.load(limit)
+                    yield batch
+                except BaseException:
+                    await connection.execute(b"ROLLBACK")
+                    raise
+                await connection.execute(b"COMMIT")
 
     async def listen(self, wake: asyncio.Event) -> asyncio.Task[None] | None:
         """Set *wake* on each ``NOTIFY`` of the outbox's channel."""
@@ -520,22 +555,14 @@ class _Batch:
         self.events: list[Any] = []
 
     async def load(self, limit: int) -> None:
-        queries, connection = self._queries, self._connection
-        window = {"limit": limit, "window": limit * _WINDOW}
-        heads = await (await connection.execute(queries.heads, window)).fetchall()
-        scopes = list(dict.fromkeys((row[5], row[2]) for row in heads if row[5] is not None))
-        if scopes and len(heads) < limit:
-            params = {
-                "keys": [key for key, _ in scopes],
-                "destinations": [destination for _, destination in scopes],
-                "ids": [row[0] for row in heads],
-                "limit": limit - len(heads),
-            }
-            heads += await (await connection.execute(queries.followers, params)).fetchall()
-        heads.sort(key=lambda row: row[0])  # within a key, id order is commit order
-        self.events = [event_from_row(row) for row in heads]
+        params = {"limit": limit, "window": limit * _WINDOW}
+        cursor = await self._connection.execute(self._queries.claim, params, binary=True)
+        rows = await cursor.fetchall()
+        rows.sort(key=lambda row: row[0])  # within a key, id order is commit order
+        self.events = [event_from_row(row) for row in rows]
 
     async def settle(self, settlement: Settlement) -> None:
+        """Queue the outcomes' statements: they go with the ``COMMIT`` that ends the claim."""
         queries, connection = self._queries, self._connection
         if settlement.published:
             await connection.execute(queries.published, {"ids": settlement.published})
