@@ -18,7 +18,7 @@ import oncely
 from oncely.outbox import Outbox, Relay
 from tests._helpers import DJANGO_SQLITE
 from tests.outbox._publisher import FilePublisher
-from tests.outbox._relaying import add_events, close, drain, relay_for, until
+from tests.outbox._relaying import FAST, add_events, close, drain, relay_for, until
 from tests.outbox.conftest import Db
 
 # -- the writer -----------------------------------------------------------------------------------
@@ -389,6 +389,55 @@ def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, key
         ).fetchone()[0][0]["Plan"]
     assert plan["Actual Rows"] == min(keys, 100)  # one head per key
     assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
+    outbox.store.close()
+
+
+class _Stuck:
+    """A publisher whose calls never return, until cancelled."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def publish(self, events: Any) -> Any:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_cycle_cancelled_mid_publish_leaves_its_batch_pending_and_the_relay_usable(
+    db: Db, tmp_path: Path
+) -> None:
+    """Cancelling `run_once` while the publisher holds the batch lets go of the claim (rolls
+    back on PostgreSQL) and records nothing: the next cycle publishes the whole batch."""
+    outbox = Outbox(db.store())
+    ids = add_events(db, outbox, [("a", "k"), ("b", "k"), ("c", None)])
+    stuck = _Stuck()
+    relay = Relay(db.store(), stuck, **FAST)
+    publisher = FilePublisher(tmp_path / "out")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(relay.run_once())
+        await until(lambda: stuck.calls == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(state == (False, False, 0, None) for state in db.states().values())
+        relay.publisher = publisher
+        assert await drain(relay) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(relay)
+    assert [event["message_id"] for event in publisher.published()] == ids
+    if db.kind == "postgres":
+        idle = db.query(
+            "SELECT count(*) FROM pg_stat_activity "
+            f"WHERE state LIKE 'idle in transaction%' AND query LIKE '%{db.schema}%'"
+        )
+        assert idle == [(0,)]
     outbox.store.close()
 
 

@@ -451,7 +451,10 @@ class PostgresOutbox:
                     await batch.load(limit)
                     yield batch
                 except BaseException:
-                    await connection.execute(b"ROLLBACK")
+                    # Queued, sent as the pipeline ends; a broken connection must not replace
+                    # what is raised (the pool discards it, and the server rolls back).
+                    with contextlib.suppress(Exception):
+                        await connection.execute(b"ROLLBACK")
                     raise
                 await connection.execute(b"COMMIT")
 
