@@ -392,6 +392,40 @@ def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, key
     outbox.store.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("keys", [4, 1200])
+def test_a_prepared_claim_reads_a_backlog_through_indexes(pg: Db, keys: int) -> None:
+    """The claim is a prepared statement, which PostgreSQL plans generically after a few runs:
+    that plan too reads less than a page per pending event and returns a full batch (a limit
+    computed in the statement once made the generic plan sort every pending event)."""
+    from oncely.stores.postgres._outbox import PostgresQueries
+
+    outbox = Outbox(pg.store())
+    with pg.transaction() as connection:
+        for number in range(1200):
+            outbox.add(connection, "d", b"x", ordering_key=f"k{number % keys}")
+    claim = PostgresQueries(pg.schema).claim
+    claim = claim.replace("%(limit)s", "$1::bigint").replace("%(window)s", "$2::bigint")
+    with pg.transaction() as connection:
+        connection.execute(f'ANALYZE "{pg.schema}".oncely_outbox')
+        connection.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        connection.execute("PREPARE claim AS " + claim)
+        plan = connection.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim(100, 400)"
+        ).fetchone()[0][0]["Plan"]
+        connection.execute("DEALLOCATE claim")
+    assert plan["Actual Rows"] == 100
+    assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
+    assert "oncely_outbox" not in _seq_scans(plan)
+    outbox.store.close()
+
+
+def _seq_scans(plan: dict[str, Any]) -> list[str]:
+    """The relations *plan* (EXPLAIN's JSON) reads whole."""
+    own = [plan["Relation Name"]] if plan["Node Type"] == "Seq Scan" else []
+    return own + [name for child in plan.get("Plans", []) for name in _seq_scans(child)]
+
+
 class _Stuck:
     """A publisher whose calls never return, until cancelled."""
 

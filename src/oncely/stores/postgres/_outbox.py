@@ -116,28 +116,29 @@ writer that waited for the lock carried a lower id than the events committed bef
 
 PG_NOTIFY: Final = ", pg_notify(%(channel)s, '')"
 
-PG_HEADS: Final = f"""
-WITH RECURSIVE near AS MATERIALIZED (
+_HEADS_CTES: Final = """
+near AS MATERIALIZED (
     SELECT o.id, o.ordering_key, o.destination, o.seq, o.next_attempt_at
-      FROM {{schema}}.oncely_outbox AS o
+      FROM {schema}.oncely_outbox AS o
      WHERE o.published_at IS NULL AND o.dead_at IS NULL
      ORDER BY o.id
      LIMIT %(window)s
 ), near_heads AS (
-    SELECT DISTINCT ON (n.ordering_key, n.destination)
-           n.ordering_key, n.destination, n.seq, n.next_attempt_at
+    SELECT n.ordering_key, n.destination, n.seq, n.next_attempt_at
       FROM near AS n
-     WHERE n.ordering_key IS NOT NULL
-     ORDER BY n.ordering_key, n.destination, n.seq
+     WHERE (n.ordering_key, n.destination, n.seq) IN (
+               SELECT m.ordering_key, m.destination, min(m.seq) FROM near AS m
+                WHERE m.ordering_key IS NOT NULL
+                GROUP BY m.ordering_key, m.destination)
 ), keyed AS (
-    (SELECT o.ordering_key, o.destination, o.seq FROM {{schema}}.oncely_outbox AS o
+    (SELECT o.ordering_key, o.destination, o.seq FROM {schema}.oncely_outbox AS o
       WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
       ORDER BY o.ordering_key, o.destination, o.seq LIMIT 1)
     UNION ALL
     SELECT m.ordering_key, m.destination, m.seq
       FROM keyed AS k,
            LATERAL (SELECT o.ordering_key, o.destination, o.seq
-                      FROM {{schema}}.oncely_outbox AS o
+                      FROM {schema}.oncely_outbox AS o
                      WHERE (o.ordering_key, o.destination) > (k.ordering_key, k.destination)
                        AND o.ordering_key IS NOT NULL
                        AND o.published_at IS NULL AND o.dead_at IS NULL
@@ -152,6 +153,10 @@ WITH RECURSIVE near AS MATERIALIZED (
                         WHERE h.next_attempt_at <= statement_timestamp()))
            < %(limit)s AS yes
 )
+"""
+"""The ``WITH`` queries `PG_HEADS` and `PG_CLAIM` share (see `PG_HEADS`)."""
+
+_HEADS_SELECT: Final = f"""
 SELECT {_EVENT}
   FROM {{schema}}.oncely_outbox AS o
  WHERE o.published_at IS NULL AND o.dead_at IS NULL
@@ -165,6 +170,11 @@ SELECT {_EVENT}
  ORDER BY o.id
  LIMIT %(limit)s
    FOR UPDATE OF o SKIP LOCKED
+"""
+
+PG_HEADS: Final = f"""
+WITH RECURSIVE {_HEADS_CTES}
+{_HEADS_SELECT}
 """
 """Parameters: limit, window. Due pending events without an earlier pending event of their
 scope, the (ordering key, destination) pair (every event without a key is one), locked,
@@ -202,16 +212,33 @@ what the limit keeps of each scope is a prefix of its pending events; and the ro
 the heads' scan read first, near each other."""
 
 PG_CLAIM: Final = f"""
-WITH heads AS MATERIALIZED ({PG_HEADS}), followers AS (
-    SELECT {_EVENT}
-      FROM {{schema}}.oncely_outbox AS o
-     WHERE (o.ordering_key, o.destination) IN (
+WITH RECURSIVE {_HEADS_CTES}, heads AS MATERIALIZED ({_HEADS_SELECT}), follower_ids AS (
+    SELECT n.id FROM near AS n
+     WHERE NOT (SELECT b.yes FROM beyond AS b)
+       AND (n.ordering_key, n.destination) IN (
                SELECT h.ordering_key, h.destination FROM heads AS h
                 WHERE h.ordering_key IS NOT NULL)
+       AND n.id NOT IN (SELECT h.id FROM heads AS h)
+    UNION ALL
+    SELECT f.id
+      FROM heads AS h,
+           LATERAL (SELECT o.id FROM {{schema}}.oncely_outbox AS o
+                     WHERE o.ordering_key = h.ordering_key AND o.destination = h.destination
+                       AND o.seq > (SELECT p.seq FROM {{schema}}.oncely_outbox AS p
+                                     WHERE p.id = h.id)
+                       AND o.published_at IS NULL AND o.dead_at IS NULL
+                     ORDER BY o.ordering_key, o.destination, o.seq
+                     LIMIT %(limit)s) AS f
+     WHERE (SELECT b.yes FROM beyond AS b) AND h.ordering_key IS NOT NULL
+), followers AS (
+    SELECT {_EVENT}
+      FROM {{schema}}.oncely_outbox AS o
+     WHERE o.id = ANY(ARRAY(
+               SELECT f.id FROM follower_ids AS f
+                ORDER BY f.id
+                LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM heads))))
        AND o.published_at IS NULL AND o.dead_at IS NULL
-       AND o.id NOT IN (SELECT h.id FROM heads AS h)
      ORDER BY o.id
-     LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM heads))
        FOR UPDATE OF o
 )
 SELECT * FROM heads
@@ -223,7 +250,13 @@ the heads, locked, then the pending events after them in the scopes they hold, l
 first, up to *limit* in all. Both parts read one snapshot, where every scope's visible pending
 events are a prefix of its events (a writer's later event commits after its earlier one), so
 what the limit keeps of each scope is a prefix of its pending events; events committed since
-wait for the next claim. Rows come unordered: the caller sorts them by id."""
+wait for the next claim. Rows come unordered: the caller sorts them by id.
+
+The followers are named by id before they are read, so every plan, a generic one too, reads
+them through an index: from the window when the heads came from it (a scope's events in the
+window are a prefix of its pending events), else from the scope index, up to *limit* a scope.
+(Read with a limit in the statement, the planner of a prepared statement sorted every pending
+event instead.)"""
 
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
