@@ -124,7 +124,7 @@ near AS MATERIALIZED (
      ORDER BY o.id
      LIMIT %(window)s
 ), near_heads AS (
-    SELECT n.ordering_key, n.destination, n.seq, n.next_attempt_at
+    SELECT n.id, n.ordering_key, n.destination, n.seq, n.next_attempt_at
       FROM near AS n
      WHERE (n.ordering_key, n.destination, n.seq) IN (
                SELECT m.ordering_key, m.destination, min(m.seq) FROM near AS m
@@ -152,24 +152,39 @@ near AS MATERIALIZED (
                        SELECT h.ordering_key, h.destination FROM near_heads AS h
                         WHERE h.next_attempt_at <= statement_timestamp()))
            < %(limit)s AS yes
+), heads_near AS MATERIALIZED (
+    -- The window's own heads, named by id: the table is read only where they are.
+    SELECT {event}
+      FROM {schema}.oncely_outbox AS o
+     WHERE o.id = ANY(ARRAY(
+               SELECT n.id FROM near AS n
+                WHERE n.ordering_key IS NULL AND NOT (SELECT b.yes FROM beyond AS b)
+               UNION ALL
+               SELECT h.id FROM near_heads AS h WHERE NOT (SELECT b.yes FROM beyond AS b)))
+       AND o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.next_attempt_at <= statement_timestamp()
+     ORDER BY o.id
+     LIMIT %(limit)s
+       FOR UPDATE OF o SKIP LOCKED
+), heads_far AS MATERIALIZED (
+    SELECT {event}
+      FROM {schema}.oncely_outbox AS o
+     WHERE (SELECT b.yes FROM beyond AS b)
+       AND o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.next_attempt_at <= statement_timestamp()
+       AND (o.ordering_key IS NULL
+            OR (o.ordering_key, o.seq) IN (SELECT k.ordering_key, k.seq FROM keyed AS k))
+     ORDER BY o.id
+     LIMIT %(limit)s
+       FOR UPDATE OF o SKIP LOCKED
 )
-"""
+""".replace("{event}", _EVENT)
 """The ``WITH`` queries `PG_HEADS` and `PG_CLAIM` share (see `PG_HEADS`)."""
 
-_HEADS_SELECT: Final = f"""
-SELECT {_EVENT}
-  FROM {{schema}}.oncely_outbox AS o
- WHERE o.published_at IS NULL AND o.dead_at IS NULL
-   AND o.next_attempt_at <= statement_timestamp()
-   AND o.id <= (SELECT CASE WHEN b.yes THEN 9223372036854775807
-                            ELSE (SELECT max(n.id) FROM near AS n) END FROM beyond AS b)
-   AND (o.ordering_key IS NULL
-        OR (o.ordering_key, o.seq) IN (SELECT h.ordering_key, h.seq FROM near_heads AS h)
-        OR (o.ordering_key, o.seq) IN (SELECT k.ordering_key, k.seq FROM keyed AS k
-                                        WHERE (SELECT b.yes FROM beyond AS b)))
- ORDER BY o.id
- LIMIT %(limit)s
-   FOR UPDATE OF o SKIP LOCKED
+_HEADS_SELECT: Final = """
+SELECT * FROM heads_near
+UNION ALL
+SELECT * FROM heads_far
 """
 
 PG_HEADS: Final = f"""
@@ -184,14 +199,16 @@ Heads are found without testing each event against its key's others (that cost e
 backlog times its keys' depth: a relay catching up on 4000 events of 32 keys claimed about 70
 a second). ``near`` is the oldest *window* pending events: a key with an event among them has
 its first pending event among them too (within a key id order is seq order), so their heads
-are the scopes' heads, found in the window alone, and the claim reads no further than the window.
-Only when the window is full and cannot fill a batch itself (fewer than *limit* of its events
-are due heads, their keys' later events or due events without a key: a key held up by a
-failing head, say) does the claim look beyond it (``beyond``): ``keyed`` then finds every
+are the scopes' heads, found in the window alone (the first of each scope's events there: a
+hash aggregate, not a sort), and the claim reads no further than the window: it locks the
+heads by id (``heads_near``), reading the table only where they are. Only when the window
+is full and cannot fill a batch itself (fewer than *limit* of its events are due heads, their
+keys' later events or due events without a key: a key held up by a failing head, say) does
+the claim look beyond it (``beyond``): ``keyed`` then finds every
 scope's head by skipping from scope to scope through the ``(ordering_key, destination, seq)``
-index of pending events, one descent per scope, and the scan goes on past the window for
-events without a key. A head is named by its ``(ordering_key, seq)``, unique among pending
-events."""
+index of pending events, one descent per scope, and ``heads_far`` scans past the window, for
+events without a key too. There a head is named by its ``(ordering_key, seq)``, unique among
+pending events."""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
