@@ -127,12 +127,11 @@ near AS MATERIALIZED (
      ORDER BY o.id
      LIMIT %(window)s
 ), near_heads AS (
-    SELECT n.id, n.ordering_key, n.destination, n.seq, n.next_attempt_at
+    SELECT DISTINCT ON (n.ordering_key, n.destination)
+           n.id, n.ordering_key, n.destination, n.seq, n.next_attempt_at
       FROM near AS n
-     WHERE (n.ordering_key, n.destination, n.seq) IN (
-               SELECT m.ordering_key, m.destination, min(m.seq) FROM near AS m
-                WHERE m.ordering_key IS NOT NULL
-                GROUP BY m.ordering_key, m.destination)
+     WHERE n.ordering_key IS NOT NULL
+     ORDER BY n.ordering_key, n.destination, n.seq
 ), keyed AS (
     (SELECT o.ordering_key, o.destination, o.seq FROM {schema}.oncely_outbox AS o
       WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
@@ -202,14 +201,14 @@ Heads are found without testing each event against its key's others (that cost e
 backlog times its keys' depth: a relay catching up on 4000 events of 32 keys claimed about 70
 a second). ``near`` is the oldest *window* pending events: a key with an event among them has
 its first pending event among them too (within a key id order is seq order), so their heads
-are the scopes' heads, found in the window alone (the first of each scope's events there: a
-hash aggregate, not a sort), and the claim reads no further than the window: it locks the
-heads by id (``heads_near``), reading the table only where they are. Only when the window
-is full and cannot fill a batch itself (fewer than *limit* of its events are due heads, their
-keys' later events or due events without a key: a key held up by a failing head, say) does
-the claim look beyond it (``beyond``): ``keyed`` then finds every
-scope's head by skipping from scope to scope through the ``(ordering_key, destination, seq)``
-index of pending events, one descent per scope, and ``heads_far`` scans past the window, for
+are the scopes' heads, found in the window alone (one sort of the window: a join of the
+window with its own aggregate let the planner pick a nested loop on a busy table), and the
+claim reads no further than the window: it locks the heads by id (``heads_near``), reading
+the table only where they are. Only when the window is full and cannot fill a batch itself
+(fewer than *limit* of its events are due heads, their keys' later events or due events
+without a key: a key held up by a failing head, say) does the claim look beyond it
+(``beyond``): ``keyed`` then finds every scope's head by skipping from scope to scope
+through the ``(ordering_key, destination, seq)`` index of pending events, one descent per scope, and ``heads_far`` scans past the window, for
 events without a key too. There a head is named by its ``(ordering_key, seq)``, unique among
 pending events."""
 
