@@ -208,9 +208,9 @@ the table only where they are. Only when the window is full and cannot fill a ba
 (fewer than *limit* of its events are due heads, their keys' later events or due events
 without a key: a key held up by a failing head, say) does the claim look beyond it
 (``beyond``): ``keyed`` then finds every scope's head by skipping from scope to scope
-through the ``(ordering_key, destination, seq)`` index of pending events, one descent per scope, and ``heads_far`` scans past the window, for
-events without a key too. There a head is named by its ``(ordering_key, seq)``, unique among
-pending events."""
+through the ``(ordering_key, destination, seq)`` index of pending events, one descent per
+scope, and ``heads_far`` scans past the window, for events without a key too. There a head is
+named by its ``(ordering_key, seq)``, unique among pending events."""
 
 PG_FOLLOWERS: Final = f"""
 SELECT {_EVENT}
