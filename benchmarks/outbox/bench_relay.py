@@ -426,7 +426,7 @@ def report(
             "pipelined and confirmed (as in `bench_publish.py`), `UPDATE` them published, "
             "commit. Each figure is the median of "
             f"{args.rounds} rounds, modes alternating in order; the ratio is the median of the "
-            "per-round ratios. The issue's target: at least 0.7 of the plain producer. "
+            "per-round ratios. The target: at least 0.8 of the plain producer on every broker. "
             "*none*: no broker (a publisher that confirms at once, and nothing for the plain "
             "producer), so each mode's own work in the database and in Python.",
             "",

@@ -18,7 +18,7 @@ import oncely
 from oncely.outbox import Outbox, Relay
 from tests._helpers import DJANGO_SQLITE
 from tests.outbox._publisher import FilePublisher
-from tests.outbox._relaying import add_events, close, drain, relay_for, until
+from tests.outbox._relaying import FAST, add_events, close, drain, relay_for, until
 from tests.outbox.conftest import Db
 
 # -- the writer -----------------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, key
     a few keys with deep backlogs (testing each event against its key's others read three per
     event, so a relay catching up fell behind quadratically) as with a key per event (skipping
     from key to key through the index would take a descent per key)."""
-    from oncely.outbox._sql import PostgresQueries
+    from oncely.stores.postgres._outbox import PostgresQueries
 
     outbox = Outbox(pg.store())
     with pg.transaction() as connection:
@@ -389,6 +389,89 @@ def test_claiming_a_backlog_reads_less_than_a_page_per_pending_event(pg: Db, key
         ).fetchone()[0][0]["Plan"]
     assert plan["Actual Rows"] == min(keys, 100)  # one head per key
     assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
+    outbox.store.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("keys", [4, 1200])
+def test_a_prepared_claim_reads_a_backlog_through_indexes(pg: Db, keys: int) -> None:
+    """The claim is a prepared statement, which PostgreSQL plans generically after a few runs:
+    that plan too reads less than a page per pending event and returns a full batch (a limit
+    computed in the statement once made the generic plan sort every pending event)."""
+    from oncely.stores.postgres._outbox import PostgresQueries
+
+    outbox = Outbox(pg.store())
+    with pg.transaction() as connection:
+        for number in range(1200):
+            outbox.add(connection, "d", b"x", ordering_key=f"k{number % keys}")
+    claim = PostgresQueries(pg.schema).claim
+    claim = claim.replace("%(limit)s", "$1::bigint").replace("%(window)s", "$2::bigint")
+    with pg.transaction() as connection:
+        connection.execute(f'ANALYZE "{pg.schema}".oncely_outbox')
+        connection.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        connection.execute("PREPARE claim AS " + claim)
+        plan = connection.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim(100, 400)"
+        ).fetchone()[0][0]["Plan"]
+        connection.execute("DEALLOCATE claim")
+    assert plan["Actual Rows"] == 100
+    assert plan["Shared Hit Blocks"] + plan["Shared Read Blocks"] < 1200
+    assert "oncely_outbox" not in _seq_scans(plan)
+    outbox.store.close()
+
+
+def _seq_scans(plan: dict[str, Any]) -> list[str]:
+    """The relations *plan* (EXPLAIN's JSON) reads whole."""
+    own = [plan["Relation Name"]] if plan["Node Type"] == "Seq Scan" else []
+    return own + [name for child in plan.get("Plans", []) for name in _seq_scans(child)]
+
+
+class _Stuck:
+    """A publisher whose calls never return, until cancelled."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def publish(self, events: Any) -> Any:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_cycle_cancelled_mid_publish_leaves_its_batch_pending_and_the_relay_usable(
+    db: Db, tmp_path: Path
+) -> None:
+    """Cancelling `run_once` while the publisher holds the batch lets go of the claim (rolls
+    back on PostgreSQL) and records nothing: the next cycle publishes the whole batch."""
+    outbox = Outbox(db.store())
+    ids = add_events(db, outbox, [("a", "k"), ("b", "k"), ("c", None)])
+    stuck = _Stuck()
+    relay = Relay(db.store(), stuck, **FAST)
+    publisher = FilePublisher(tmp_path / "out")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(relay.run_once())
+        await until(lambda: stuck.calls == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(state == (False, False, 0, None) for state in db.states().values())
+        relay.publisher = publisher
+        assert await drain(relay) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(relay)
+    assert [event["message_id"] for event in publisher.published()] == ids
+    if db.kind == "postgres":
+        idle = db.query(
+            "SELECT count(*) FROM pg_stat_activity "
+            f"WHERE state LIKE 'idle in transaction%' AND query LIKE '%{db.schema}%'"
+        )
+        assert idle == [(0,)]
     outbox.store.close()
 
 

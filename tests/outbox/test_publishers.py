@@ -268,6 +268,44 @@ def test_redis_refuses_a_header_the_consumer_would_read_as_body_or_key() -> None
     assert all(isinstance(o, ConfigurationError) for o in outcomes), outcomes
 
 
+def test_redis_on_a_proven_stream_sends_nothing_of_a_key_after_its_refused_event() -> None:
+    """Once a stream is proven the publisher pipelines a call's entries at once; an event it
+    refuses before sending still stops its key there: the key's later event is not written
+    (it would reach the stream first), while other keys' events are."""
+    import redis
+
+    from oncely.outbox.redis_streams import RedisStreamsPublisher
+
+    url = service_url("ONCELY_TEST_REDIS_URL")
+    stream = f"oncely-pub-proven-{uuid.uuid4().hex[:8]}"
+    publisher = RedisStreamsPublisher.from_url(url)
+    first = [OutboxEvent(1, "m-1", stream, b"x", {}, "a")]
+    batch = [
+        OutboxEvent(2, "m-2", stream, b"x", {"body": "refused"}, "a"),
+        OutboxEvent(3, "m-3", stream, b"x", {}, "a"),
+        OutboxEvent(4, "m-4", stream, b"x", {}, "b"),
+        OutboxEvent(5, "m-5", stream, b"x", {}, None),
+    ]
+
+    async def main() -> Any:
+        try:
+            assert await publisher.publish(first) == [None]  # the stream is proven
+            return await publisher.publish(batch)
+        finally:
+            await publisher.aclose()
+
+    client = redis.Redis.from_url(url)
+    try:
+        outcomes = asyncio.run(main())
+        written = [fields[b"Idempotency-Key"] for _, fields in client.xrange(stream)]
+    finally:
+        client.delete(stream)
+        client.close()
+    assert isinstance(outcomes[0], ConfigurationError)
+    assert list(outcomes[1:]) == [NOT_ATTEMPTED, None, None]
+    assert written == [b"m-1", b"m-4", b"m-5"]
+
+
 PROXIED = [kind for kind in BROKERS if kind.url_at]
 """Not Kafka: its clients follow the broker's advertised address, past a proxy."""
 

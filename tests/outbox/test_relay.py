@@ -164,7 +164,9 @@ def test_notify_wakes_the_relay_long_before_its_poll(pg: Db, tmp_path: Path) -> 
     outbox = Outbox(pg.store())
     publisher = FilePublisher(tmp_path / "out")
     relay = Relay(pg.store(), publisher, poll_interval=3600)
-    channel = outbox._pg.channel if outbox._pg else ""
+    from oncely.stores.postgres._outbox import channel as outbox_channel
+
+    channel = outbox_channel(pg.schema)
 
     def listening() -> bool:
         rows = pg.query(

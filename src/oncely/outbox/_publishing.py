@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from oncely.errors import ConfigurationError
-from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome, Scope, in_order, scope
+from oncely.outbox._event import NOT_ATTEMPTED, OutboxEvent, Outcome, Scope, in_order
 
 __all__ = ["check_options", "masked", "publish_ordered", "positive"]
 
@@ -69,15 +69,19 @@ async def publish_ordered(
 
     try:
         for index, event in enumerate(events):
-            key = scope(event)
+            ordering_key = event.ordering_key
+            key = None if ordering_key is None else (event.destination, ordering_key)
             if key is not None and key not in failed and (last := latest.get(key)) is not None:
-                if not last.done() and last in probes:
-                    if flush is not None:
-                        await flush()
-                    await asyncio.wait((last,), timeout=left())
-                if last.done() and not last.cancelled() and last.exception() is None:
-                    proven.add(probes.get(last, event.destination))
-                elif last.done() or last in probes:  # refused, or a probe not confirmed in time
+                if last in probes:
+                    if not last.done():
+                        if flush is not None:
+                            await flush()
+                        await asyncio.wait((last,), timeout=left())
+                    if last.done() and not last.cancelled() and last.exception() is None:
+                        proven.add(probes[last])
+                    else:  # refused, or a probe not confirmed in time
+                        failed.add(key)
+                elif last.done() and (last.cancelled() or last.exception() is not None):
                     failed.add(key)
             if key is not None and key in failed:
                 outcomes[index] = NOT_ATTEMPTED
@@ -96,17 +100,17 @@ async def publish_ordered(
                     probes[confirm] = event.destination
         if flush is not None:
             await flush()
-        if confirms:
+        if confirms and not all(answer.done() for answer in confirms.values()):
             await asyncio.wait(confirms.values(), timeout=left())
         for index, answer in confirms.items():
             if not answer.done():
                 outcomes[index] = TimeoutError(f"no confirmation from the broker in {timeout}s")
             elif answer.cancelled():  # by the driver, as its connection closed
                 outcomes[index] = ConnectionError("the driver dropped the confirmation")
+            elif (error := answer.exception()) is not None:
+                outcomes[index] = error
             else:
-                outcomes[index] = answer.exception()
-                if outcomes[index] is None:
-                    proven.add(events[index].destination)
+                proven.add(events[index].destination)
     finally:
         for pending in confirms.values():
             if not pending.done():

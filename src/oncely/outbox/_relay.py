@@ -1,7 +1,7 @@
 """`Relay`: publishes committed outbox events, in each scope's commit order, at least once.
 
-A scope is an ordering key and a destination. One cycle claims a batch (`_sql` explains how
-claims keep each scope's order across relays), hands it to the `Publisher`, and records each
+A scope is an ordering key and a destination. One cycle claims a batch (`oncely.outbox._store`
+states what a claim promises, whatever the database), hands it to the `Publisher`, and records each
 event's outcome: published, failed (counted, and retried after an exponential backoff),
 dead-lettered after ``max_attempts`` failures, or left as it was (not attempted). A failure of
 the whole publish call (the broker is down) counts against no event: the relay backs off and
@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from oncely import _events as _stream
 from oncely import _observed
 from oncely._core.policy import Duration, to_timedelta
 from oncely._log import fields, get_logger
 from oncely.errors import ConfigurationError, MissingDependencyError, SchemaMissingError
-from oncely.outbox import _sql
 from oncely.outbox._event import (
     NOT_ATTEMPTED,
     OutboxEvent,
@@ -37,7 +33,7 @@ from oncely.outbox._event import (
     in_order,
     scope,
 )
-from oncely.outbox._writer import check_store
+from oncely.outbox._store import ClaimedBatch, Failure, Settlement, backend_for
 
 __all__ = ["Relay"]
 
@@ -46,10 +42,6 @@ logger = get_logger("oncely.outbox")
 _MAX_BATCH = 10_000
 _MAX_ERROR = 2000
 """Characters of an error message kept in ``last_error``."""
-_PURGE_BATCH = 1000
-_WINDOW = 4
-"""A claim looks for heads among the oldest ``batch_size`` times this many pending events first
-(see `_sql.PG_HEADS`)."""
 _SETUP_ERRORS = (ConfigurationError, MissingDependencyError, SchemaMissingError)
 
 
@@ -112,7 +104,7 @@ class Relay:
         publish_timeout: Duration = 60.0,
         listen: bool = True,
     ) -> None:
-        check_store(store, "the relay")
+        backend = backend_for(store, "the relay")
         if not isinstance(publisher, Publisher):
             raise ConfigurationError(
                 f"a relay needs a Publisher (async publish and aclose), not "
@@ -137,11 +129,9 @@ class Relay:
         self.purge_interval = to_timedelta(purge_interval, "purge_interval")
         self.publish_timeout = to_timedelta(publish_timeout, "publish_timeout")
         self.listen = listen
-        self._backend: _Backend = (
-            _PostgresBackend(store)
-            if store.backend == "postgres"
-            else _SQLiteBackend(store, self.publish_timeout * 2 + timedelta(seconds=5))
-        )
+        self._backend = backend
+        self._hold = self.publish_timeout * 2 + timedelta(seconds=5)
+        """How long a claim lasts where it is a mark (SQLite), renewed before each call."""
         self._claimed = 0
 
     # -- one cycle -----------------------------------------------------------------------------
@@ -155,7 +145,7 @@ class Relay:
                 nothing was confirmed before a call timed out, or a `StoreError`.
         """
         self._claimed = 0
-        async with self._backend.claim(self.batch_size) as batch:
+        async with self._backend.claim(self.batch_size, self._hold) as batch:
             events = batch.events
             self._claimed = len(events)
             if not events:
@@ -168,7 +158,7 @@ class Relay:
             raise failure
         return len(settlement.published)
 
-    async def _publish(self, batch: _Batch) -> tuple[list[Outcome], Exception | None]:
+    async def _publish(self, batch: ClaimedBatch) -> tuple[list[Outcome], Exception | None]:
         """Publish *batch*'s events; return their outcomes, and the failure that stopped it.
 
         A call that times out is cancelled and its events published again in two halves, and
@@ -185,14 +175,17 @@ class Relay:
         parts = [list(range(len(events)))]  # a stack: the next part to try is the last
         calls = 0
         while parts:
-            part = [i for i in parts.pop() if scope(events[i]) not in blocked]
+            part = parts.pop()
+            if blocked:
+                part = [i for i in part if scope(events[i]) not in blocked]
             if not part:
                 continue
             if calls:
                 await batch.extend()
             calls += 1
+            sent = events if calls == 1 else [events[i] for i in part]  # the first: all
             try:
-                answers = await _within(self.publisher.publish([events[i] for i in part]), timeout)
+                answers = await _within(self.publisher.publish(sent), timeout)
             except _TimedOut as exc:
                 if len(part) > 1:
                     half = (len(part) + 1) // 2
@@ -211,6 +204,8 @@ class Relay:
                     f"the publisher answered {len(answers)} outcomes for {len(part)} events"
                 )
                 return outcomes, error
+            if calls == 1 and all(answer is None for answer in answers):  # all confirmed
+                return list(answers), None
             for index, answer in zip(part, answers, strict=True):
                 outcomes[index] = answer
                 if answer is None:
@@ -221,10 +216,13 @@ class Relay:
 
     def _settle(
         self, events: Sequence[OutboxEvent], outcomes: Sequence[Outcome], note: str | None
-    ) -> _Settlement:
+    ) -> Settlement:
         if _stream.on:
             _observed.relayed(events, outcomes, self.max_attempts)
-        settlement = _Settlement(note=note)
+        settlement = Settlement(note=note)
+        if all(outcome is None for outcome in outcomes):
+            settlement.published = [event.id for event in events]
+            return settlement
         for event, outcome in zip(events, outcomes, strict=True):
             if outcome is None:
                 settlement.published.append(event.id)
@@ -235,7 +233,7 @@ class Relay:
                 dead = attempts >= self.max_attempts
                 error = _describe(outcome)
                 delay = self._delay(attempts)
-                settlement.failed.append(_Failure(event.id, error, delay, dead))
+                settlement.failed.append(Failure(event.id, error, delay, dead))
                 if dead:
                     logger.error(
                         "outbox event %s (message id %s, to %s) dead-lettered after %d "
@@ -383,359 +381,11 @@ def _describe(exc: BaseException) -> str:
     return text[:_MAX_ERROR]
 
 
-# -- outcomes -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    id: int
-    error: str
-    delay: timedelta
-    dead: bool
-
-
-@dataclass(slots=True)
-class _Settlement:
-    """What to record for a batch: *note* is the failure that stopped it, if one did,
-    recorded as the untouched events' ``last_error`` (not counted against them)."""
-
-    published: list[int] = field(default_factory=list)
-    failed: list[_Failure] = field(default_factory=list)
-    untouched: list[int] = field(default_factory=list)
-    note: str | None = None
-
-
-class _Batch(Protocol):
-    events: list[OutboxEvent]
-
-    async def extend(self) -> None:
-        """Keep the claim for another ``publish_timeout`` (before another call)."""
-
-    async def settle(self, settlement: _Settlement) -> None: ...
-
-
-class _Backend(Protocol):
-    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[_Batch]: ...
-
-    async def listen(self, wake: asyncio.Event) -> asyncio.Task[None] | None: ...
-
-    async def purge(self, retention: timedelta) -> int: ...
-
-    async def stats(self) -> dict[str, Any]: ...
-
-    async def aclose(self) -> None: ...
-
-
-def _events(rows: Sequence[Sequence[Any]]) -> list[OutboxEvent]:
-    events = []
-    for event_id, message_id, destination, payload, headers, ordering_key, attempts in rows:
-        if isinstance(headers, str):
-            headers = json.loads(headers)
-        events.append(
-            OutboxEvent(
-                id=event_id,
-                message_id=message_id,
-                destination=destination,
-                payload=bytes(payload),
-                headers=headers,
-                ordering_key=ordering_key,
-                attempts=attempts,
-            )
-        )
-    events.sort(key=lambda event: event.id)  # within a key, id order is commit order
-    return events
-
-
-def _scopes(rows: Sequence[Sequence[Any]]) -> list[tuple[str, str]]:
-    """The (ordering key, destination) pairs of the keyed event rows, each once."""
-    return list(dict.fromkeys((row[5], row[2]) for row in rows if row[5] is not None))
-
-
-def _ms(duration: timedelta) -> int:
-    return int(duration // timedelta(milliseconds=1))
-
-
-# -- PostgreSQL -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Subject:
-    subject: str = "the outbox"
-
-
-class _PostgresBatch:
-    def __init__(self, queries: _sql.PostgresQueries, connection: Any) -> None:
-        self._queries = queries
-        self._connection = connection
-        self.events: list[OutboxEvent] = []
-
-    async def load(self, limit: int) -> None:
-        queries, connection = self._queries, self._connection
-        window = {"limit": limit, "window": limit * _WINDOW}
-        heads = await (await connection.execute(queries.heads, window)).fetchall()
-        scopes = _scopes(heads)
-        if scopes and len(heads) < limit:
-            params = {
-                "keys": [key for key, _ in scopes],
-                "destinations": [destination for _, destination in scopes],
-                "ids": [row[0] for row in heads],
-                "limit": limit - len(heads),
-            }
-            heads += await (await connection.execute(queries.followers, params)).fetchall()
-        self.events = _events(heads)
-
-    async def settle(self, settlement: _Settlement) -> None:
-        queries, connection = self._queries, self._connection
-        if settlement.published:
-            await connection.execute(queries.published, {"ids": settlement.published})
-        if settlement.failed:
-            failed = settlement.failed
-            params = {
-                "ids": [failure.id for failure in failed],
-                "errors": [failure.error for failure in failed],
-                "delays": [_ms(failure.delay) for failure in failed],
-                "dead": [failure.dead for failure in failed],
-            }
-            await connection.execute(queries.failed, params)
-        if settlement.note is not None and settlement.untouched:
-            params = {"ids": settlement.untouched, "error": settlement.note}
-            await connection.execute(queries.noted, params)
-
-    async def extend(self) -> None:
-        pass  # the rows stay locked until the transaction ends
-
-
-class _PostgresBackend:
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self._queries = _sql.PostgresQueries(store.schema)
-
-    @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[_Batch]:
-        store = self._store
-        # The transaction, and its locks, last until the outcomes are recorded (see _sql).
-        with store._errors(_Subject()):
-            pool = await store._async_pool()
-            async with pool.connection() as connection, connection.transaction():
-                batch = _PostgresBatch(self._queries, connection)
-                await batch.load(limit)
-                yield batch
-
-    async def listen(self, wake: asyncio.Event) -> asyncio.Task[None] | None:
-        return asyncio.get_running_loop().create_task(self._listen(wake), name="oncely-listen")
-
-    async def _listen(self, wake: asyncio.Event) -> None:
-        """Set *wake* on each NOTIFY, reconnecting (and waking once) after a failure."""
-        import psycopg
-
-        store = self._store
-        delay = 0.1
-        while True:
-            try:
-                connection = await psycopg.AsyncConnection.connect(store._conninfo, **store._kwargs)
-                async with connection:
-                    await connection.execute(f'LISTEN "{self._queries.channel}"')
-                    delay = 0.1
-                    wake.set()  # a notification sent before LISTEN took effect is not lost
-                    async for _ in connection.notifies():
-                        wake.set()
-            except psycopg.Error as exc:
-                logger.warning(
-                    "outbox relay: LISTEN failed (%s); polling meanwhile, retrying in %.1f s",
-                    exc,
-                    delay,
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-    async def purge(self, retention: timedelta) -> int:
-        from oncely.stores.postgres._sql import Statement
-
-        store, queries = self._store, self._queries
-        purged: int = 0
-        while True:
-            params = {"retention": retention, "batch": _PURGE_BATCH}
-            reply = await store._aexecute(Statement(queries.purge, params, "the outbox"))
-            purged += reply.rowcount
-            if reply.rowcount < _PURGE_BATCH:
-                break
-        while True:
-            statement = Statement(queries.purge_keys, {"batch": _PURGE_BATCH}, "the outbox")
-            if (await store._aexecute(statement)).rowcount < _PURGE_BATCH:
-                return purged
-
-    async def stats(self) -> dict[str, Any]:
-        from oncely.stores.postgres._sql import Statement
-
-        statement = Statement(self._queries.stats, {}, "the outbox", resend=True)
-        pending, dead, published, oldest = (await self._store._aexecute(statement)).rows[0]
-        return {
-            "pending": pending,
-            "dead": dead,
-            "published": published,
-            "oldest_pending": None if oldest is None else oldest.isoformat(),
-        }
-
-    async def aclose(self) -> None:
-        pass  # the store's pool is the store's
-
-
-# -- SQLite ---------------------------------------------------------------------------------------
-
-
-class _SQLiteBatch:
-    def __init__(self, backend: _SQLiteBackend, events: list[OutboxEvent]) -> None:
-        self._backend = backend
-        self.events = events
-        self.settled = False
-
-    async def settle(self, settlement: _Settlement) -> None:
-        await self._backend.call(self._backend.settle, settlement)
-        self.settled = True
-
-    async def extend(self) -> None:
-        await self._backend.call(self._backend.extend, [event.id for event in self.events])
-
-
-class _SQLiteBackend:
-    """The store's transactions, run in a thread of the relay's own (SQLite is sync)."""
-
-    def __init__(self, store: Any, claim_for: timedelta) -> None:
-        self._store = store
-        self._claim_ms = _ms(claim_for)
-        self._executor: ThreadPoolExecutor | None = None
-
-    async def call(self, function: Any, *args: Any) -> Any:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="oncely-outbox")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-
-    def _write(self) -> contextlib.AbstractContextManager[Any]:
-        return sqlite_write(self._store)
-
-    def _claim(self, limit: int) -> list[OutboxEvent]:
-        with self._write() as connection:
-            now = self._store.clock.now_ms()
-            rows = connection.execute(_sql.SQLITE_HEADS, {"now": now, "limit": limit}).fetchall()
-            scopes = _scopes(rows)
-            if scopes and len(rows) < limit:
-                params = {
-                    "scopes": json.dumps(scopes),
-                    "ids": json.dumps([row[0] for row in rows]),
-                    "limit": limit - len(rows),
-                }
-                rows += connection.execute(_sql.SQLITE_FOLLOWERS, params).fetchall()
-            if rows:
-                claim = {"until": now + self._claim_ms, "ids": json.dumps([row[0] for row in rows])}
-                connection.execute(_sql.SQLITE_CLAIM, claim)
-        return _events(rows)
-
-    def settle(self, settlement: _Settlement) -> None:
-        with self._write() as connection:
-            now = self._store.clock.now_ms()
-            connection.executemany(
-                _sql.SQLITE_PUBLISHED, [(now, event_id) for event_id in settlement.published]
-            )
-            connection.executemany(
-                _sql.SQLITE_FAILED,
-                [
-                    (f.error, now + _ms(f.delay), now if f.dead else None, f.id)
-                    for f in settlement.failed
-                ],
-            )
-            connection.executemany(
-                _sql.SQLITE_RELEASED,
-                [(settlement.note, event_id) for event_id in settlement.untouched],
-            )
-
-    def extend(self, ids: list[int]) -> None:
-        with self._write() as connection:
-            until = self._store.clock.now_ms() + self._claim_ms
-            connection.execute(_sql.SQLITE_CLAIM, {"until": until, "ids": json.dumps(ids)})
-
-    def release(self, ids: list[int], error: str | None) -> None:
-        with self._write() as connection:
-            connection.executemany(_sql.SQLITE_RELEASED, [(error, event_id) for event_id in ids])
-
-    @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[_Batch]:
-        batch = _SQLiteBatch(self, await self.call(self._claim, limit))
-        try:
-            yield batch
-        finally:
-            if not batch.settled and batch.events:  # cancelled, or the store failed: let go
-                with contextlib.suppress(Exception):
-                    await self.call(self.release, [event.id for event in batch.events], None)
-
-    async def listen(self, wake: asyncio.Event) -> asyncio.Task[None] | None:
-        return None  # SQLite has no notifications: the relay polls
-
-    def _purge(self, retention: timedelta) -> int:
-        purged: int = 0
-        while True:
-            with self._write() as connection:
-                before = self._store.clock.now_ms() - _ms(retention)
-                count = connection.execute(_sql.SQLITE_PURGE, (before, _PURGE_BATCH)).rowcount
-            purged += count
-            if count < _PURGE_BATCH:
-                break
-        while True:
-            with self._write() as connection:
-                count = connection.execute(_sql.SQLITE_PURGE_KEYS, (_PURGE_BATCH,)).rowcount
-            if count < _PURGE_BATCH:
-                return purged
-
-    async def purge(self, retention: timedelta) -> int:
-        return int(await self.call(self._purge, retention))
-
-    def _stats(self) -> dict[str, Any]:
-        store = self._store
-        with store._guarded(""), store._translate_errors("the outbox"):
-            row = store._connection().execute(_sql.SQLITE_STATS).fetchone()
-        pending, dead, published, oldest = row
-        return {
-            "pending": pending,
-            "dead": dead,
-            "published": published,
-            "oldest_pending": None if oldest is None else iso_ms(oldest),
-        }
-
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self.call(self._stats)
-        return result
-
-    async def aclose(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)  # its connection is the store's, closed with it
-            self._executor = None
-
-
-@contextlib.contextmanager
-def sqlite_write(store: Any) -> Iterator[Any]:
-    """A write transaction on *store*'s connection of this thread; SQLite's errors as the
-    store's (a missing table is `SchemaMissingError`)."""
-    with store._translate_errors("the outbox"), store._transaction("the outbox") as connection:
-        yield connection
-
-
-def iso_ms(ms: int) -> str:
-    """Epoch milliseconds as ISO 8601 UTC."""
-    from datetime import datetime, timezone
-
-    moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def backend_stats(store: Any) -> dict[str, Any]:
     """The outbox's counts (for ``oncely outbox stats``): pending, dead, published, oldest."""
-    check_store(store, "the outbox")
+    backend = backend_for(store, "the outbox")
 
     async def count() -> dict[str, Any]:
-        backend: _Backend = (
-            _PostgresBackend(store)
-            if store.backend == "postgres"
-            else _SQLiteBackend(store, timedelta(0))
-        )
         try:
             return await backend.stats()
         finally:

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from oncely import _events, _observed, _txn
+from oncely import _events, _observed
 from oncely._core.keys import validate_key
 from oncely.errors import ConfigurationError, ConflictError
-from oncely.outbox import _sql
+from oncely.outbox._store import NewEvent, backend_for
 
 __all__ = ["Outbox"]
 
-_USER = "the outbox"
 _MAX_NAME = 1024
 """The longest destination or ordering key accepted (brokers cap theirs lower still)."""
 
@@ -57,10 +55,9 @@ class Outbox:
     """
 
     def __init__(self, store: Any, *, notify: bool = True) -> None:
-        check_store(store, "the outbox")
+        self._backend = backend_for(store, "the outbox")
         self.store = store
         self.notify = notify
-        self._pg = _sql.PostgresQueries(store.schema) if store.backend == "postgres" else None
 
     def add(
         self,
@@ -95,14 +92,7 @@ class Outbox:
         if _events.on:
             headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
-        raw = _txn.raw_connection(connection, _USER)
-        if self._pg is None:
-            added = _sqlite_add(self.store, raw, event)
-        else:
-            _txn.check_psycopg_transaction(raw, _USER)
-            statement, params = self._pg_statement(event)
-            added = raw.execute(statement, params).fetchone() is not None
-        return _added(event, added)
+        return _added(event, self._backend.add(connection, event, notify=self.notify))
 
     async def aadd(
         self,
@@ -118,51 +108,7 @@ class Outbox:
         if _events.on:
             headers = _observed.outbox_headers(destination, headers)
         event = _event(destination, payload, headers, ordering_key, message_id)
-        if self._pg is None:
-            raise ConfigurationError("aadd needs PostgreSQL (async psycopg): SQLite is sync")
-        raw = await _txn.araw_connection(connection)
-        _txn.check_psycopg_transaction(raw, _USER)
-        statement, params = self._pg_statement(event)
-        cursor = await raw.execute(statement, params)
-        return _added(event, await cursor.fetchone() is not None)
-
-    def _pg_statement(self, event: _Event) -> tuple[str, dict[str, Any]]:
-        queries = self._pg
-        assert queries is not None
-        params = {
-            "message_id": event.message_id,
-            "destination": event.destination,
-            "ordering_key": event.ordering_key,
-            "payload": event.payload,
-            "headers": event.headers,
-        }
-        if not self.notify:
-            return queries.add, params
-        params["channel"] = queries.channel
-        return queries.add_notify, params
-
-
-def check_store(store: Any, user: str) -> None:
-    """Refuse a store whose records live in no SQL database the caller can share."""
-    backend = getattr(store, "backend", None)
-    if backend not in ("postgres", "sqlite"):
-        raise ConfigurationError(
-            f"{user} writes in the caller's SQL transaction: it needs a PostgresStore or an "
-            f"SQLiteStore, not {type(store).__name__}"
-        )
-    if backend == "sqlite" and store.path == ":memory:":
-        raise ConfigurationError(
-            f"{user} needs a SQLite database file the application shares, not ':memory:'"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Event:
-    message_id: str
-    destination: str
-    payload: bytes
-    headers: str
-    ordering_key: str | None
+        return _added(event, await self._backend.aadd(connection, event, notify=self.notify))
 
 
 def _event(
@@ -171,7 +117,7 @@ def _event(
     headers: Mapping[str, str] | None,
     ordering_key: object,
     message_id: object,
-) -> _Event:
+) -> NewEvent:
     """Validate an event before it touches the database."""
     _check_name("destination", destination)
     if ordering_key is not None:
@@ -182,7 +128,7 @@ def _event(
         payload = bytes(payload)
     elif not isinstance(payload, bytes):
         raise ConfigurationError(f"an outbox payload is bytes or str, not {type(payload).__name__}")
-    return _Event(
+    return NewEvent(
         message_id=str(uuid.uuid4()) if message_id is None else validate_key(message_id),
         destination=destination,  # type: ignore[arg-type]  # checked
         payload=payload,
@@ -221,32 +167,9 @@ def _headers(headers: Mapping[str, str] | None) -> str:
     return json.dumps(dict(headers), separators=(",", ":"), ensure_ascii=False)
 
 
-def _added(event: _Event, added: bool) -> str:
+def _added(event: NewEvent, added: bool) -> str:
     if not added:
         raise ConflictError(
             f"message id {event.message_id!r} is in the outbox already", key=event.message_id
         )
     return event.message_id
-
-
-def _sqlite_add(store: Any, connection: Any, event: _Event) -> bool:
-    _txn.check_sqlite_transaction(connection, _USER)
-    with store._translate_errors(event.message_id):
-        seq = None
-        if event.ordering_key is not None:
-            seq = connection.execute(_sql.SQLITE_NEXT_SEQ, (event.ordering_key,)).fetchone()[0]
-        now_ms = store.clock.now_ms()
-        row = connection.execute(
-            _sql.SQLITE_ADD,
-            (
-                event.message_id,
-                event.destination,
-                event.ordering_key,
-                seq,
-                event.payload,
-                event.headers,
-                now_ms,
-                now_ms,
-            ),
-        ).fetchone()
-    return row is not None
