@@ -94,6 +94,11 @@ def main() -> None:
         "deco": (adeco, adeco),
     }
     results: dict[tuple[str, str, str], list[float]] = {}
+    cpu: dict[tuple[str, str, str], list[float]] = {}
+
+    def record(what: tuple[str, str, str], wall: float, used: float) -> None:
+        results.setdefault(what, []).append((time.perf_counter() - wall) / ns.ops * 1e6)
+        cpu.setdefault(what, []).append((time.process_time() - used) / ns.ops * 1e6)
 
     def sync_round(r: int) -> None:
         names = list(sync_subjects)
@@ -101,18 +106,14 @@ def main() -> None:
         for name in names:
             new, replay = sync_subjects[name]
             keys = [f"s{r}-{name}-{i}" for i in range(ns.ops)]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for k in keys:
                 new(k)
-            results.setdefault(("sync", "new", name), []).append(
-                (time.perf_counter() - t) / ns.ops * 1e6
-            )
-            t = time.perf_counter()
+            record(("sync", "new", name), t, c)
+            t, c = time.perf_counter(), time.process_time()
             for k in keys:
                 replay(k)
-            results.setdefault(("sync", "replay", name), []).append(
-                (time.perf_counter() - t) / ns.ops * 1e6
-            )
+            record(("sync", "replay", name), t, c)
 
     async def async_round(r: int) -> None:
         names = list(async_subjects)
@@ -120,18 +121,14 @@ def main() -> None:
         for name in names:
             new, replay = async_subjects[name]
             keys = [f"a{r}-{name}-{i}" for i in range(ns.ops)]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for k in keys:
                 await new(k)
-            results.setdefault(("async", "new", name), []).append(
-                (time.perf_counter() - t) / ns.ops * 1e6
-            )
-            t = time.perf_counter()
+            record(("async", "new", name), t, c)
+            t, c = time.perf_counter(), time.process_time()
             for k in keys:
                 await replay(k)
-            results.setdefault(("async", "replay", name), []).append(
-                (time.perf_counter() - t) / ns.ops * 1e6
-            )
+            record(("async", "replay", name), t, c)
 
     async def amain() -> None:
         nonlocal aclient
@@ -143,6 +140,7 @@ def main() -> None:
                 await async_round(r)
             if r == 0:
                 results.clear()  # warm-up
+                cpu.clear()
         await aclient.aclose()
         await store.aclose()
 
@@ -158,12 +156,14 @@ def main() -> None:
             raw = results.get((mode, op, "raw"))
             if not raw:
                 continue
-            cells = []
-            for name in ("raw", "verbs", "deco"):
-                us = results[(mode, op, name)]
-                ratio = statistics.median(a / b for a, b in zip(raw, us, strict=True))
-                cells.append(f"{name} {statistics.median(us):6.1f}us {ratio:.2f}")
-            print(f"{mode:5} {op:6} " + " | ".join(cells))
+            for label, table in (("wall", results), ("cpu", cpu)):
+                base = table[(mode, "" + op, "raw")]
+                cells = []
+                for name in ("raw", "verbs", "deco"):
+                    us = table[(mode, op, name)]
+                    ratio = statistics.median(a / b for a, b in zip(base, us, strict=True))
+                    cells.append(f"{name} {statistics.median(us):6.1f}us {ratio:.2f}")
+                print(f"{mode:5} {op:6} {label:4} " + " | ".join(cells))
 
 
 if __name__ == "__main__":

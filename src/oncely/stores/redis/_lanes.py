@@ -109,7 +109,7 @@ class AsyncLane:
         connection = idle.pop() if idle else await self._pool.get_connection()
         try:
             try:
-                await connection.send_command(*command)
+                await _send(connection, command)
                 return await connection.read_response()
             except self._errors as exc:
                 return await self._again(connection, command, exc)
@@ -129,7 +129,26 @@ class AsyncLane:
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                await connection.send_command(*command)
+                await _send(connection, command)
                 return await connection.read_response()
             except self._errors as exc:
                 error = exc
+
+
+async def _send(connection: Any, command: Sequence[Any]) -> None:
+    """Send *command* on the async *connection*, as its ``send_command`` would.
+
+    redis-py waits for every command's ``drain()`` in ``asyncio.wait_for``: a task and a turn
+    of the loop more per command, for a buffer that is empty again as soon as the socket took
+    the bytes, as it does at once for a command this small. So the bytes go to the transport,
+    and only when some are left in its buffer does redis-py's own send wait for them to go
+    (with its timeout and its handling of errors). A connection that is not connected, or
+    checks its health before commands, goes through redis-py's send as a whole.
+    """
+    writer = connection._writer
+    if writer is None or connection.health_check_interval:
+        await connection.send_command(*command)
+        return
+    writer.writelines(connection.pack_command(*command))
+    if writer.transport.get_write_buffer_size():
+        await connection.send_packed_command([], check_health=False)
