@@ -44,8 +44,8 @@ from oncely.errors import (
 from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
-from oncely.stores.redis._lanes import AsyncLane, SyncLane, lane_for
-from oncely.stores.redis._packing import use_hiredis
+from oncely.stores.redis._lanes import AsyncLane, SyncLane, lane_for, packer
+from oncely.stores.redis._packing import packs_with_hiredis, use_hiredis
 from oncely.stores.redis._pool import queuing_pool
 
 __all__ = ["RedisClusterStore", "RedisStore"]
@@ -759,7 +759,8 @@ class RedisStore(_RedisStoreBase):
         pool = client.connection_pool
         if not lane_for(pool):
             return None
-        return lane_class(pool, self._retries, self._backoff(), self._retried)
+        pack = packer(packs_with_hiredis(pool))
+        return lane_class(pool, self._retries, self._backoff(), self._retried, pack)
 
     def _pooled(self) -> dict[str, Any]:
         """The client options, for a sync pool that queues the threads past its size.
