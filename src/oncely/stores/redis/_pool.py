@@ -41,6 +41,14 @@ def queuing_pool(base: type) -> Any:
             self._freed = threading.Condition(threading.Lock())
             self._waiting = 0
 
+        def make_connection(self) -> Any:
+            # redis-py before 6 raises a plain ConnectionError here when the pool is full,
+            # which nothing tells from a failed connection: make it MaxConnectionsError (a
+            # ConnectionError too), as later versions raise. Called under the pool's lock.
+            if self._created_connections >= self.max_connections:
+                raise MaxConnectionsError("Too many connections")
+            return super().make_connection()
+
         def get_connection(self, *args: Any, **kwargs: Any) -> Any:
             try:
                 return super().get_connection(*args, **kwargs)
