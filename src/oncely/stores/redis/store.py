@@ -9,7 +9,9 @@ record's key).
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
 the same flows (`oncely.stores.redis._scripts`); the ``_run`` methods below are the only code that
-differs. Every redis-py exception is translated in `_RedisStoreBase._translated`.
+differs. On a standalone server they send each call straight on a pooled connection of the client
+(`oncely.stores.redis._lanes`). Every redis-py exception is translated in
+`_RedisStoreBase._translated`.
 
 The batch verbs (`oncely.BatchStore`) run one function over every item: one call on a single
 server; on a cluster, one per slot the items fall in (sequential in sync code, concurrent in
