@@ -522,28 +522,33 @@ class TestCluster:
 
 
 class Sent:
-    """Counts the commands redis-py writes to any server, sync and async, by name."""
+    """Counts the commands written to any Redis server, sync and async, by name.
+
+    Sync: what redis-py's connections send. Async: what any asyncio stream writes, which is
+    where the store's own async path (`oncely.stores.redis._lanes`) writes its commands.
+    """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.names: list[str] = []
         sync_send = redis.connection.AbstractConnection.send_packed_command
-        async_send = redis.asyncio.connection.AbstractConnection.send_packed_command
+        async_write = asyncio.StreamWriter.writelines
         sent = self
 
         def send(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             sent._record(command)
             return sync_send(self, command, *args, **kwargs)
 
-        async def asend(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
-            sent._record(command)
-            return await async_send(self, command, *args, **kwargs)
+        def awrite(self: Any, data: Any) -> None:
+            data = list(data)
+            sent._record(data)
+            async_write(self, data)
 
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
-        monkeypatch.setattr(
-            redis.asyncio.connection.AbstractConnection, "send_packed_command", asend
-        )
+        monkeypatch.setattr(asyncio.StreamWriter, "writelines", awrite)
 
     def _record(self, command: Any) -> None:
+        if not command:  # redis-py's wait for the rest of a command: nothing more is written
+            return
         head = command if isinstance(command, (bytes, str)) else b"".join(list(command)[:1])
         head = head.encode() if isinstance(head, str) else head
         match = re.match(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)", head)

@@ -13,7 +13,8 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 
 from oncely import Acquired, Replay
 from oncely.stores.redis import RedisStore
-from oncely.stores.redis._packing import _packing, use_hiredis
+from oncely.stores.redis._lanes import packer
+from oncely.stores.redis._packing import _packing, packs_with_hiredis, use_hiredis
 from tests.conftest import service_url
 
 COMMANDS: list[tuple[Any, ...]] = [
@@ -70,3 +71,51 @@ def test_the_store_async_connections_pack_with_hiredis() -> None:
         await store.aclose()
 
     asyncio.run(main())
+
+
+STORE_COMMANDS: list[tuple[Any, ...]] = [
+    command for command in COMMANDS if " " not in str(command[0]) and "SCAN" not in command
+]
+STORE_COMMANDS = [
+    tuple(bytes(arg) if isinstance(arg, memoryview) else arg for arg in command)
+    for command in STORE_COMMANDS
+] + [("FCALL", "oncely_0123_claim", 1, "oncely:{ns:k}", "v1:ab", 30_000, 300_000, "0f" * 8)]
+
+
+@pytest.mark.parametrize("command", STORE_COMMANDS, ids=lambda c: str(c[0]))
+def test_the_lanes_pack_what_the_connections_pack(command: tuple[Any, ...]) -> None:
+    """The lanes' packer (`oncely.stores.redis._lanes.packer`) sends the bytes that the sync
+    connections and the hiredis-packed async ones send for the store's commands."""
+    import redis.connection
+
+    pack = packer(True)
+    assert pack is not None
+    sync_connection = redis.connection.Connection()
+    assert b"".join(pack(command)) == b"".join(sync_connection.pack_command(*command))
+    assert b"".join(pack(command)) == b"".join(Connection().pack_command(*command))
+
+
+def test_which_pools_pack_with_hiredis() -> None:
+    """Stock sync connections and hiredis-packed async ones do; a client that encodes text
+    otherwise, has a packer of its own, or a connection class that packs otherwise does not."""
+    import redis.connection
+
+    class Pool:
+        def __init__(self, connection_class: type, **kwargs: Any) -> None:
+            self.connection_class = connection_class
+            self.connection_kwargs = kwargs
+
+    class OwnPacking(redis.connection.Connection):
+        def pack_command(self, *args: Any) -> list[bytes]:
+            return super().pack_command(*args)
+
+    assert packer(False) is None
+    for kind in (redis.connection.Connection, redis.connection.SSLConnection):
+        assert packs_with_hiredis(Pool(kind))
+        assert not packs_with_hiredis(Pool(kind, encoding="latin-1"))
+        assert not packs_with_hiredis(Pool(kind, command_packer=object()))
+    assert not packs_with_hiredis(Pool(OwnPacking))
+    assert not packs_with_hiredis(Pool(Connection))  # async, before use_hiredis
+    pool = Pool(Connection)
+    assert use_hiredis(pool)
+    assert packs_with_hiredis(pool)

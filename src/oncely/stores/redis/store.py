@@ -9,7 +9,9 @@ record's key).
 One store object serves both worlds: sync callers use a `redis.Redis` (or `redis.RedisCluster`)
 client, async callers a `redis.asyncio` client created on first use in each event loop. Both run
 the same flows (`oncely.stores.redis._scripts`); the ``_run`` methods below are the only code that
-differs. Every redis-py exception is translated in `_RedisStoreBase._translated`.
+differs. On a standalone server they send each call straight on a pooled connection of the client
+(`oncely.stores.redis._lanes`). Every redis-py exception is translated in
+`_RedisStoreBase._translated`.
 
 The batch verbs (`oncely.BatchStore`) run one function over every item: one call on a single
 server; on a cluster, one per slot the items fall in (sequential in sync code, concurrent in
@@ -44,12 +46,14 @@ from oncely.errors import (
 from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
-from oncely.stores.redis._packing import use_hiredis
+from oncely.stores.redis._lanes import AsyncLane, SyncLane, lane_for, packer
+from oncely.stores.redis._packing import packs_with_hiredis, use_hiredis
 from oncely.stores.redis._pool import queuing_pool
 
 __all__ = ["RedisClusterStore", "RedisStore"]
 
 _S = TypeVar("_S", bound="_RedisStoreBase")
+_L = TypeVar("_L", SyncLane, AsyncLane)
 
 DEFAULT_PREFIX: Final = "oncely:"
 """The prefix of every record's name unless another is given."""
@@ -66,6 +70,7 @@ class _LoopClient:
     client: Any
     scripts: _scripts.Scripts
     gate: asyncio.Semaphore  # bounds the commands in flight: see _arun
+    lane: AsyncLane | None = None  # the direct path to the client's connections, if it has one
     ready: asyncio.Task[None] | None = None  # the client's start: see _async_entry
     guard: AsyncGenerator[None, None] | None = None  # see _close_with_loop
     closed: bool = False
@@ -114,6 +119,8 @@ class _RedisStoreBase:
     ) -> None:
         del clock  # leases and expiry are judged by the server's clock (TIME)
         self._redis = redis = _redis()
+        # What a command is re-sent after (see _retry).
+        self._retried: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
         # What _translated turns into oncely's errors; anything else passes through.
         self._failures: tuple[type[BaseException], ...] = (
             redis.RedisError,
@@ -137,6 +144,7 @@ class _RedisStoreBase:
         self._lock = threading.Lock()
         self._client: Any = None
         self._scripts: _scripts.Scripts | None = None
+        self._lane: SyncLane | None = None
         self._loops: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
         self._closed = False
 
@@ -148,6 +156,13 @@ class _RedisStoreBase:
     def _new_async_client(self) -> Any:
         raise NotImplementedError
 
+    def _new_lane(self, client: Any, lane_class: type[_L]) -> _L | None:
+        """The direct path to *client*'s connections (`_lanes`), or None to use the client."""
+        return None
+
+    def _backoff(self) -> Any:
+        return self._redis.backoff.ExponentialWithJitterBackoff(base=0.01, cap=0.25)
+
     def _retry(self, retry_class: Any) -> Any:
         # Re-send once after a connection error: that heals a pooled connection the server or a
         # proxy dropped (restart, idle timeout, CLIENT KILL) while a down server still fails in
@@ -157,9 +172,7 @@ class _RedisStoreBase:
         # carries the same call id, which the script recognises, so the re-send answers as the
         # first would have (see _scripts); a late first copy finds its own effect just as well.
         # Bounded: at most `retries` re-sends, each waiting socket_timeout at most.
-        backoff = self._redis.backoff.ExponentialWithJitterBackoff(base=0.01, cap=0.25)
-        errors = (self._redis.ConnectionError, self._redis.TimeoutError)
-        return retry_class(backoff, self._retries, supported_errors=errors)
+        return retry_class(self._backoff(), self._retries, supported_errors=self._retried)
 
     def _register(self, client: Any) -> _scripts.Scripts:
         return _scripts.Scripts(client, self._redis.exceptions)
@@ -171,6 +184,7 @@ class _RedisStoreBase:
                 self._check_open()
                 if self._scripts is None:
                     self._client = self._new_client()
+                    self._lane = self._new_lane(self._client, SyncLane)
                     self._scripts = self._register(self._client)
                 scripts = self._scripts
         return scripts
@@ -187,7 +201,8 @@ class _RedisStoreBase:
                         del self._loops[other]  # closed loops closed their clients already
                     client = self._new_async_client()
                     gate = asyncio.Semaphore(self._max_connections)
-                    entry = _LoopClient(client, self._register(client), gate)
+                    lane = self._new_lane(client, AsyncLane)
+                    entry = _LoopClient(client, self._register(client), gate, lane)
                     self._loops[loop] = entry
                     entry.ready = loop.create_task(self._start(loop, entry))
         ready = entry.ready
@@ -269,8 +284,9 @@ class _RedisStoreBase:
     def _run(self, script: str, key: str, keys: list[bytes], args: Sequence[Any]) -> Any:
         """Run *script* on *keys* with *args*; *key* names the call in error messages.
 
-        One FCALL (or EVALSHA) by ``execute_command``; only when it fails does
-        `_scripts.Scripts.recover` load what the server lacks and run it again.
+        One FCALL (or EVALSHA), on the lane (`_lanes`) or else by ``execute_command``; only
+        when it fails does `_scripts.Scripts.recover` load what the server lacks and run it
+        again, the same way.
         """
         try:
             if self._closed:
@@ -279,10 +295,16 @@ class _RedisStoreBase:
             if scripts is None:
                 scripts = self._sync_scripts()
             client = scripts.client
+            command = (*scripts.heads[script], len(keys), *keys, *args)
+            lane = self._lane
             try:
-                return client.execute_command(*scripts.heads[script], len(keys), *keys, *args)
+                if lane is not None:
+                    return lane.call(command)
+                return client.execute_command(*command)
             except self._redis.ResponseError as exc:
                 flow = scripts.recover(script, keys, args, exc)
+                if lane is not None:
+                    return drive(flow, lane.call)
                 return drive(flow, lambda command: client.execute_command(*command))
         except self._failures as exc:
             raise self._translated(key, exc) from exc
@@ -301,12 +323,16 @@ class _RedisStoreBase:
             try:
                 scripts = entry.scripts
                 client = scripts.client
+                command = (*scripts.heads[script], len(keys), *keys, *args)
+                lane = entry.lane
                 try:
-                    return await client.execute_command(
-                        *scripts.heads[script], len(keys), *keys, *args
-                    )
+                    if lane is not None:
+                        return await lane.call(command)
+                    return await client.execute_command(*command)
                 except self._redis.ResponseError as exc:
                     flow = scripts.recover(script, keys, args, exc)
+                    if lane is not None:
+                        return await adrive(flow, lane.call)
                     return await adrive(flow, lambda command: client.execute_command(*command))
             finally:
                 gate.release()
@@ -579,6 +605,7 @@ class _RedisStoreBase:
                 return []
             self._closed = True
             client, self._client, self._scripts = self._client, None, None
+            self._lane = None
             loops, self._loops = list(self._loops.items()), {}
         if client is not None:
             with contextlib.suppress(Exception):
@@ -729,6 +756,13 @@ class RedisStore(_RedisStoreBase):
         client = asyncio_redis.Redis.from_url(self.url, retry=retry, **self._options)
         use_hiredis(client.connection_pool)
         return client
+
+    def _new_lane(self, client: Any, lane_class: type[_L]) -> _L | None:
+        pool = client.connection_pool
+        if not lane_for(pool):
+            return None
+        pack = packer(packs_with_hiredis(pool))
+        return lane_class(pool, self._retries, self._backoff(), self._retried, pack)
 
     def _pooled(self) -> dict[str, Any]:
         """The client options, for a sync pool that queues the threads past its size.

@@ -1,0 +1,181 @@
+"""The Redis store's direct path to its connections (`oncely.stores.redis._lanes`).
+
+Every verb of the store runs on it (the rest of the Redis tests hold it to the contract); these
+tests hold it to what redis-py's client did around each command: a connection goes back to the
+pool whatever happens to its call, a forked child never writes on its parent's sockets, a call
+cancelled in flight leaves no reply behind for the next one, and the clients that redis-py must
+see command by command keep going through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from oncely import Acquired, Replay
+from oncely.errors import StoreUnavailableError
+from oncely.stores.redis import RedisStore
+from oncely.stores.redis._lanes import AsyncLane, SyncLane
+from tests.conftest import service_url
+from tests.stores._cut import ReplyCutter
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(minutes=5)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return service_url("ONCELY_TEST_REDIS_URL")
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[RedisStore]:
+    with RedisStore(redis_url, namespace=_namespace()) as store:
+        yield store
+
+
+def _namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.redis
+class TestTheLaneIsTaken:
+    def test_sync_and_async_calls_take_it(self, store: RedisStore) -> None:
+        assert isinstance(store.claim("k", "fp", lease=LEASE, ttl=TTL), Acquired)
+        assert isinstance(store._lane, SyncLane)
+
+        async def run() -> object:
+            assert isinstance(await store.aclaim("a", "fp", lease=LEASE, ttl=TTL), Acquired)
+            return (await store._async_entry()).lane
+
+        assert isinstance(asyncio.run(run()), AsyncLane)
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_resp3_clients_stay_on_redis_py(self, redis_url: str, mode: str) -> None:
+        """RESP3 brings push notifications that redis-py's client must see: no lane."""
+        key = f"k-{uuid.uuid4().hex}"
+        with RedisStore(f"{redis_url}?protocol=3", namespace=_namespace()) as store:
+            if mode == "sync":
+                taken = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                assert store.complete(key, taken.token, b"r", ttl=TTL) is None
+                assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Replay)
+                assert store._lane is None
+            else:
+
+                async def run() -> None:
+                    taken = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                    assert isinstance(taken, Acquired)
+                    assert await store.acomplete(key, taken.token, b"r", ttl=TTL) is None
+                    assert isinstance(await store.aclaim(key, "fp", lease=LEASE, ttl=TTL), Replay)
+                    assert (await store._async_entry()).lane is None
+                    await store.aclose()
+
+                asyncio.run(run())
+
+
+@pytest.mark.redis
+class TestConnectionsGoBack:
+    """One connection, and a reply cut on its way (`ReplyCutter`), with no re-send: the call
+    fails on its own error, and the calls after it find the connection free again (a leaked
+    one would leave them no connection at all)."""
+
+    def test_after_a_sync_call_fails(self, redis_url: str) -> None:
+        port = int(redis_url.rpartition(":")[2].partition("/")[0])
+        with ReplyCutter(port) as cutter:
+            url = f"redis://127.0.0.1:{cutter.port}/0"
+            with RedisStore(url, namespace=_namespace(), retries=0, max_connections=1) as store:
+                assert isinstance(store.claim("warm", "fp", lease=LEASE, ttl=TTL), Acquired)
+                for round_ in range(3):
+                    cutter.arm(f"cut-{round_}".encode())
+                    with pytest.raises(StoreUnavailableError) as caught:
+                        store.claim(f"cut-{round_}", "fp", lease=LEASE, ttl=TTL)
+                    assert "ConnectionError" in str(caught.value)
+                    answer = store.claim(f"after-{round_}", "fp", lease=LEASE, ttl=TTL)
+                    assert isinstance(answer, Acquired)
+                assert not store._client.connection_pool._in_use_connections
+
+    def test_after_an_async_call_fails(self, redis_url: str) -> None:
+        port = int(redis_url.rpartition(":")[2].partition("/")[0])
+
+        async def run(url: str, cutter: ReplyCutter) -> None:
+            store = RedisStore(url, namespace=_namespace(), retries=0, max_connections=1)
+            try:
+                assert isinstance(await store.aclaim("warm", "fp", lease=LEASE, ttl=TTL), Acquired)
+                for round_ in range(3):
+                    cutter.arm(f"cut-{round_}".encode())
+                    with pytest.raises(StoreUnavailableError) as caught:
+                        await store.aclaim(f"cut-{round_}", "fp", lease=LEASE, ttl=TTL)
+                    assert "ConnectionError" in str(caught.value)
+                    answer = await store.aclaim(f"after-{round_}", "fp", lease=LEASE, ttl=TTL)
+                    assert isinstance(answer, Acquired)
+            finally:
+                await store.aclose()
+
+        with ReplyCutter(port) as cutter:
+            asyncio.run(run(f"redis://127.0.0.1:{cutter.port}/0", cutter))
+
+    @pytest.mark.redis
+    def test_a_cancelled_async_call_leaves_no_reply_for_the_next(self, store: RedisStore) -> None:
+        """A call cancelled while its reply is on the way: the next call on the loop reads its
+        own reply, not the one the cancelled call left on the connection."""
+
+        async def run() -> None:
+            for key, result in (("one", b"first"), ("two", b"second")):
+                taken = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                assert await store.acomplete(key, taken.token, result, ttl=TTL) is None
+            for _ in range(20):
+                pending = asyncio.ensure_future(store.aclaim("one", "fp", lease=LEASE, ttl=TTL))
+                await asyncio.sleep(0)  # the command is out; its reply is not read yet
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                answer = await store.aclaim("two", "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(answer, Replay)
+                assert answer.record.result == b"second"
+
+        asyncio.run(run())
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_uses_connections_of_its_own(store: RedisStore) -> None:
+    """The parent's idle connections stay the parent's: the child's calls connect afresh, and
+    the parent's connection still serves the parent afterwards."""
+    key = f"k-{uuid.uuid4().hex}"
+    taken = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+    assert isinstance(taken, Acquired)
+    parent_connection = store._client.connection_pool._available_connections[-1]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            used: list[object] = []
+            send = parent_connection.send_command
+
+            def spy(*args: object, **kwargs: object) -> None:
+                used.append(args)
+                send(*args, **kwargs)
+
+            parent_connection.send_command = spy
+            answer = store.claim(key, "fp", lease=LEASE, ttl=TTL)
+            code = 0 if type(answer).__name__ == "InProgress" and not used else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"\x00"
+    finally:
+        os.close(read)
+        os.waitpid(child, 0)
+    assert store.complete(key, taken.token, b"r", ttl=TTL) is None
+    assert store._client.connection_pool._available_connections[-1] is parent_connection
+    assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Replay)
