@@ -36,16 +36,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
 import inspect
 import secrets
 import threading
-import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from oncely import _events, _execution, _observed, _switches
 from oncely._cancel import give_back, shielded
@@ -61,15 +58,24 @@ from oncely._core.fingerprint import (
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.keys import content_key, name_key, scope_key, validate_key
 from oncely._core.machine import landed
-from oncely._core.policy import Duration, Policy, to_timedelta
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
-from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay, Status
+from oncely._core.records import Acquired, InProgress, LeaseLost, Mismatch, Replay
 from oncely._log import fields, get_logger
+from oncely.consumers._decision import decide, report, retry_delay
+from oncely.consumers._verdicts import (
+    KEY_HEADERS,
+    Action,
+    ConsumerPolicy,
+    ConsumerStats,
+    Delivery,
+    FingerprintSource,
+    KeySource,
+    Reason,
+    Verdict,
+    seconds,
+)
 from oncely.errors import (
     ConfigurationError,
-    CorruptRecordError,
-    FingerprintMismatchError,
-    InProgressError,
     InvalidKeyError,
     LeaseLostError,
     OncelyError,
@@ -108,201 +114,9 @@ logger = get_logger(__name__)
 
 T = TypeVar("T")
 
-KEY_HEADERS: tuple[str, ...] = ("Idempotency-Key", "x-idempotency-key")
-"""Headers read for the key, in this order and case-insensitively."""
-
 BATCH_VERBS: tuple[str, ...] = ("claim_many", "complete_many", "aclaim_many", "acomplete_many")
 """The verbs of `oncely.BatchStore` (whose docstring is their contract), which
 `IdempotentConsumer.batch_flow` uses when a store has all of them."""
-
-
-# -- what an adapter gives and gets ------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One delivery of a message, as every broker adapter describes it.
-
-    Attributes:
-        body: The payload, as bytes.
-        headers: The message's headers (values may be ``str`` or ``bytes``).
-        message_id: The broker's identity of the message, stable across redeliveries
-            (an AMQP ``message_id``, a stream sequence, ``topic/partition/offset``, a stream
-            entry id), used as the key when no header carries one. ``None`` if it has none.
-        raw: The broker's own message object, for key and fingerprint callables.
-
-    .. versionadded:: 0.1.0
-    """
-
-    body: bytes
-    headers: Mapping[str, Any] = field(default_factory=dict)
-    message_id: str | None = None
-    raw: Any = None
-
-    def header(self, name: str) -> str | bytes | None:
-        """Return the header *name* (case-insensitive), or ``None``."""
-        wanted = name.lower()
-        for header, value in self.headers.items():
-            if header.lower() == wanted and value is not None:
-                return value if isinstance(value, (str, bytes)) else str(value)
-        return None
-
-
-class Action(str, enum.Enum):
-    """What the adapter must tell the broker about one delivery."""
-
-    ACK = "ack"
-    """Acknowledge (commit): the message has taken effect, or already had."""
-    RETRY = "retry"
-    """Do not acknowledge: have it redelivered (after `Verdict.delay` when one is given)."""
-    DEAD_LETTER = "dead_letter"
-    """Move it to the dead-letter target (the broker's, or one the adapter was given)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Reason(str, enum.Enum):
-    """Why a `Verdict` was reached; also the name of the counter it increments."""
-
-    PROCESSED = "processed"
-    DUPLICATE = "duplicate"
-    IN_PROGRESS = "in_progress"
-    HANDLER_FAILED = "handler_failed"
-    EXHAUSTED = "exhausted"
-    MISMATCH = "mismatch"
-    INVALID_KEY = "invalid_key"
-    CORRUPT_RECORD = "corrupt_record"
-    STORE_UNAVAILABLE = "store_unavailable"
-    LEASE_LOST = "lease_lost"
-    BLOCKED = "blocked"
-    """Not run: an earlier message of the same ordered batch must be retried first."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """The runner's decision for one delivery.
-
-    Attributes:
-        action: What to tell the broker.
-        reason: Why.
-        key: The scoped key, when one could be derived.
-        delay: For `Action.RETRY`: wait this long before the redelivery; ``None`` leaves the
-            timing to the broker's own redelivery policy (a handler that raised).
-        attempt: The record's attempt number when the handler was started (0: not started).
-        error: The handler's exception, or the error that decided the verdict.
-        result: What the handler returned (`Reason.PROCESSED`), or what its first run returned,
-            decoded from the record (`Reason.DUPLICATE`; ``None`` if it cannot be decoded).
-
-    .. versionadded:: 0.1.0
-    """
-
-    action: Action
-    reason: Reason
-    key: str | None = None
-    delay: timedelta | None = None
-    attempt: int = 0
-    error: BaseException | None = None
-    result: Any = None
-
-
-KeySource: TypeAlias = "Literal['header', 'content'] | Callable[[Delivery], str | int | uuid.UUID]"
-"""Where a message's key comes from.
-
-``"header"``: the first of `KEY_HEADERS` present, else the broker's message id; ``"content"``:
-a canonical hash of the body (JSON bodies are canonicalised, so key order and number formatting
-do not matter); or a callable over the `Delivery` returning the key (a string, an int or a
-`uuid.UUID`).
-"""
-
-FingerprintSource: TypeAlias = "Literal['body'] | Callable[[Delivery], Any] | None"
-"""What defines a message's operation: ``"body"`` (canonical), a callable, or ``None``."""
-
-
-# -- policy and counters -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ConsumerPolicy:
-    """How an idempotent consumer treats deliveries (docs/guides/consumers.md). Immutable.
-
-    Attributes:
-        lease: How long a handler may run before another worker may take the message over; the
-            heartbeat extends it every third of it while the handler runs.
-        ttl: How long a processed key is remembered (duplicates arriving later run again). Keep
-            it longer than the broker can redeliver: its retention, or its retry horizon.
-        max_attempts: Starts of the handler, across all workers, before the message is
-            dead-lettered (counted in the record, so they survive redelivery and crashes).
-        retry_delay: The longest a delivery waits before it is redelivered when its key is busy
-            elsewhere or the store is unreachable (never longer than the remaining lease).
-        heartbeat: Keep the lease alive while the handler runs.
-        dead_letter_on: Exception types that dead-letter a message at once, without retries
-            (a malformed payload will not parse on the fifth try either).
-        coalesce: With a store that has the batch verbs (`oncely.BatchStore`), send one claim
-            (completion) at a time and those that concurrent deliveries make meanwhile together
-            as one batch call (group commit): same answers, far fewer round trips. Async only.
-
-    .. versionadded:: 0.1.0
-    """
-
-    lease: timedelta = timedelta(seconds=30)
-    ttl: timedelta = timedelta(days=7)
-    max_attempts: int = 5
-    retry_delay: timedelta = timedelta(seconds=1)
-    heartbeat: bool = True
-    dead_letter_on: tuple[type[BaseException], ...] = ()
-    coalesce: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("lease", "ttl", "retry_delay"):
-            object.__setattr__(self, name, to_timedelta(getattr(self, name), name))
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise ConfigurationError(f"max_attempts must be an int, not {self.max_attempts!r}")
-        if self.max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be 1 or more, not {self.max_attempts}")
-        errors = self.dead_letter_on
-        errors = (errors,) if isinstance(errors, type) else tuple(errors)
-        for error in errors:
-            if not (isinstance(error, type) and issubclass(error, BaseException)):
-                raise ConfigurationError(f"dead_letter_on must be exception types, not {error!r}")
-        object.__setattr__(self, "dead_letter_on", errors)
-        self.as_policy()  # validates the rest (ttl not shorter than the lease)
-
-    def as_policy(self) -> Policy:
-        """The `oncely.Policy` the shared claim and settle flows run under."""
-        return Policy(ttl=self.ttl, lease=self.lease, on_conflict="raise", heartbeat=self.heartbeat)
-
-
-class ConsumerStats:
-    """Thread-safe counters of verdicts, by `Reason`, for one consumer.
-
-    .. versionadded:: 0.1.0
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[Reason] = Counter()
-
-    def add(self, reason: Reason) -> None:
-        """Count one verdict reached for *reason*."""
-        with self._lock:
-            self._counts[reason] += 1
-
-    def __getitem__(self, reason: Reason | str) -> int:
-        """Return how many verdicts were reached for *reason*."""
-        with self._lock:
-            return self._counts[Reason(reason)]
-
-    def snapshot(self) -> dict[str, int]:
-        """Return every non-zero counter, by reason name."""
-        with self._lock:
-            return {str(reason): count for reason, count in self._counts.items() if count}
-
-    def __repr__(self) -> str:
-        return f"ConsumerStats({self.snapshot()!r})"
 
 
 # -- keys and fingerprints ---------------------------------------------------------------------
@@ -439,8 +253,7 @@ class IdempotentConsumer:
         return verdict
 
     def _retry_delay(self, limit: timedelta | None = None) -> timedelta:
-        delay = self.policy.retry_delay
-        return min(delay, limit) if limit is not None and limit > timedelta(0) else delay
+        return retry_delay(self.policy, limit)
 
     # -- the decisions, once -----------------------------------------------------------------
 
@@ -461,42 +274,19 @@ class IdempotentConsumer:
         except Exception as exc:
             return self._verdict(self._unusable(exc))
         try:
-            outcome = yield from _execution.acquire(key, fingerprint, self._policy)
-        except InProgressError as exc:
-            # Counted, and logged once at INFO by acquire(); never dropped: redelivered later.
-            delay = self._retry_delay(exc.retry_after)
-            return self._verdict(Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay))
-        except FingerprintMismatchError as exc:
-            logger.error(
-                "message dead-lettered: key=%s was used for another payload",
-                key,
-                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
+            answer = yield _execution.StoreCall(
+                "claim", (key, fingerprint), {"lease": self._policy.lease, "ttl": self._policy.ttl}
             )
-            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=exc))
-        except CorruptRecordError as exc:
-            logger.error(
-                "message dead-lettered: the record of key=%s is corrupt (%s)",
-                key,
-                exc,
-                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
-            )
-            return self._verdict(Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=exc))
         except StoreError as exc:
-            logger.warning(
-                "store error claiming key=%s; redelivering later: %s",
-                key,
-                exc,
-                extra=fields(key=key, store=self.store, outcome="store_unavailable"),
-            )
-            delay = self._retry_delay()
-            return self._verdict(
-                Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=exc)
-            )
-        if isinstance(outcome, Replay):
-            return self._verdict(self._duplicate(key, outcome))
-        lease = outcome
-        if lease.attempt > self.policy.max_attempts:
-            return self._verdict((yield from self._exhausted(lease)))
+            answer = exc
+        verdict, lease = self._claimed(key, answer)
+        if verdict is not None:
+            if lease is not None:  # exhausted: given back, not run
+                yield from self._release(lease)
+            return self._verdict(verdict)
+        assert lease is not None
+        if self._policy.heartbeat:
+            yield _execution.StartHeartbeat(lease)
         try:
             value = yield _execution.Invoke(lease)
         except ConfigurationError:
@@ -690,14 +480,14 @@ class IdempotentConsumer:
                         runs.append((index, _Later(key, prints[key], slot)))
                         continue
                 verdict, lease = self._claimed(key, answer)
-                if lease is not None and lease.attempt > self.policy.max_attempts:
-                    verdict = yield from self._exhausted(lease)
-                elif lease is not None:
+                if verdict is None:
+                    assert lease is not None
                     if slot is not None:
                         slot.owned, slot.fingerprint = True, prints[key]
                     runs.append((index, lease))
                     continue
-                assert verdict is not None
+                if lease is not None:  # exhausted: given back, not run
+                    yield from self._release(lease)
                 verdicts[index] = self._verdict(verdict)
             idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
             if idle:  # nobody here got these keys: their other copies need not wait
@@ -801,77 +591,19 @@ class IdempotentConsumer:
             )
         return answers
 
-    def _claimed(self, key: str, answer: Any) -> tuple[Verdict | None, _execution.Lease | None]:
-        """Translate one claim answer: a verdict, or a lease to run the handler under."""
+    def _claimed(self, key: str, answer: object) -> tuple[Verdict | None, _execution.Lease | None]:
+        """Decide on one claim answer (`decide`): a verdict, or the lease to run the handler
+        under; both when that lease must be given back unused (exhausted)."""
+        verdict = decide(key, answer, self.policy, self._replayed)
+        lease = None
         if isinstance(answer, Acquired):
-            if answer.recovered:
-                logger.warning(
-                    "lease recovered key=%s token=%d attempt=%d",
-                    key,
-                    answer.token,
-                    answer.attempt,
-                    extra=fields(
-                        key=key,
-                        token=answer.token,
-                        attempt=answer.attempt,
-                        store=self.store,
-                        outcome="recovered",
-                    ),
-                )
-            lease = _execution.Lease(
-                key,
-                answer.token,
-                self._policy.lease,
-                answer.recovered,
-                answer.attempt,
-                ttl=self._policy.ttl,
-            )
-            return None, lease
-        if isinstance(answer, Replay):
-            logger.info(
-                "duplicate suppressed key=%s status=%s",
-                key,
-                answer.record.status.value,
-                extra=fields(
-                    key=key,
-                    token=answer.record.token,
-                    store=self.store,
-                    outcome=answer.record.status,
-                ),
-            )
-            return self._duplicate(key, answer), None
-        if isinstance(answer, InProgress):
-            logger.info(
-                "duplicate in progress key=%s",
-                key,
-                extra=fields(key=key, store=self.store, outcome="in_progress"),
-            )
-            delay = self._retry_delay(answer.retry_after)
-            return Verdict(Action.RETRY, Reason.IN_PROGRESS, key, delay=delay), None
-        if isinstance(answer, Mismatch):
-            logger.error(
-                "message dead-lettered: key=%s was used for another payload",
-                key,
-                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
-            )
-            return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key), None
-        error = answer if isinstance(answer, Exception) else TypeError(f"claim answered {answer!r}")
-        if isinstance(error, CorruptRecordError):
-            logger.error(
-                "message dead-lettered: the record of key=%s is corrupt (%s)",
-                key,
-                error,
-                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
-            )
-            return Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=error), None
-        logger.warning(
-            "store error claiming key=%s; redelivering later: %s",
-            key,
-            error,
-            extra=fields(key=key, store=self.store, outcome="store_unavailable"),
-        )
-        delay = self._retry_delay()
-        return Verdict(Action.RETRY, Reason.STORE_UNAVAILABLE, key, delay=delay, error=error), None
+            lease = _execution.acquired(key, answer, self._policy)
+        elif isinstance(answer, Replay):
+            _execution.suppressed(key, answer)
+        elif _events.on and isinstance(answer, (InProgress, Mismatch)):
+            _observed.claimed(key, "in_progress" if isinstance(answer, InProgress) else "mismatch")
+        report(key, answer, verdict, self.store)
+        return verdict, lease
 
     def _run_batch(
         self,
@@ -983,11 +715,11 @@ class IdempotentConsumer:
             return (yield from self._run_one(message, lease, slot))
         answers = yield from self._claim_many([(later.key, later.fingerprint)])
         verdict, lease = self._claimed(later.key, answers[0])
-        if lease is None:
-            assert verdict is not None
+        if verdict is not None:
+            if lease is not None:  # exhausted: given back, not run
+                yield from self._release(lease)
             return verdict
-        if lease.attempt > self.policy.max_attempts:
-            return (yield from self._exhausted(lease))
+        assert lease is not None
         acquired.append(lease)
         if self._policy.heartbeat:
             yield _execution.StartHeartbeat(lease)
@@ -1111,24 +843,6 @@ class IdempotentConsumer:
         )
         return Verdict(Action.DEAD_LETTER, Reason.INVALID_KEY, error=exc)
 
-    def _exhausted(self, lease: _execution.Lease) -> Flow[Verdict]:
-        """Give back *lease*, claimed for one start more than `ConsumerPolicy.max_attempts`
-        (workers died mid-handler): the message is dead-lettered, not run."""
-        yield from self._release(lease)
-        logger.error(
-            "message dead-lettered: key=%s was started %d times without finishing",
-            lease.key,
-            lease.attempt - 1,
-            extra=fields(
-                key=lease.key,
-                token=lease.token,
-                attempt=lease.attempt,
-                store=self.store,
-                outcome="dead_lettered",
-            ),
-        )
-        return Verdict(Action.DEAD_LETTER, Reason.EXHAUSTED, lease.key, attempt=lease.attempt)
-
     def _failed(self, key: str, attempt: int, exc: Exception) -> Verdict:
         if isinstance(exc, LeaseLostError) and exc.key == key:
             # Overtaken, its transaction rolled back (`Inbox.transactional`): the worker that
@@ -1156,23 +870,6 @@ class IdempotentConsumer:
         )
         return Verdict(Action.RETRY, Reason.HANDLER_FAILED, key, attempt=attempt, error=exc)
 
-    def _duplicate(self, key: str, outcome: Replay) -> Verdict:
-        """A finished key's copy: acked, unless it was dead-lettered (then it is again)."""
-        record = outcome.record
-        if record.status is Status.FAILED:
-            reason = (
-                Reason.EXHAUSTED
-                if record.attempt >= self.policy.max_attempts
-                else Reason.HANDLER_FAILED
-            )
-            logger.error(
-                "message dead-lettered: key=%s was dead-lettered before",
-                key,
-                extra=fields(key=key, store=self.store, outcome="dead_lettered"),
-            )
-            return Verdict(Action.DEAD_LETTER, reason, key, attempt=record.attempt)
-        return Verdict(Action.ACK, Reason.DUPLICATE, key, result=self._replayed(outcome))
-
     def _settle_failure(
         self, lease: _execution.Lease, verdict: Verdict, exc: Exception
     ) -> Flow[None]:
@@ -1180,7 +877,7 @@ class IdempotentConsumer:
 
         A dead-lettered key is stored as failed before the adapter moves the message: if that
         move fails (or the worker dies first), the copy that comes back is dead-lettered again
-        without running the handler (see `_duplicate`).
+        without running the handler (see `decide`).
         """
         if verdict.action is not Action.DEAD_LETTER:
             yield from self._release(lease)
@@ -1282,12 +979,12 @@ class IdempotentConsumer:
         """`aprocess` from the claim on, with claims and completions grouped."""
         answer = await groups.claim(_Claim((key, fingerprint), self._claim_many))
         verdict, lease = self._claimed(key, answer)
-        if lease is None:
-            assert verdict is not None
-            return self._verdict(verdict)
         perform = groups.perform
-        if lease.attempt > self.policy.max_attempts:
-            return self._verdict(await adrive(self._exhausted(lease), perform))
+        if verdict is not None:
+            if lease is not None:  # exhausted: given back, not run
+                await adrive(self._release(lease), perform)
+            return self._verdict(verdict)
+        assert lease is not None
         if self._policy.heartbeat:
             await perform(_execution.StartHeartbeat(lease))
         try:
@@ -1881,13 +1578,6 @@ async def arun_with(
         with contextlib.suppress(asyncio.CancelledError):  # what is raised is the first error
             await _landed([completions.idle()])
         raise
-
-
-def seconds(value: Duration | None) -> float:
-    """Return a duration in seconds (``None``: 0)."""
-    if value is None:
-        return 0.0
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
 def mark_coroutine_function(handler: Any) -> None:
