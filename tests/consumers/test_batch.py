@@ -16,7 +16,7 @@ import redis
 import oncely
 from oncely import Acquired, Status
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
-from oncely.consumers._base import Parallel, ano_broker, arun_with, no_broker, run_with
+from oncely.consumers._drivers import Parallel, ano_broker, arun_with, no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
 from tests._helpers import eventually

@@ -10,7 +10,12 @@ import pytest
 from oncely import Acquired, InProgress, Mismatch, Record, Replay, Status
 from oncely.consumers import Action, ConsumerPolicy, Reason
 from oncely.consumers._decision import decide, retry_delay
-from oncely.errors import CorruptRecordError, StoreError, StoreUnavailableError
+from oncely.errors import (
+    CorruptRecordError,
+    FingerprintMismatchError,
+    StoreError,
+    StoreUnavailableError,
+)
 
 POLICY = ConsumerPolicy(max_attempts=3, retry_delay=timedelta(seconds=2))
 
@@ -88,6 +93,8 @@ def test_a_mismatch_and_a_corrupt_record_are_dead_lettered() -> None:
     mismatch = decide("k", Mismatch("other"), POLICY)
     assert mismatch is not None
     assert (mismatch.action, mismatch.reason) == (Action.DEAD_LETTER, Reason.MISMATCH)
+    assert isinstance(mismatch.error, FingerprintMismatchError)
+    assert mismatch.error.key == "k"
     error = CorruptRecordError("bad bytes", backend="t", key="k")
     corrupt = decide("k", error, POLICY)
     assert corrupt is not None

@@ -27,7 +27,7 @@ from typing import Any
 from oncely._core.records import Acquired, InProgress, Mismatch, Replay, Status
 from oncely._log import fields, get_logger
 from oncely.consumers._verdicts import Action, ConsumerPolicy, Reason, Verdict
-from oncely.errors import CorruptRecordError
+from oncely.errors import CorruptRecordError, FingerprintMismatchError
 
 __all__ = ["decide", "report", "retry_delay"]
 
@@ -68,7 +68,8 @@ def decide(
             Action.RETRY, Reason.IN_PROGRESS, key, retry_delay(policy, answer.retry_after)
         )
     if isinstance(answer, Mismatch):
-        return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key)
+        error = FingerprintMismatchError(key)
+        return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=error)
     if isinstance(answer, CorruptRecordError):
         return Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=answer)
     error = answer if isinstance(answer, Exception) else TypeError(f"claim answered {answer!r}")
