@@ -47,9 +47,13 @@ async def given_back_if_cancelled(
 
     The claim may have been applied with only its reply still to come: cancelling it would
     leave the key in progress for a whole lease, with nothing running under it. A store whose
-    verbs never suspend (``memory://``) has no claim in flight to wait for.
+    verbs never suspend (``memory://``) has no claim in flight to wait for; one that settles
+    the claims of cancelled callers itself (``gives_back_cancelled_claims``: the coalescing
+    view) is awaited as it is.
     """
-    if getattr(type(store), "_inline_async", None) is type(store):
+    if getattr(type(store), "_inline_async", None) is type(store) or getattr(
+        store, "gives_back_cancelled_claims", False
+    ):
         return await claim
     task = asyncio.ensure_future(claim)
     try:

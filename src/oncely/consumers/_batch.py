@@ -13,7 +13,7 @@ from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
 from oncely.consumers._drivers import Parallel, Run
-from oncely.consumers._grouping import _Complete, _Completed, _encoded
+from oncely.consumers._grouping import Landed, Settle, encoded
 from oncely.consumers._sharing import Decide, Later, Share, Slot, Wait, decided, withdrawn
 from oncely.consumers._verdicts import (
     Action,
@@ -23,10 +23,12 @@ from oncely.consumers._verdicts import (
 )
 from oncely.errors import (
     ConfigurationError,
+    LeaseLostError,
     StoreError,
     StoreUnavailableError,
 )
 from oncely.stores._batch import takes_ops
+from oncely.stores._coalesce import unknown_claim
 
 if TYPE_CHECKING:
     from oncely.consumers._consumer import IdempotentConsumer
@@ -223,11 +225,7 @@ def claim_many(consumer: IdempotentConsumer, requests: list[tuple[str, str]]) ->
         elif not isinstance(answer, (InProgress, StoreError)):
             answers[i] = answer
         elif isinstance(answer, InProgress):
-            logger.warning(
-                "claim of key=%s may have been applied; it recovers after its lease",
-                requests[i][0],
-                extra=fields(key=requests[i][0], store=consumer.store, outcome="store_unavailable"),
-            )
+            unknown_claim(requests[i][0])
     errors = [answer for answer in answers if isinstance(answer, StoreError)]
     if errors:
         logger.warning(
@@ -248,7 +246,7 @@ def _run_batch(
     """Run the handlers of the acquired leases, each completed as soon as it returns.
 
     A completion goes to the store at once, while the next handlers run, and those that
-    finish meanwhile go together as one batch call (`_Complete`): a worker killed in one
+    finish meanwhile go together as one batch call (`Settle`): a worker killed in one
     handler leaves the earlier ones completed, never to run again. Ordered batches (*held*
     given) run their handlers one after the other and stop at the first one to retry;
     others run them as a `Parallel` (concurrently when async).
@@ -300,7 +298,7 @@ def _run_batch(
                 finished.append((index, *ran))
         outcomes: list[Any] = []
         if finished:
-            outcomes = yield _Completed([sent for *_, sent in finished])
+            outcomes = yield Landed([sent for *_, sent in finished])
     finally:
         for lease in leases:
             withdrawn(lease, slots)  # an error: nobody starts it now
@@ -365,7 +363,7 @@ def settled_verdict(
     consumer: IdempotentConsumer, lease: _execution.Lease, value: Any, outcome: Any
 ) -> Verdict:
     """The verdict of a handler that returned *value*, once its completion answered
-    *outcome* (`_Completed`): acked only when the record is completed."""
+    *outcome* (`Landed`): acked only when the record is completed."""
     key = lease.key
     if outcome is None:
         return Verdict(Action.ACK, Reason.PROCESSED, key, attempt=lease.attempt, result=value)
@@ -378,6 +376,8 @@ def settled_verdict(
             extra=fields(key=key, token=lease.token, store=consumer.store, outcome="lease_lost"),
         )
         return Verdict(Action.RETRY, Reason.LEASE_LOST, key, consumer._retry_delay())
+    if isinstance(outcome, LeaseLostError):  # logged by the settle flow
+        return Verdict(Action.RETRY, Reason.LEASE_LOST, key, consumer._retry_delay(), error=outcome)
     # an error for this item alone, or for the whole call
     return Verdict(
         Action.RETRY, Reason.STORE_UNAVAILABLE, key, consumer._retry_delay(), error=outcome
@@ -388,7 +388,7 @@ def _run_one(
     consumer: IdempotentConsumer, message: Any, lease: _execution.Lease, slot: Slot | None = None
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run one handler and send its completion off at once: ``(lease, value, handle)``
-    (the handle answers the completion, see `_Completed`), or the verdict of its failure.
+    (the handle answers the completion, see `Landed`), or the verdict of its failure.
     *slot* (the key's, shared with other flows) is decided once the completion lands."""
     ran = yield from _guarded(consumer, message, lease)
     if isinstance(ran, Verdict):
@@ -400,8 +400,7 @@ def _run_one(
     lease.settling = True  # an extend landing after the completion answers LeaseLost
     if lease.heartbeat is not None:  # before the completion: an extend after it is refused
         yield _execution.StopHeartbeat(lease)
-    item = (lease.key, lease.token, _encoded(lease, ran[0], consumer.codec))
-    sent = yield _Complete(item, consumer._complete_many, slot)
+    sent = yield Settle(consumer, lease, encoded(lease, ran[0], consumer.codec), slot)
     return lease, ran[0], sent
 
 

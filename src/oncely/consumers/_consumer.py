@@ -44,7 +44,7 @@ from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import (
     digest,
 )
-from oncely._core.flow import Flow, adrive
+from oncely._core.flow import Flow
 from oncely._core.keys import name_key, scope_key, validate_key
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, Mismatch, Replay
@@ -54,11 +54,9 @@ from oncely.consumers._batch import (
     blocked_verdict,
     claim_many,
     complete_many,
-    settled_verdict,
 )
 from oncely.consumers._decision import decide, report, retry_delay
 from oncely.consumers._drivers import Handle, _require, ano_broker, arun_with, no_broker, run_with
-from oncely.consumers._grouping import _AsyncGroups, _Claim, _Complete, _encoded, _Settling
 from oncely.consumers._keys import _body_fingerprint, _content_key, _header_key
 from oncely.consumers._verdicts import (
     KEY_HEADERS,
@@ -79,6 +77,7 @@ from oncely.errors import (
     StoreError,
 )
 from oncely.keys import from_header
+from oncely.stores._coalesce import CoalescingStore
 
 logger = get_logger(__name__)
 
@@ -136,7 +135,7 @@ class IdempotentConsumer:
         self.codec: Codec = codec or JSONCodec()
         self.stats = ConsumerStats()
         self._policy = self.policy.as_policy()
-        self._async_calls: Any = None  # what aprocess calls: see _async_store
+        self._async_calls: Any = None  # (loop, grouped store, running keys): see _grouped
         self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
 
     # -- pieces ----------------------------------------------------------------------------
@@ -194,6 +193,10 @@ class IdempotentConsumer:
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
             return self._verdict(self._unusable(exc))
+        return (yield from self._keyed_flow(key, fingerprint))
+
+    def _keyed_flow(self, key: str, fingerprint: str) -> Flow[Verdict]:
+        """`flow` from the claim on, for a delivery of *key* and *fingerprint*."""
         try:
             answer = yield _execution.StoreCall(
                 "claim", (key, fingerprint), {"lease": self._policy.lease, "ttl": self._policy.ttl}
@@ -431,95 +434,49 @@ class IdempotentConsumer:
 
         With a store that has the batch verbs and `ConsumerPolicy.coalesce`, the deliveries
         handled at once (one task each, as aio-pika and nats-py run callbacks) share their
-        store calls: one claim call in flight at a time, the claims made meanwhile going
-        together in the next one, and likewise for completions (group commit, `_AsyncGroups`).
-        A copy of a delivery being processed here waits for it (up to
-        `ConsumerPolicy.retry_delay`) before it claims. The common path (a new key that
-        completes, a finished duplicate) is a straight line; every other answer goes through
-        the batch path's decisions.
+        store calls through one `oncely.stores._coalesce.CoalescingStore`: a few calls go to
+        the store at once, and the claims (completions) made meanwhile go together in the next
+        batch call (group commit). A copy of a delivery being processed here waits for it (up
+        to `ConsumerPolicy.retry_delay`) before it claims. Every delivery runs through `flow`.
         """
-        if _switches.disabled:
-            return await _execution.arun(
-                self.flow(delivery), _require(self.store, AsyncStore), handler
-            )
-        if _events.on and not _observed.consuming():
+        if _events.on and not _observed.consuming() and not _switches.disabled:
             return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
-        groups = self._async_calls
-        if groups is None:  # not `or`: a store with no records may be falsy (it has a len)
-            groups = self._async_store()
-        if type(groups) is _Settling:
-            return await _execution.arun(self.flow(delivery), groups, handler)
-        if groups.loop is not asyncio.get_running_loop():
-            groups = self._async_store()
+        store = _require(self.store, AsyncStore)
+        if _switches.disabled or not (self.policy.coalesce and self.batches):
+            return await _execution.arun(self.flow(delivery), store, handler)
         try:
             key = self.key_for(delivery)
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
             return self._verdict(self._unusable(exc))
-        running = groups.running
+        coalescing, running = self._grouped(store)
         first = running.get(key)
         if first is not None:
             # A copy of a delivery this consumer is running: claimed now, it would be retried
             # after retry_delay. It waits for that run (as long at most), then claims: mostly
             # a completed duplicate then, acked at once. The store decides, as ever.
             await asyncio.wait((first,), timeout=self.policy.retry_delay.total_seconds())
-            return await self._agrouped(groups, key, fingerprint, handler)
-        mine = running[key] = groups.loop.create_future()
+            return await _execution.arun(self._keyed_flow(key, fingerprint), coalescing, handler)
+        mine = running[key] = asyncio.get_running_loop().create_future()
         try:
-            return await self._agrouped(groups, key, fingerprint, handler)
+            return await _execution.arun(self._keyed_flow(key, fingerprint), coalescing, handler)
         finally:
             del running[key]
             mine.set_result(None)
 
-    async def _agrouped(
-        self,
-        groups: _AsyncGroups,
-        key: str,
-        fingerprint: str,
-        handler: Callable[[], Awaitable[Any]],
-    ) -> Verdict:
-        """`aprocess` from the claim on, with claims and completions grouped."""
-        answer = await groups.claim(_Claim((key, fingerprint), self._claim_many))
-        verdict, lease = self._claimed(key, answer)
-        perform = groups.perform
-        if verdict is not None:
-            if lease is not None:  # exhausted: given back, not run
-                await adrive(self._release(lease), perform)
-            return self._verdict(verdict)
-        assert lease is not None
-        if self._policy.heartbeat:
-            await perform(_execution.StartHeartbeat(lease))
-        try:
-            value = await _execution.ainvoke_under(lease, handler)
-        except ConfigurationError:
-            await adrive(self._release(lease), perform)  # not the message's failure
-            raise
-        except Exception as exc:
-            verdict = self._failed(key, lease.attempt, exc)
-            await adrive(self._settle_failure(lease, verdict, exc), perform)
-            return self._verdict(verdict)
-        except BaseException:  # cancelled: give the lease back, then go on being cancelled
-            await adrive(self._release(lease), perform)
-            raise
-        lease.settling = True  # an extend landing after the completion answers LeaseLost
-        if lease.heartbeat is not None:  # before the completion: an extend after it is refused
-            await perform(_execution.StopHeartbeat(lease))
-        if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
-            return self._verdict(settled_verdict(self, lease, value, None))
-        item = (key, lease.token, _encoded(lease, value, self.codec))
-        outcome = await groups.complete(_Complete(item, self._complete_many))
-        return self._verdict(settled_verdict(self, lease, value, outcome))
-
-    def _async_store(self) -> Any:
-        """What `aprocess` calls, checked once (per event loop when grouping): the store's
-        claim and completion groups (`_AsyncGroups`), or the store with completions that
-        finish even if their caller is cancelled (`_Settling`)."""
-        store = _require(self.store, AsyncStore)
-        if self.policy.coalesce and self.batches:
-            self._async_calls = _AsyncGroups(store)
-        else:
-            self._async_calls = _Settling(store)
-        return self._async_calls
+    def _grouped(self, store: Any) -> tuple[CoalescingStore, dict[str, asyncio.Future[None]]]:
+        """The store's calls grouped (one `CoalescingStore` per consumer: it keeps its state
+        per event loop), and the keys of the deliveries being processed on this loop."""
+        loop = asyncio.get_running_loop()
+        grouped = self._async_calls
+        if grouped is None or grouped[0] is not loop:
+            coalescing = (
+                CoalescingStore(store, max_in_flight=1, singles=False)
+                if grouped is None
+                else grouped[1]
+            )
+            grouped = self._async_calls = (loop, coalescing, {})
+        return grouped[1], grouped[2]
 
     def process_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Any]

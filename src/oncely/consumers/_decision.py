@@ -68,8 +68,8 @@ def decide(
             Action.RETRY, Reason.IN_PROGRESS, key, retry_delay(policy, answer.retry_after)
         )
     if isinstance(answer, Mismatch):
-        error = FingerprintMismatchError(key)
-        return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=error)
+        mismatch = FingerprintMismatchError(key)
+        return Verdict(Action.DEAD_LETTER, Reason.MISMATCH, key, error=mismatch)
     if isinstance(answer, CorruptRecordError):
         return Verdict(Action.DEAD_LETTER, Reason.CORRUPT_RECORD, key, error=answer)
     error = answer if isinstance(answer, Exception) else TypeError(f"claim answered {answer!r}")

@@ -13,19 +13,12 @@ from typing import Any, TypeVar
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely.consumers._grouping import (
-    _AsyncCompletions,
-    _Complete,
-    _Completed,
-    _Completions,
-    _direct,
-    _landed,
-    _Settling,
-)
+from oncely.consumers._grouping import GroupCommit, Landed, Settle, completion, landed
 from oncely.consumers._sharing import Decide, Share, Slot, Wait
 from oncely.errors import (
     ConfigurationError,
 )
+from oncely.stores._coalesce import CoalescingStore
 
 T = TypeVar("T")
 
@@ -85,16 +78,16 @@ def run_with(
     the rest (store calls, the handler's invocation, heartbeats, sleeps) to
     `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
     """
-    completions = _Completions(lambda op: _execution.perform(op, store))
+    completions = GroupCommit(lambda op: _execution.perform(op, store))
 
     def performer(message: Any) -> Callable[[Any], Any]:
         def perform(op: Any) -> Any:
             kind = type(op)
             if kind is Run:
                 return _execution.invoke_under(op.lease, handler, op.message)
-            if kind is _Complete:
+            if kind is Settle:
                 return completions.submit(op)
-            if kind is _Completed:
+            if kind is Landed:
                 return [handle.result() for handle in op.handles]
             if kind is Share:
                 return {}  # the flows of a Parallel run one after the other
@@ -125,10 +118,11 @@ async def arun_with(
     handler: Callable[[Any], Awaitable[Any]],
     broker: Callable[[BrokerOp], Awaitable[Any]],
 ) -> T:
-    """Async `run_with`: the flows of a `Parallel` run as concurrent tasks."""
+    """Async `run_with`: the flows of a `Parallel` run as concurrent tasks; completions go
+    through one `CoalescingStore` (group commit) as their handlers return."""
 
-    completions = _AsyncCompletions(_direct(store))
-    store = _Settling(store)
+    coalescing: CoalescingStore | None = None
+    settling: list[asyncio.Future[Any]] = []
     claimed: dict[str, Slot] = {}  # keys claimed by the flows of this run, see Share
     sharing = 0  # Parallel ops of several flows running now: their flows may share keys
 
@@ -150,13 +144,18 @@ async def arun_with(
             kind = type(op)
             if kind is Run:
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
-            if kind is _Complete:
-                handle = completions.submit(op)
+            if kind is Settle:
+                nonlocal coalescing
+                if coalescing is None:
+                    coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
+                sent = completion(op.consumer, op.lease, op.payload)
+                handle = asyncio.ensure_future(_execution.arun(sent, coalescing))
+                settling[:] = [*(each for each in settling if not each.done()), handle]
                 if op.decided is not None:
                     handle.add_done_callback(op.decided.decide)
                 return handle
-            if kind is _Completed:
-                return await _landed(op.handles)
+            if kind is Landed:
+                return await landed(op.handles)
             if kind is Share:
                 return share(op.keys)
             if kind is Wait:
@@ -195,9 +194,9 @@ async def arun_with(
         return await adrive(flow, performer(None))
     except BaseException:
         # Cancelled (a consumer shutting down) with completions on the way, say: their
-        # handlers ran, so they land before the store may be closed (see `_landed`).
+        # handlers ran, so they land before the store may be closed (see `landed`).
         with contextlib.suppress(asyncio.CancelledError):  # what is raised is the first error
-            await _landed([completions.idle()])
+            await landed(settling)
         raise
 
 
