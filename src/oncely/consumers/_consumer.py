@@ -437,12 +437,13 @@ class IdempotentConsumer:
         store calls through one `oncely.stores._coalesce.CoalescingStore`: a few calls go to
         the store at once, and the claims (completions) made meanwhile go together in the next
         batch call (group commit). A copy of a delivery being processed here waits for it (up
-        to `ConsumerPolicy.retry_delay`) before it claims. Every delivery runs through `flow`.
+        to `ConsumerPolicy.retry_delay`) before it claims. Every delivery runs through `flow`
+        (with ``ONCELY_REFERENCE_FLOWS``, against the store itself, one call at a time).
         """
         if _events.on and not _observed.consuming() and not _switches.disabled:
             return await _observed.aprocess(self, delivery, handler)  # type: ignore[no-any-return]
         store = _require(self.store, AsyncStore)
-        if _switches.disabled or not (self.policy.coalesce and self.batches):
+        if _switches.disabled or _switches.reference_flows or not self._groups:
             return await _execution.arun(self.flow(delivery), store, handler)
         try:
             key = self.key_for(delivery)
@@ -463,6 +464,10 @@ class IdempotentConsumer:
         finally:
             del running[key]
             mine.set_result(None)
+
+    @property
+    def _groups(self) -> bool:
+        return self.policy.coalesce and self.batches
 
     def _grouped(self, store: Any) -> tuple[CoalescingStore, dict[str, asyncio.Future[None]]]:
         """The store's calls grouped (one `CoalescingStore` per consumer: it keeps its state
