@@ -54,11 +54,17 @@ class Landed:
     handles: Sequence[Any]
 
 
-def completion(consumer: IdempotentConsumer, lease: _execution.Lease, payload: bytes) -> Flow[Any]:
+def completion(
+    consumer: IdempotentConsumer,
+    lease: _execution.Lease,
+    payload: bytes,
+    first: tuple[Any, BaseException | None] | None = None,
+) -> Flow[Any]:
     """Complete *lease* with *payload*, retrying while the store is briefly unavailable:
-    ``None`` once completed, else the `LeaseLostError` or `StoreError` (logged where raised)."""
+    ``None`` once completed, else the `LeaseLostError` or `StoreError` (logged where raised).
+    *first* is the outcome of a first call already sent (see `oncely._execution.settle`)."""
     try:
-        yield from _execution.settle(lease, "complete", payload, consumer._policy)
+        yield from _execution.settle(lease, "complete", payload, consumer._policy, first)
     except (LeaseLostError, StoreError) as exc:
         return exc
     return None

@@ -17,12 +17,11 @@ store's ``aclaim_many`` takes them as ``ops``), so a claim applied with its repl
 another worker's lease: it answers `InProgress`, and that caller keeps the error (the lease
 expires on its own).
 
-A caller cancelled meanwhile never cuts a call short; what it asked for is settled: a claim
-not sent yet is never sent (it would take a lease nobody uses), and one in flight is released
-once it answers `Acquired`, before the caller's cancellation goes on (a retry right after runs
-at once); a completion (the work ran) is sent and lands all the same, in the background, while
-its caller is cancelled at once. `Coalescer.drain` waits for every call in flight, for a caller
-that closes the store next.
+A caller cancelled meanwhile never cuts a call short, and its cancellation goes on once what
+it asked for is settled: a claim not sent yet is never sent (it would take a lease nobody
+uses), one in flight is released once it answers `Acquired` (a retry right after runs at once);
+a completion (the work ran) is sent all the same and lands first (a consumer shutting down does
+not close its store under it). `Coalescer.drain` waits for every call in flight.
 
 `Coalescer` is the grouping itself, for any pair of a single and a batch verb (the PostgreSQL
 store groups its extends with it); the consumers group their claims and completions with it.
@@ -155,10 +154,10 @@ class Coalescer:
         item: tuple[Any, ...],
         answer: asyncio.Future[Any],
     ) -> asyncio.Future[Any] | None:
-        """The caller of *item* was cancelled before *answer*: by default the item is sent and
-        lands all the same, in the background (a completion: the work it records was done).
-        What is returned, the caller waits for before its cancellation goes on."""
-        return None
+        """The caller of *item* was cancelled before *answer*: by default the item is sent all
+        the same, and lands before the caller goes on being cancelled (a completion: the work
+        it records was done). What is returned, the caller waits for first."""
+        return answer
 
     async def drain(self) -> None:
         """Wait until every call this event loop sent (or queued) meanwhile has answered."""
