@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -362,6 +363,8 @@ class CoalescingStore:
         singles: bool = True,
     ) -> None:
         self.store = store
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(8)  # call ids: unique per view, cheap per claim
         self._claims = _Claims(store, max_in_flight, max_batch, singles)
         self._completions = _Completions(store, max_in_flight, max_batch, singles)
 
@@ -370,7 +373,7 @@ class CoalescingStore:
     ) -> ClaimResult:
         """`oncely.AsyncStore.aclaim`, batched with other claims while the store is busy."""
         options = {"lease": lease, "ttl": ttl}
-        op = secrets.token_hex(8)  # the claim's call id, the same if it is sent again
+        op = f"{self._prefix}.{next(self._ids)}"  # its call id, the same if it is sent again
         answer: ClaimResult = await self._claims.submit((key, fingerprint, op), options)
         return answer
 
