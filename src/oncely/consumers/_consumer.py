@@ -58,7 +58,7 @@ from oncely.consumers._batch import (
 )
 from oncely.consumers._decision import decide, report, retry_delay
 from oncely.consumers._drivers import Handle, _require, ano_broker, arun_with, no_broker, run_with
-from oncely.consumers._grouping import completion, encoded
+from oncely.consumers._grouping import acomplete, encoded
 from oncely.consumers._keys import _body_fingerprint, _content_key, _header_key
 from oncely.consumers._verdicts import (
     KEY_HEADERS,
@@ -513,17 +513,7 @@ class IdempotentConsumer:
         if lease.committed:  # completed in the handler's own transaction (Inbox.transactional)
             return self._verdict(settled_verdict(self, lease, value, None))
         payload = encoded(lease, value, self.codec)
-        try:  # a cancelled caller goes on once its completion has landed
-            lost = await coalescing.acomplete(key, lease.token, payload, ttl=policy.ttl)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # retried, then judged, by the settle flow
-            first: tuple[Any, BaseException | None] = (None, exc)
-        else:
-            if lost is None:
-                return self._verdict(settled_verdict(self, lease, value, None))
-            first = (lost, None)
-        outcome = await _execution.arun(completion(self, lease, payload, first), coalescing)
+        outcome = await acomplete(self, lease, payload, coalescing)
         return self._verdict(settled_verdict(self, lease, value, outcome))
 
     def _grouped(self) -> tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None]]]:

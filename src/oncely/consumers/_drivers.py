@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely.consumers._grouping import GroupCommit, Landed, Settle, completion, landed
+from oncely.consumers._grouping import GroupCommit, Landed, Settle, acomplete, landed
 from oncely.consumers._sharing import Decide, Share, Slot, Wait
 from oncely.errors import (
     ConfigurationError,
@@ -148,8 +148,8 @@ async def arun_with(
                 nonlocal coalescing
                 if coalescing is None:
                     coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
-                sent = completion(op.consumer, op.lease, op.payload)
-                handle = asyncio.ensure_future(_execution.arun(sent, coalescing))
+                sent = acomplete(op.consumer, op.lease, op.payload, coalescing)
+                handle = asyncio.ensure_future(sent)
                 settling[:] = [*(each for each in settling if not each.done()), handle]
                 if op.decided is not None:
                     handle.add_done_callback(op.decided.decide)

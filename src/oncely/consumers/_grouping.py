@@ -30,7 +30,7 @@ from oncely.stores._coalesce import MAX_BATCH
 if TYPE_CHECKING:
     from oncely.consumers._consumer import IdempotentConsumer
 
-__all__ = ["GroupCommit", "Landed", "Settle", "completion", "encoded", "landed"]
+__all__ = ["GroupCommit", "Landed", "Settle", "acomplete", "completion", "encoded", "landed"]
 
 logger = get_logger(__name__)
 
@@ -68,6 +68,24 @@ def completion(
     except (LeaseLostError, StoreError) as exc:
         return exc
     return None
+
+
+async def acomplete(
+    consumer: IdempotentConsumer, lease: _execution.Lease, payload: bytes, store: Any
+) -> Any:
+    """`completion` against an async *store* (a `CoalescingStore`), its first call written
+    out: one await when it lands, the settle flow only to retry or judge what it answered."""
+    try:
+        lost = await store.acomplete(lease.key, lease.token, payload, ttl=consumer._policy.ttl)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # retried, then judged, by the settle flow
+        first: tuple[Any, BaseException | None] = (None, exc)
+    else:
+        if lost is None:
+            return None
+        first = (lost, None)
+    return await _execution.arun(completion(consumer, lease, payload, first), store)
 
 
 def encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
