@@ -26,7 +26,8 @@ T = TypeVar("T")
 def guards_itself(store: object) -> bool:
     """Whether *store*'s async claim, complete and fail need no task to shield them from a
     cancelled caller: its verbs never suspend (``memory://``), or they give a cancelled
-    claim's lease back and land a cancelled finish themselves (``_cancel_safe``)."""
+    claim's lease back and land a cancelled finish themselves (``_cancel_safe``: the
+    PostgreSQL store, the coalescing view)."""
     kind = type(store)
     return (
         getattr(kind, "_inline_async", None) is kind or getattr(kind, "_cancel_safe", None) is kind
@@ -57,9 +58,10 @@ async def given_back_if_cancelled(
 
     The claim may have been applied with only its reply still to come: cancelling it would
     leave the key in progress for a whole lease, with nothing running under it. A store whose
-    verbs never suspend (``memory://``) has no claim in flight to wait for.
+    verbs never suspend (``memory://``) has no claim in flight to wait for, and one that
+    `guards_itself` gives a cancelled caller's lease back itself: both are awaited as they are.
     """
-    if getattr(type(store), "_inline_async", None) is type(store):
+    if guards_itself(store):
         return await claim
     task = asyncio.ensure_future(claim)
     try:

@@ -25,14 +25,8 @@ from oncely.consumers import (
     Reason,
     Verdict,
 )
-from oncely.consumers._base import (
-    BrokerOp,
-    Handle,
-    Parallel,
-    arun_with,
-    body_value,
-    run_with,
-)
+from oncely.consumers._drivers import BrokerOp, Handle, Parallel, arun_with, run_with
+from oncely.consumers._keys import body_value
 from oncely.errors import ConfigurationError
 from oncely.keys import content_hash
 from oncely.stores.memory import MemoryStore

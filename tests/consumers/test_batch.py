@@ -16,7 +16,7 @@ import redis
 import oncely
 from oncely import Acquired, Status
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
-from oncely.consumers._base import Parallel, ano_broker, arun_with, no_broker, run_with
+from oncely.consumers._drivers import Parallel, ano_broker, arun_with, no_broker, run_with
 from oncely.stores.memory import MemoryStore
 from oncely.testing import FrozenClock
 from tests._helpers import eventually
@@ -328,17 +328,17 @@ def test_a_lease_held_in_one_partition_runs_a_copy_in_another(store: BatchingSto
     """Kafka shares the leases held for blocked records across partitions: a copy of such a
     key in another partition runs under that lease (no start counted), instead of finding
     the key busy and blocking its partition too."""
-    from oncely.consumers.kafka import _Held
+    from oncely.consumers.kafka import _Held, _PartitionState
 
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
     make_busy(consumer, store)
-    every: dict[Any, dict[str, Any]] = {}
+    every: dict[Any, _PartitionState] = {}
     flow = consumer.batch_flow(deliveries("busy", "k"), ordered=True, held=_Held(every, ("t", 0)))
     assert reasons(run_with(flow, store, lambda m: None, no_broker)) == ["in_progress", "blocked"]
-    assert set(every[("t", 0)]) == {"s|k"}
+    assert set(every[("t", 0)].held) == {"s|k"}
     flow = consumer.batch_flow(deliveries("c", "k"), ordered=True, held=_Held(every, ("t", 1)))
     assert reasons(run_with(flow, store, lambda m: None, no_broker)) == ["processed"] * 2
-    assert every == {("t", 0): {}, ("t", 1): {}}
+    assert {part: state.held for part, state in every.items()} == {("t", 0): {}, ("t", 1): {}}
     record = store.get("s|k")
     assert record is not None
     assert record.status is Status.COMPLETED

@@ -17,15 +17,14 @@ it is used:
 
 from __future__ import annotations
 
-from oncely.consumers._base import (
-    BATCH_VERBS,
+from oncely.consumers._consumer import BATCH_VERBS, IdempotentConsumer
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Reason,
     Verdict,

@@ -71,13 +71,13 @@ from oncely._core.fingerprint import canonical_json
 from oncely._core.protocols import SyncStore
 from oncely._deps import require
 from oncely._log import fields, get_logger
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
     ConsumerPolicy,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Reason,
     Verdict,

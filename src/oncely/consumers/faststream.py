@@ -52,14 +52,14 @@ from oncely._core.codec import Codec
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
 from oncely._log import fields, get_logger
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Verdict,
     seconds,

@@ -16,42 +16,11 @@ confluent-kafka, `AsyncIdempotentKafkaConsumer` an async one on aiokafka.
     )
     consumer.run(stop_event)
 
-Kafka has no acknowledgement per message, only a committed offset per partition, so the
-runner's verdicts (docs/guides/consumers.md) become:
-
-* ack: the record is done. Each partition's share of a fetched batch goes through the runner
-  in order (`IdempotentConsumer.batch_flow` with ``ordered=True``; partitions concurrently with
-  aiokafka), and the offset after the last record of its settled prefix is committed,
-  synchronously. A commit never passes a record that is not done, so a crash or a rebalance
-  re-delivers from the first unfinished one. With a store that has the batch verbs, the
-  partition's records are claimed in one call and each is completed as its handler returns
-  (completions grouped into batch calls);
-* retry: Kafka cannot redeliver one record, so the partition is rewound (``seek``) to the
-  first one to retry on and paused: after a backoff growing from 10 ms when the key is busy
-  with another copy, after the verdict's delay otherwise, the records from there are fetched
-  and run again, while the partition is still assigned to this member. Nothing after that
-  record runs meanwhile (effects keep the partition's order); leases already taken for those
-  records are kept, not released, so waiting does not count as an attempt (and extended
-  before use: one taken over meanwhile is claimed again). A copy of a key in another
-  partition (a message published twice) does not find it busy: it runs under the lease this
-  member claimed or kept for it elsewhere if that copy has not started, else waits for that
-  run (at most ``retry_delay``) and is its duplicate. Each poll runs a
-  fetched record at most once, so the member keeps polling within ``max.poll.interval.ms``
-  and sees *stop* however long the store is down or a record keeps failing. A revoked
-  partition, or one left when the member stops, goes to the next owner from the committed
-  offset (the leases kept for it are released);
-* dead-letter: the decision is recorded first (the key is failed in the store), then the
-  record (value, key, headers, plus ``oncely-dead-letter-reason`` and its source
-  ``topic``/``partition``/``offset`` headers) is produced to the dead-letter topic and the
-  delivery confirmed before its offset can be committed. If producing fails, the record is
-  dead-lettered again on the next round, never skipped, and its handler does not run again.
-
-Records are keyed by their ``Idempotency-Key`` header, else by ``topic/partition/offset``,
-which is stable across redeliveries. Rebalances: with confluent-kafka they happen inside
-``poll`` (between batches, when nothing is in flight); with aiokafka the revocation callback
-waits (up to *revoke_timeout*) for the round in flight, which commits what it finished. A
-handler still running after that is harmless: the new owner's copy waits for its lease; the
-leases that round keeps for its blocked records are released when it ends.
+Kafka has no acknowledgement per message, only a committed offset per partition: the offset
+never moves past a record that is not settled, a record to retry rewinds and pauses its
+partition, and a dead letter is produced (and confirmed) before its offset is committed. How
+rounds, rewinds, held leases, copies across partitions and rebalances work is told in
+docs/guides/consumers.md ("Kafka").
 
 .. versionadded:: 0.1.0
 """
@@ -70,7 +39,7 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -80,21 +49,18 @@ from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._deps import require
 from oncely._log import fields, get_logger
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._drivers import BrokerOp, Parallel, arun_with, run_with
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
-    BrokerOp,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
-    Parallel,
     Reason,
     Verdict,
-    arun_with,
-    run_with,
     seconds,
 )
 from oncely.errors import ConfigurationError, OncelyError
@@ -166,6 +132,26 @@ class _DeadLetter(BrokerOp):
     headers: list[tuple[str, str | bytes | None]]
 
 
+@dataclass(slots=True, eq=False)
+class _PartitionState:
+    """What this member keeps for one partition of its assignment between polls."""
+
+    held: dict[str, Any] = field(default_factory=dict)
+    """Leases of records blocked behind one to retry, kept for the next round."""
+    backoff: float = _FIRST_BACKOFF
+    """The wait before its next rewind while the key it waits for is busy elsewhere."""
+    next: int | None = None
+    """The offset it must be fetched from (the first record not settled), if one is."""
+    settled: frozenset[int] = frozenset()
+    """Offsets past `next` that are settled already (not run again when fetched again)."""
+    paused_until: float | None = None
+    """When its pause ends (``time.monotonic``), while it is paused."""
+
+    def round_done(self) -> None:
+        """Every record fetched was settled: nothing waits but the held leases."""
+        self.backoff, self.next, self.settled = _FIRST_BACKOFF, None, frozenset()
+
+
 class _KafkaFlows:
     """What both clients share: the flows, the runner, the partitions this member owns."""
 
@@ -208,13 +194,7 @@ class _KafkaFlows:
         self._assigned: set[Partition] = set()
         self._stopping = False
         self._stop: threading.Event | asyncio.Event | None = None
-        # Per partition: leases of records blocked behind one to retry (kept across polls),
-        # the next backoff, the offset it must be fetched from, when its pause ends.
-        self._held: dict[Partition, dict[str, Any]] = {}
-        self._backoff: dict[Partition, float] = {}
-        self._next: dict[Partition, int] = {}
-        self._settled: dict[Partition, frozenset[int]] = {}  # offsets past the next, done
-        self._paused: dict[Partition, float] = {}
+        self._partitions: dict[Partition, _PartitionState] = {}
 
     @property
     def stats(self) -> ConsumerStats:
@@ -254,18 +234,19 @@ class _KafkaFlows:
         handlers: the member keeps polling (within ``max.poll.interval.ms``) and sees its stop
         and its rebalances between rounds, whatever the store or the handler does.
         """
+        state = self._partitions.setdefault(partition, _PartitionState())
         first = self._coordinates(records[0])[2]
-        expected = self._next.get(partition, first)
+        expected = first if state.next is None else state.next
         if first > expected or not (yield _Assigned(partition)):
             # Records past one still unsettled (a rewind that did not happen), or a partition
             # revoked or stopping: fetched again from the first unsettled one, or by its owner.
             yield _Rewind(partition, expected, 0.0)
             return
         offsets = [self._coordinates(record)[2] for record in records]
-        known = self._settled.get(partition, frozenset())  # settled past the one to retry
+        known = state.settled  # settled past the one to retry
         settled = [offset in known for offset in offsets]
         todo = [i for i in range(len(records)) if not settled[i]]
-        held = _Held(self._held, partition)
+        held = _Held(self._partitions, partition)
         verdicts = yield from self.consumer.batch_flow(
             [self._delivery(records[i]) for i in todo], ordered=True, held=held
         )
@@ -301,14 +282,12 @@ class _KafkaFlows:
         done = 0  # records[:done] are settled
         while done < len(records) and settled[done]:
             done += 1
-        backoff = self._backoff.get(partition, _FIRST_BACKOFF)
+        backoff = state.backoff
         if done:  # never past a record that is not settled
             yield _Commit(partition, offsets[done - 1] + 1)
             backoff = _FIRST_BACKOFF
         if done == len(records):
-            self._next.pop(partition, None)
-            self._backoff.pop(partition, None)
-            self._settled.pop(partition, None)
+            state.round_done()
             return
         # Kafka cannot redeliver one record: the unsettled ones are fetched again after a delay.
         # A key busy elsewhere is mostly a copy in another partition, done in milliseconds: poll
@@ -318,21 +297,18 @@ class _KafkaFlows:
             wait = blocker.delay
         limit = seconds(wait)
         busy = blocker is None or blocker.reason in _BUSY
-        self._next[partition] = offsets[done]
-        self._settled[partition] = frozenset(
+        state.next = offsets[done]
+        state.settled = frozenset(
             [offset for offset in known if offset > offsets[-1]]
             + [offsets[i] for i in range(done, len(records)) if settled[i]]
         )
-        self._backoff[partition] = backoff * 2
+        state.backoff = backoff * 2
         yield _Rewind(partition, offsets[done], min(backoff, limit) if busy else limit)
 
     def _forget(self, partition: Partition) -> dict[str, Any]:
         """Drop what this member kept for *partition*; return its held leases to release."""
-        self._backoff.pop(partition, None)
-        self._next.pop(partition, None)
-        self._settled.pop(partition, None)
-        self._paused.pop(partition, None)
-        return self._held.pop(partition, None) or {}
+        state = self._partitions.pop(partition, None)
+        return {} if state is None else state.held
 
     def _abandoned(self, partitions: Collection[Partition]) -> Flow[None]:
         """Release the leases held for *partitions* (revoked, or the member stops): their
@@ -343,11 +319,31 @@ class _KafkaFlows:
     def _due(self) -> tuple[list[Partition], float | None]:
         """The paused partitions whose delay is over, and the seconds until the next one."""
         now = time.monotonic()
-        due = [part for part, until in self._paused.items() if until <= now]
-        for part in due:
-            del self._paused[part]
-        left = min(self._paused.values(), default=None)
+        due: list[Partition] = []
+        left: float | None = None
+        for part, state in self._partitions.items():
+            until = state.paused_until
+            if until is None:
+                continue
+            if until <= now:
+                state.paused_until = None
+                due.append(part)
+            elif left is None or until < left:
+                left = until
         return due, (None if left is None else max(0.0, left - now))
+
+    def _paused(self) -> list[Partition]:
+        """The partitions paused now (waiting to be fetched again)."""
+        return [part for part, state in self._partitions.items() if state.paused_until is not None]
+
+    def _pause(self, partition: Partition, delay: float) -> None:
+        state = self._partitions.setdefault(partition, _PartitionState())
+        state.paused_until = time.monotonic() + delay
+
+    def _starting(self, stop: threading.Event | asyncio.Event | None) -> None:
+        """A run begins (again, after a `close` maybe): it stops when *stop* is set."""
+        self._stopping = False
+        self._stop = stop
 
     def _dead_letter(self, record: Any, verdict: Verdict) -> _DeadLetter:
         topic, partition, offset = self._coordinates(record)
@@ -373,14 +369,15 @@ class _Held(MutableMapping[str, Any]):
     another partition runs under the lease kept for it, instead of finding the key busy and
     blocking that partition too (then holding its own records' leases, and so on)."""
 
-    def __init__(self, every: dict[Partition, dict[str, Any]], partition: Partition) -> None:
+    def __init__(self, every: dict[Partition, _PartitionState], partition: Partition) -> None:
         self._every = every
         self._partition = partition
-        self._own = every.setdefault(partition, {})
+        self._state = every.setdefault(partition, _PartitionState())
+        self._own = self._state.held
 
     def orphaned(self) -> bool:
         """Whether the partition's leases were forgotten (revoked) since, some kept here."""
-        return bool(self._own) and self._every.get(self._partition) is not self._own
+        return bool(self._own) and self._every.get(self._partition) is not self._state
 
     def release(self) -> dict[str, Any]:
         """The leases kept here, no longer kept: for `IdempotentConsumer.release_flow`."""
@@ -390,9 +387,9 @@ class _Held(MutableMapping[str, Any]):
     def _holder(self, key: str) -> dict[str, Any]:
         if key in self._own:
             return self._own
-        for leases in self._every.values():
-            if key in leases:
-                return leases
+        for state in self._every.values():
+            if key in state.held:
+                return state.held
         raise KeyError(key)
 
     def __getitem__(self, key: str) -> Any:
@@ -405,10 +402,10 @@ class _Held(MutableMapping[str, Any]):
         del self._holder(key)[key]
 
     def __iter__(self) -> Iterator[str]:
-        return (key for leases in list(self._every.values()) for key in list(leases))
+        return (key for state in list(self._every.values()) for key in list(state.held))
 
     def __len__(self) -> int:
-        return sum(len(leases) for leases in self._every.values())
+        return sum(len(state.held) for state in self._every.values())
 
 
 def _headers(raw: Any) -> list[tuple[str, bytes]]:
@@ -510,7 +507,7 @@ class IdempotentKafkaConsumer(_KafkaFlows):
         # (its leases held for the next round, released now) to the new owner.
         revoked = [(p.topic, p.partition) for p in partitions]
         self._assigned.difference_update(revoked)
-        self._resume([part for part in revoked if part in self._paused])
+        self._resume([part for part in revoked if part in self._paused()])
         self._run(self._abandoned(revoked))
 
     def _resume(self, partitions: Collection[Partition]) -> None:
@@ -549,7 +546,7 @@ class IdempotentKafkaConsumer(_KafkaFlows):
                 self.client.seek(position)
                 if op.delay > 0:
                     self.client.pause([position])
-                    self._paused[op.partition] = time.monotonic() + op.delay
+                    self._pause(op.partition, op.delay)
             except self._kafka.KafkaException as exc:  # revoked meanwhile: the owner redoes it
                 logger.warning("rewind of %s to %d failed: %s", op.partition, op.offset, exc)
             return None
@@ -600,8 +597,7 @@ class IdempotentKafkaConsumer(_KafkaFlows):
         Each poll runs every fetched record at most once, so *stop* is seen within one round
         of handlers, however long the store is unavailable or a record keeps failing.
         """
-        self._stopping = False
-        self._stop = stop
+        self._starting(stop)
         try:
             while not stop.is_set():
                 self.poll()
@@ -611,8 +607,8 @@ class IdempotentKafkaConsumer(_KafkaFlows):
 
     def _leave(self) -> None:
         """Give back what waits for a next round: held leases, paused partitions."""
-        self._resume(list(self._paused))
-        self._run(self._abandoned(list(self._held)))
+        self._resume(self._paused())
+        self._run(self._abandoned(list(self._partitions)))
 
     def close(self) -> None:
         """Leave the group (committed offsets stay) and flush the dead-letter producer."""
@@ -724,7 +720,7 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
                 self.client.seek(position, op.offset)
                 if op.delay > 0:
                     self.client.pause(position)
-                    self._paused[op.partition] = time.monotonic() + op.delay
+                    self._pause(op.partition, op.delay)
             except self._aiokafka.errors.KafkaError as exc:  # revoked: the owner redoes it
                 logger.warning("rewind of %s to %d failed: %s", op.partition, op.offset, exc)
             return None
@@ -782,14 +778,26 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
         Each poll runs every fetched record at most once, so *stop* is seen within one round
         of handlers, however long the store is unavailable or a record keeps failing.
         """
-        self._stop = stop
+        self._starting(stop)
         try:
             while stop is None or not stop.is_set():
                 await self.apoll()
         finally:
             self._stop = None
-            self._resume(list(self._paused))
-            await self._arun(self._abandoned(list(self._held)))
+            await self._aleave()
+
+    async def _aleave(self) -> None:
+        """Give back what waits for a next round: held leases, paused partitions."""
+        self._resume(self._paused())
+        await self._arun(self._abandoned(list(self._partitions)))
+
+    async def aclose(self) -> None:
+        """Stop a run in progress from seeing any more partitions as its own, give back what
+        waits for a next round, and stop the client (it leaves the group; committed offsets
+        stay). The producer is the caller's to stop."""
+        self._stopping = True
+        await self._aleave()
+        await self.client.stop()
 
     async def _revoked(self, partitions: Collection[Any]) -> None:
         revoked = [(tp.topic, tp.partition) for tp in partitions]
@@ -798,7 +806,7 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
             await asyncio.wait_for(self._idle.wait(), seconds(self.revoke_timeout))
         except asyncio.TimeoutError:
             logger.warning("records still in flight after revocation; their new owner waits")
-        self._resume([part for part in revoked if part in self._paused])
+        self._resume([part for part in revoked if part in self._paused()])
         await self._arun(self._abandoned(revoked))
 
     def _assigned_now(self, partitions: Collection[Any]) -> None:

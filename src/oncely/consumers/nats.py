@@ -55,21 +55,19 @@ from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
 from oncely._log import fields, get_logger
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._drivers import ano_broker, arun_with, mark_coroutine_function
+from oncely.consumers._keys import default_scope
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Reason,
     Verdict,
-    ano_broker,
-    arun_with,
-    default_scope,
-    mark_coroutine_function,
     seconds,
 )
 from oncely.errors import ConfigurationError

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from oncely._deps import require
-from oncely.consumers._base import KEY_HEADERS
+from oncely.consumers._verdicts import KEY_HEADERS
 from oncely.keys import from_header, validate_key
 
 if TYPE_CHECKING:

@@ -38,18 +38,18 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from oncely._core.codec import Codec
 from oncely._core.protocols import AsyncStore
 from oncely._deps import require
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._drivers import mark_coroutine_function
+from oncely.consumers._keys import default_scope
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Verdict,
-    default_scope,
-    mark_coroutine_function,
     seconds,
 )
 

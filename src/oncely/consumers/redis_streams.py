@@ -55,19 +55,17 @@ from oncely._core.policy import Duration, to_timedelta
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely._deps import require
 from oncely._log import get_logger
-from oncely.consumers._base import (
+from oncely.consumers._consumer import IdempotentConsumer
+from oncely.consumers._drivers import BrokerOp, arun_with, run_with
+from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
-    BrokerOp,
     ConsumerPolicy,
     ConsumerStats,
     Delivery,
     FingerprintSource,
-    IdempotentConsumer,
     KeySource,
     Verdict,
-    arun_with,
-    run_with,
 )
 from oncely.errors import ConfigurationError
 

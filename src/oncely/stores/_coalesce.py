@@ -17,26 +17,34 @@ store's ``aclaim_many`` takes them as ``ops``), so a claim applied with its repl
 another worker's lease: it answers `InProgress`, and that caller keeps the error (the lease
 expires on its own).
 
+A caller cancelled meanwhile never cuts a call short, and its cancellation goes on once what
+it asked for is settled: a claim not sent yet is never sent (it would take a lease nobody
+uses), one in flight is released once it answers `Acquired` (a retry right after runs at once);
+a completion (the work ran) is sent all the same and lands first (a consumer shutting down does
+not close its store under it). `Coalescer.drain` waits for every call in flight.
+
 `Coalescer` is the grouping itself, for any pair of a single and a batch verb (the PostgreSQL
-store groups its extends with it).
+store groups its extends with it); the consumers group their claims and completions with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
-from oncely._cancel import given_back_if_cancelled, release_unused
+from oncely._cancel import give_back, shielded
 from oncely._core.machine import landed
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Record
+from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
 
-__all__ = ["Coalescer", "CoalescingStore"]
+__all__ = ["Coalescer", "CoalescingStore", "MAX_BATCH", "unknown_claim"]
 
 logger = get_logger(__name__)
 
@@ -45,12 +53,27 @@ _Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
 
 _UNKNOWN: Any = object()
 
+MAX_BATCH = 256
+"""The most items sent in one batch call: a store answers a batch call at once, and no other
+call waits long behind it."""
+
+
+def unknown_claim(key: str) -> None:
+    """Say that a claim of *key* whose reply was lost may have been applied: the lease, if it
+    was taken, expires on its own."""
+    logger.warning(
+        "claim of key=%s may have been applied; it recovers after its lease",
+        key,
+        extra=fields(key=key, outcome="store_unavailable"),
+    )
+
 
 class _LoopState:
-    __slots__ = ("in_flight", "waiting")
+    __slots__ = ("in_flight", "starting", "waiting")
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.starting = False  # a call's task is created, its batch not taken yet
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
 
 
@@ -63,13 +86,15 @@ class Coalescer:
         many: Callable[..., Awaitable[list[Any]]],
         max_in_flight: int,
         max_batch: int,
+        singles: bool = True,
     ) -> None:
+        self._singles = singles
         self._single = single
         self._many = many
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
-        self._sending: set[asyncio.Task[None]] = set()
+        self._sending: set[asyncio.Task[Any]] = set()
 
     def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
         state = self._loops.get(loop)
@@ -80,21 +105,87 @@ class Coalescer:
         return state
 
     async def submit(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        """Send *item*, alone or with the items submitted meanwhile; answer its answer.
+
+        A caller cancelled meanwhile is cancelled at once; its item is settled in the
+        background (see `_abandoned`).
+        """
         loop = asyncio.get_running_loop()
         state = self._state(loop)
-        if state.in_flight < self._max_in_flight and not state.waiting:
+        answer: asyncio.Future[Any]
+        if self._singles and state.in_flight < self._max_in_flight and not state.waiting:
             state.in_flight += 1  # the store is not busy: go now, alone
-            try:
-                return await self._call_single(item, options)
-            finally:
-                state.in_flight -= 1
-                self._send_waiting(loop, state)
-        future: asyncio.Future[Any] = loop.create_future()
-        state.waiting.setdefault(tuple(sorted(options.items())), []).append((item, future))
-        return await future
+            answer = loop.create_task(self._alone(loop, state, item, options))
+            self._track(answer)
+        else:
+            answer = loop.create_future()
+            state.waiting.setdefault(tuple(sorted(options.items())), []).append((item, answer))
+            self._send_waiting(loop, state)
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            if not answer.cancelled():  # the caller was, not the call (with its loop)
+                settling = self._abandoned(loop, state, item, answer)
+                if settling is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await shielded(settling)
+            raise
+
+    async def _alone(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        state: _LoopState,
+        item: tuple[Any, ...],
+        options: dict[str, Any],
+    ) -> Any:
+        try:
+            return await self._call_single(item, options)
+        finally:
+            state.in_flight -= 1
+            self._send_waiting(loop, state)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._sending.add(task)  # a reference, so the task is not collected mid-flight
+        task.add_done_callback(self._sending.discard)
+
+    def _abandoned(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        state: _LoopState,
+        item: tuple[Any, ...],
+        answer: asyncio.Future[Any],
+    ) -> asyncio.Future[Any] | None:
+        """The caller of *item* was cancelled before *answer*: by default the item is sent all
+        the same, and lands before the caller goes on being cancelled (a completion: the work
+        it records was done). What is returned, the caller waits for first."""
+        return answer
+
+    async def drain(self) -> None:
+        """Wait until every call this event loop sent (or queued) meanwhile has answered."""
+        loop = asyncio.get_running_loop()
+        while True:
+            state = self._loops.get(loop)
+            waiting = [f for group in (state.waiting if state else {}).values() for _, f in group]
+            pending: list[asyncio.Future[Any]] = [
+                t for t in self._sending if t.get_loop() is loop and not t.done()
+            ]
+            pending += [f for f in waiting if not f.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending)
 
     def _send_waiting(self, loop: asyncio.AbstractEventLoop, state: _LoopState) -> None:
-        while state.waiting and state.in_flight < self._max_in_flight:
+        """Start a call for what waits, if the store has room: its batch is taken when the
+        call's task starts, with what this turn of the loop adds and without what the
+        cancelled callers withdraw meanwhile."""
+        if state.waiting and state.in_flight < self._max_in_flight and not state.starting:
+            state.in_flight += 1
+            state.starting = True
+            self._track(loop.create_task(self._send_next(loop, state)))
+
+    async def _send_next(self, loop: asyncio.AbstractEventLoop, state: _LoopState) -> None:
+        state.starting = False
+        while state.waiting:
             group = next(iter(state.waiting))
             waiting = state.waiting[group]
             batch = [(item, future) for item, future in waiting if not future.done()]
@@ -103,12 +194,11 @@ class Coalescer:
                 state.waiting[group] = rest
             else:
                 del state.waiting[group]
-            if not batch:  # every caller of the group was cancelled while waiting
-                continue
-            state.in_flight += 1
-            task = loop.create_task(self._send(loop, state, batch, dict(group)))
-            self._sending.add(task)  # a reference, so the task is not collected mid-flight
-            task.add_done_callback(self._sending.discard)
+            if batch:
+                self._send_waiting(loop, state)  # more waiting, and room: another call
+                await self._send(loop, state, batch, dict(group))
+                return
+        state.in_flight -= 1  # every caller that waited was cancelled meanwhile
 
     async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
         return await self._single(*item, **options)
@@ -142,9 +232,8 @@ class Coalescer:
                 raise
             return
         else:
-            for (item, future), answer in zip(batch, answers, strict=True):
-                if future.done():  # its caller was cancelled while the call was in flight
-                    self._unused(loop, item, answer)
+            for (_, future), answer in zip(batch, answers, strict=True):
+                if future.done():  # cancelled with its loop
                     continue
                 if isinstance(answer, StoreError):
                     future.set_exception(answer)
@@ -153,9 +242,6 @@ class Coalescer:
         finally:
             state.in_flight -= 1
             self._send_waiting(loop, state)
-
-    def _unused(self, loop: asyncio.AbstractEventLoop, item: tuple[Any, ...], answer: Any) -> None:
-        """The *answer* to *item* arrived after its caller was cancelled: undo what it took."""
 
     async def _resolve(
         self, items: list[tuple[Any, ...]], answers: list[Any], options: dict[str, Any]
@@ -187,21 +273,31 @@ class _Claims(Coalescer):
     """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
     (both times) when the store's ``aclaim_many`` takes ``ops``."""
 
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
-        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch)
+    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
+        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles)
         self.takes_ops = takes_ops(store.aclaim_many)
         self._store = store
 
     async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
-        # A caller cancelled while its claim is in flight releases the lease it took.
-        claim = self._single(*item[:2], **options)
-        return await given_back_if_cancelled(claim, self._store, item[0])
+        return await self._single(*item[:2], **options)
 
-    def _unused(self, loop: asyncio.AbstractEventLoop, item: tuple[Any, ...], answer: Any) -> None:
-        if isinstance(answer, Acquired):
-            task = loop.create_task(release_unused(self._store, item[0], answer))
-            self._sending.add(task)  # a reference, so the task is not collected mid-flight
-            task.add_done_callback(self._sending.discard)
+    def _abandoned(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        state: _LoopState,
+        item: tuple[Any, ...],
+        answer: asyncio.Future[Any],
+    ) -> asyncio.Future[Any] | None:
+        """A claim not sent yet is not sent (it would take a lease nobody uses); one in flight
+        gives its lease back once it answers `Acquired`, before the caller goes on being
+        cancelled (its retry then runs at once)."""
+        for group in state.waiting.values():
+            if any(future is answer for _, future in group):
+                answer.cancel()
+                return None
+        releasing = loop.create_task(give_back(answer, self._store, item[0]))
+        self._track(releasing)
+        return releasing
 
     async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
         requests = [item[:2] for item in items]
@@ -217,19 +313,14 @@ class _Claims(Coalescer):
         if self.takes_ops and not isinstance(answer, StoreError):
             return answer
         if isinstance(answer, (InProgress, StoreError)):
-            key = item[0]
-            logger.warning(
-                "claim of key=%s may have been applied; it recovers after its lease",
-                key,
-                extra=fields(key=key, outcome="store_unavailable"),
-            )
+            unknown_claim(item[0])
             return _UNKNOWN
         return answer
 
 
 class _Completions(Coalescer):
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int) -> None:
-        super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch)
+    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
+        super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles)
         self._store = store
 
     async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
@@ -255,19 +346,34 @@ class CoalescingStore:
         max_in_flight: Claims (and, separately, completions) sent at once per event loop before
             later ones wait to go together.
         max_batch: The most items sent in one batch call.
+        singles: Send a call that need not wait alone, with the single verb; else every call
+            goes with the batch verb (a consumer's: the same script, warm, for every call).
     """
 
-    def __init__(self, store: Any, *, max_in_flight: int = 4, max_batch: int = 256) -> None:
+    _cancel_safe: ClassVar[type[CoalescingStore]]
+    """A cancelled caller's claim is settled here, its finish lands (see the module's
+    docstring): `oncely._cancel.guards_itself` says so to the entry points."""
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        max_in_flight: int = 4,
+        max_batch: int = MAX_BATCH,
+        singles: bool = True,
+    ) -> None:
         self.store = store
-        self._claims = _Claims(store, max_in_flight, max_batch)
-        self._completions = _Completions(store, max_in_flight, max_batch)
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(8)  # call ids: unique per view, cheap per claim
+        self._claims = _Claims(store, max_in_flight, max_batch, singles)
+        self._completions = _Completions(store, max_in_flight, max_batch, singles)
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
         """`oncely.AsyncStore.aclaim`, batched with other claims while the store is busy."""
         options = {"lease": lease, "ttl": ttl}
-        op = secrets.token_hex(8)  # the claim's call id, the same if it is sent again
+        op = f"{self._prefix}.{next(self._ids)}"  # its call id, the same if it is sent again
         answer: ClaimResult = await self._claims.submit((key, fingerprint, op), options)
         return answer
 
@@ -329,6 +435,16 @@ class CoalescingStore:
         )
         return answers
 
+    async def adrain(self) -> None:
+        """Wait until every claim and completion sent on this event loop has answered (those
+        of cancelled callers included): before the store is closed."""
+        await self._claims.drain()
+        await self._completions.drain()
+
     async def aclose(self) -> None:
-        """Close the store underneath."""
+        """Close the store underneath, once the calls in flight have answered."""
+        await self.adrain()
         await self.store.aclose()
+
+
+CoalescingStore._cancel_safe = CoalescingStore

@@ -1,0 +1,214 @@
+"""The sync and async drivers of the consumer's flows: `run_with` and `arun_with` perform what
+the flows yield, hand `BrokerOp` values to the adapter and the rest to the store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from oncely import _events, _execution, _observed
+from oncely._core.flow import Flow, adrive, drive
+from oncely._core.protocols import AsyncStore, SyncStore
+from oncely.consumers._grouping import GroupCommit, Landed, Settle, acomplete, landed
+from oncely.consumers._sharing import Decide, Share, Slot, Wait
+from oncely.errors import (
+    ConfigurationError,
+)
+from oncely.stores._coalesce import CoalescingStore
+
+T = TypeVar("T")
+
+
+class BrokerOp:
+    """Base class of the operations an adapter's flow yields for the adapter to perform."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Handle(BrokerOp):
+    """Run *flow* (usually `IdempotentConsumer.flow`) with the handler bound to *message*."""
+
+    message: Any
+    flow: Flow[Any]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Run(BrokerOp):
+    """Run the handler on *message* under *lease* (the batch path's `Invoke`)."""
+
+    message: Any
+    lease: _execution.Lease
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Parallel(BrokerOp):
+    """Run *flows* (one per partition, say): concurrently when async, in order when sync."""
+
+    flows: Sequence[Flow[Any]]
+
+
+def no_broker(op: BrokerOp) -> Any:
+    """The *broker* of `run_with` for flows that yield no broker operation of their own."""
+    raise TypeError(f"cannot perform {op!r}")
+
+
+async def ano_broker(op: BrokerOp) -> Any:
+    """Async `no_broker`."""
+    raise TypeError(f"cannot perform {op!r}")
+
+
+def _require(store: Any, kind: type[Any]) -> Any:
+    if not isinstance(store, kind):
+        raise ConfigurationError(f"{type(store).__name__} is not a {kind.__name__}")
+    return store
+
+
+def run_with(
+    flow: Flow[T],
+    store: SyncStore,
+    handler: Callable[[Any], Any],
+    broker: Callable[[BrokerOp], Any],
+) -> T:
+    """Run an adapter's *flow* against a sync store.
+
+    `Handle`, `Run` and `Parallel` are performed here; other `BrokerOp` values go to *broker*;
+    the rest (store calls, the handler's invocation, heartbeats, sleeps) to
+    `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
+    """
+    completions = GroupCommit(lambda op: _execution.perform(op, store))
+
+    def performer(message: Any) -> Callable[[Any], Any]:
+        def perform(op: Any) -> Any:
+            kind = type(op)
+            if kind is Run:
+                return _execution.invoke_under(op.lease, handler, op.message)
+            if kind is Settle:
+                return completions.submit(op)
+            if kind is Landed:
+                return [handle.result() for handle in op.handles]
+            if kind is Share:
+                return {}  # the flows of a Parallel run one after the other
+            if kind is Decide or kind is Wait:
+                return None
+            if kind is Handle:
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return drive(flow, performer(op.message))
+            if kind is Parallel:
+                return [drive(each, perform) for each in op.flows]
+            if isinstance(op, BrokerOp):
+                return broker(op)
+            if kind is _execution.Invoke:
+                return _execution.invoke_under(op.lease, handler, message)
+            return _execution.perform(op, store)
+
+        return perform
+
+    try:
+        return drive(flow, performer(None))
+    finally:
+        completions.close()
+
+
+async def arun_with(
+    flow: Flow[T],
+    store: AsyncStore,
+    handler: Callable[[Any], Awaitable[Any]],
+    broker: Callable[[BrokerOp], Awaitable[Any]],
+) -> T:
+    """Async `run_with`: the flows of a `Parallel` run as concurrent tasks; completions go
+    through one `CoalescingStore` (group commit) as their handlers return."""
+
+    coalescing: CoalescingStore | None = None
+    settling: list[asyncio.Future[Any]] = []
+    claimed: dict[str, Slot] = {}  # keys claimed by the flows of this run, see Share
+    sharing = 0  # Parallel ops of several flows running now: their flows may share keys
+
+    def share(keys: tuple[str, ...]) -> dict[str, Slot]:
+        slots: dict[str, Slot] = {}
+        if not sharing:  # a lone flow: no other one claims its keys here
+            return slots
+        for key in keys:
+            slot = claimed.get(key)
+            if slot is None or slot.done.done():
+                slot = claimed[key] = Slot(asyncio.get_running_loop().create_future())
+            slot.flows += 1
+            slot.claiming += 1
+            slots[key] = slot
+        return slots
+
+    def performer(message: Any) -> Callable[[Any], Awaitable[Any]]:
+        async def perform(op: Any) -> Any:
+            kind = type(op)
+            if kind is Run:
+                return await _execution.ainvoke_under(op.lease, handler, op.message)
+            if kind is Settle:
+                nonlocal coalescing
+                if coalescing is None:
+                    coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
+                sent = acomplete(op.consumer, op.lease, op.payload, coalescing)
+                handle = asyncio.ensure_future(sent)
+                settling[:] = [*(each for each in settling if not each.done()), handle]
+                if op.decided is not None:
+                    handle.add_done_callback(op.decided.decide)
+                return handle
+            if kind is Landed:
+                return await landed(op.handles)
+            if kind is Share:
+                return share(op.keys)
+            if kind is Wait:
+                await asyncio.wait((op.slot.done,), timeout=op.timeout)
+                return None
+            if kind is Decide:
+                for slot in op.slots:
+                    slot.decide()
+                return None
+            if kind is Handle:
+                flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
+                return await adrive(flow, performer(op.message))
+            if kind is Parallel:
+                nonlocal sharing
+                several = len(op.flows) > 1
+                sharing += several
+                tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
+                try:
+                    return await asyncio.gather(*tasks)
+                except BaseException:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+                finally:
+                    sharing -= several
+            if isinstance(op, BrokerOp):
+                return await broker(op)
+            if kind is _execution.Invoke:
+                return await _execution.ainvoke_under(op.lease, handler, message)
+            return await _execution.aperform(op, store)
+
+        return perform
+
+    try:
+        return await adrive(flow, performer(None))
+    except BaseException:
+        # Cancelled (a consumer shutting down) with completions on the way, say: their
+        # handlers ran, so they land before the store may be closed (see `landed`).
+        with contextlib.suppress(asyncio.CancelledError):  # what is raised is the first error
+            await landed(settling)
+        raise
+
+
+def mark_coroutine_function(handler: Any) -> None:
+    """Make an instance whose ``__call__`` is async pass for a coroutine function.
+
+    Clients choose how to call a callback by asking ``asyncio.iscoroutinefunction`` or
+    ``inspect.iscoroutinefunction``, which answer no for such an instance: aio-pika 9.0 (on
+    aiormq 6), for one, then never awaits what it returns. The markers make both answer yes
+    (Python 3.12+ has `inspect.markcoroutinefunction` for the second).
+    """
+    mark = getattr(inspect, "markcoroutinefunction", None)
+    if mark is not None:
+        mark(handler)
+    handler._is_coroutine = getattr(asyncio.coroutines, "_is_coroutine", None)
