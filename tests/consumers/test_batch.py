@@ -14,7 +14,7 @@ import pytest
 import redis
 
 import oncely
-from oncely import Acquired, Status
+from oncely import Acquired, Status, _switches
 from oncely.consumers import Action, ConsumerPolicy, Delivery, IdempotentConsumer, Reason, Verdict
 from oncely.consumers._drivers import Parallel, ano_broker, arun_with, no_broker, run_with
 from oncely.stores.memory import MemoryStore
@@ -579,6 +579,14 @@ def test_a_batch_claim_applied_with_its_reply_lost_runs_once_on_redis(batch: Bat
 # -- deliveries handled one per task (aprocess): their claims and completions grouped ----------
 
 
+@pytest.fixture
+def grouped_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouping is the fast path's (the reference flow claims one delivery at a time, so it
+    neither bounds group calls nor shares a running copy): held to it even in a run through the
+    reference flows, where the rest of this section checks the same verdicts."""
+    monkeypatch.setattr(_switches, "reference_flows", False)
+
+
 def test_concurrent_deliveries_share_claim_and_completion_calls(store: BatchingStore) -> None:
     """Deliveries handled at once, one task each, claim and complete in a few batch calls
     (group commit), with every decision as alone: each runs once, the copy is a duplicate."""
@@ -610,6 +618,7 @@ def test_concurrent_deliveries_share_claim_and_completion_calls(store: BatchingS
         assert record.status is Status.COMPLETED
 
 
+@pytest.mark.usefixtures("grouped_path")
 def test_grouped_batch_calls_are_bounded() -> None:
     """However many deliveries wait, no batch call carries more than 256 of them."""
     sizes: list[int] = []
@@ -634,6 +643,7 @@ def test_grouped_batch_calls_are_bounded() -> None:
     assert max(sizes) <= 256
 
 
+@pytest.mark.usefixtures("grouped_path")
 def test_a_claim_cancelled_before_it_is_sent_takes_no_lease() -> None:
     """A delivery cancelled while its claim waits for the one in flight is not claimed: its
     redelivery runs at once, not after a lease nobody holds."""
@@ -666,6 +676,7 @@ def test_a_claim_cancelled_before_it_is_sent_takes_no_lease() -> None:
     assert slow.get(consumer.key_for(deliveries("b")[0])) is None
 
 
+@pytest.mark.usefixtures("grouped_path")
 def test_a_copy_of_a_running_delivery_waits_for_it_and_is_a_duplicate(
     store: BatchingStore,
 ) -> None:

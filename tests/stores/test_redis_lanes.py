@@ -21,8 +21,8 @@ from oncely import Acquired, Replay
 from oncely.errors import StoreUnavailableError
 from oncely.stores.redis import RedisStore
 from oncely.stores.redis._lanes import AsyncLane, SyncLane
+from tests._proxy import Proxy
 from tests.conftest import service_url
-from tests.stores._cut import ReplyCutter
 
 LEASE = timedelta(seconds=30)
 TTL = timedelta(minutes=5)
@@ -81,13 +81,13 @@ class TestTheLaneIsTaken:
 
 @pytest.mark.redis
 class TestConnectionsGoBack:
-    """One connection, and a reply cut on its way (`ReplyCutter`), with no re-send: the call
+    """One connection, and a reply cut on its way (`tests._proxy.Proxy`), with no re-send: the call
     fails on its own error, and the calls after it find the connection free again (a leaked
     one would leave them no connection at all)."""
 
     def test_after_a_sync_call_fails(self, redis_url: str) -> None:
         port = int(redis_url.rpartition(":")[2].partition("/")[0])
-        with ReplyCutter(port) as cutter:
+        with Proxy(port) as cutter:
             url = f"redis://127.0.0.1:{cutter.port}/0"
             with RedisStore(url, namespace=_namespace(), retries=0, max_connections=1) as store:
                 assert isinstance(store.claim("warm", "fp", lease=LEASE, ttl=TTL), Acquired)
@@ -103,7 +103,7 @@ class TestConnectionsGoBack:
     def test_after_an_async_call_fails(self, redis_url: str) -> None:
         port = int(redis_url.rpartition(":")[2].partition("/")[0])
 
-        async def run(url: str, cutter: ReplyCutter) -> None:
+        async def run(url: str, cutter: Proxy) -> None:
             store = RedisStore(url, namespace=_namespace(), retries=0, max_connections=1)
             try:
                 assert isinstance(await store.aclaim("warm", "fp", lease=LEASE, ttl=TTL), Acquired)
@@ -117,7 +117,7 @@ class TestConnectionsGoBack:
             finally:
                 await store.aclose()
 
-        with ReplyCutter(port) as cutter:
+        with Proxy(port) as cutter:
             asyncio.run(run(f"redis://127.0.0.1:{cutter.port}/0", cutter))
 
     @pytest.mark.redis
