@@ -85,6 +85,7 @@ from stores_common import (
     Results,
     Sample,
     ServerCpu,
+    Subject,
     _log,
     run_async,
     run_sync,
@@ -97,7 +98,6 @@ from stores_subjects import (
     RawPostgres,
     RawRedis,
     RawSQLite,
-    Subject,
     oncely_decorated,
     powertools_decorated,
 )

@@ -14,11 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from stores_subjects import Subject
-
+from typing import Protocol
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -168,6 +164,24 @@ def ratios(numerator: list[Sample], denominator: list[Sample]) -> list[float]:
         top.ops_per_s / bottom.ops_per_s
         for top, bottom in zip(numerator, denominator, strict=False)
     ]
+
+
+class Subject(Protocol):
+    """Something measured: a cycle on a new key and a replay of a completed key, both worlds."""
+
+    name: str
+
+    def key(self, serial: str) -> str:
+        """The key this subject uses for the operation numbered *serial*."""
+        ...
+
+    def cycle(self, key: str) -> None: ...
+
+    def replay(self, key: str) -> None: ...
+
+    async def acycle(self, key: str) -> None: ...
+
+    async def areplay(self, key: str) -> None: ...
 
 
 class Keys:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from stores_common import FINGERPRINT, LEASE, LEASE_MS, RESULT, TTL, TTL_S, BenchError
 
@@ -15,24 +15,6 @@ import oncely
 from oncely import Acquired, Replay
 
 # -- subjects: what is measured ----------------------------------------------------------------
-
-
-class Subject(Protocol):
-    """Something measured: a cycle on a new key and a replay of a completed key, both worlds."""
-
-    name: str
-
-    def key(self, serial: str) -> str:
-        """The key this subject uses for the operation numbered *serial*."""
-        ...
-
-    def cycle(self, key: str) -> None: ...
-
-    def replay(self, key: str) -> None: ...
-
-    async def acycle(self, key: str) -> None: ...
-
-    async def areplay(self, key: str) -> None: ...
 
 
 class OncelySubject:

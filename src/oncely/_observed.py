@@ -119,11 +119,21 @@ class Observation:
         self.started = time.perf_counter()
 
     def start(
-        self, destination: str | None = None, headers: Mapping[str, Any] | None = None
+        self,
+        destination: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        start_ns: int | None = None,
     ) -> None:
-        """Report the start (exporters open their span: it is current while the operation runs)."""
+        """Report the start (exporters open their span: it is current while the operation runs);
+        *start_ns* for an operation reported after the fact."""
         started = _events.Started(
-            self.surface, self.operation, self.store, self.handle, destination, headers or {}
+            self.surface,
+            self.operation,
+            self.store,
+            self.handle,
+            destination,
+            headers or {},
+            start_ns,
         )
         _events.emit(started)
 
@@ -137,21 +147,33 @@ class Observation:
             self.token = token
             self.attempt = attempt
 
-    def finish(self, error: BaseException | None = None, *, timed: bool = True) -> None:
-        """Report the operation, once."""
+    def finish(
+        self,
+        error: BaseException | None = None,
+        *,
+        timed: bool = True,
+        ran_ns: tuple[int, int] | None = None,
+    ) -> None:
+        """Report the operation, once: timed from `started` to now, not timed, or (*ran_ns*)
+        over its own run's start and end, reported after the fact."""
         outcome = self.outcome if self.outcome is not None else error_outcome(error)
+        if ran_ns is not None:
+            duration: float | None = (ran_ns[1] - ran_ns[0]) / 1e9
+        else:
+            duration = time.perf_counter() - self.started if timed else None
         _events.emit(
             _events.Operation(
                 self.surface,
                 self.operation,
                 self.store,
                 outcome,
-                time.perf_counter() - self.started if timed else None,
+                duration,
                 self.token,
                 self.attempt,
                 None if error is None else type(error).__name__,
                 self.detail,
                 self.handle,
+                None if ran_ns is None else ran_ns[1],
             )
         )
 
@@ -569,9 +591,21 @@ def verdict(consumer: Any, decided: Any) -> None:
     observation.outcome = outcome
     observation.attempt = decided.attempt
     observation.detail = reason
-    if not timed_here:  # decided in a batch: counted (and spanned), not timed
-        observation.start()
-        observation.finish(decided.error, timed=False)
+    if not timed_here:  # decided in a batch: spanned and timed by its handler's run, if any
+        ran_ns = consumer._ran_ns.pop(decided.key, None)
+        observation.start(start_ns=None if ran_ns is None else ran_ns[0])
+        observation.finish(decided.error, timed=False, ran_ns=ran_ns)
+
+
+_MAX_RUNS_KEPT = 4096
+
+
+def ran(consumer: Any, key: str, started_ns: int) -> None:
+    """A batch's handler for *key* ran from *started_ns* to now: kept for its `verdict`."""
+    runs: dict[str, tuple[int, int]] = consumer._ran_ns
+    if len(runs) >= _MAX_RUNS_KEPT:  # runs whose verdict never came (a cancelled batch)
+        runs.clear()
+    runs[key] = (started_ns, time.time_ns())
 
 
 def _destination(message: Any) -> str | None:

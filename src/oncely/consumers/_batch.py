@@ -4,16 +4,18 @@ handlers run under one heartbeat per lease, each completion sent as its handler 
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from oncely import _execution
+from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow
 from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
 from oncely.consumers._drivers import Parallel, Run
 from oncely.consumers._grouping import Landed, Settle, encoded
+from oncely.consumers._running import Running
 from oncely.consumers._sharing import Decide, Later, Share, Slot, Wait, decided, withdrawn
 from oncely.consumers._verdicts import (
     Action,
@@ -30,18 +32,15 @@ from oncely.errors import (
 from oncely.stores._batch import takes_ops
 from oncely.stores._coalesce import unknown_claim
 
-if TYPE_CHECKING:
-    from oncely.consumers._consumer import IdempotentConsumer
-
 logger = get_logger(__name__)
 
 
-def blocked_verdict(consumer: IdempotentConsumer, key: str | None) -> Verdict:
+def blocked_verdict(consumer: Running, key: str | None) -> Verdict:
     return Verdict(Action.RETRY, Reason.BLOCKED, key, consumer._retry_delay())
 
 
 def batched(
-    consumer: IdempotentConsumer,
+    consumer: Running,
     deliveries: Sequence[Delivery],
     ordered: bool,
     held: MutableMapping[str, _execution.Lease],
@@ -179,7 +178,7 @@ def batched(
     return settled
 
 
-def claim_many(consumer: IdempotentConsumer, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
+def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
     """Claim every request in one call. A call whose outcome is unknown (it timed out, or
     its connection broke) is sent once more to learn each item's, with the same call ids
     when the store takes them (``ops``): a claim applied with its reply lost then answers
@@ -237,7 +236,7 @@ def claim_many(consumer: IdempotentConsumer, requests: list[tuple[str, str]]) ->
 
 
 def _run_batch(
-    consumer: IdempotentConsumer,
+    consumer: Running,
     deliveries: Sequence[Delivery],
     runs: list[tuple[int, _execution.Lease | Later]],
     slots: Mapping[str, Slot],
@@ -312,7 +311,7 @@ def _run_batch(
 
 
 def _start(
-    consumer: IdempotentConsumer,
+    consumer: Running,
     message: Any,
     run: _execution.Lease | Later,
     slots: Mapping[str, Slot],
@@ -333,7 +332,7 @@ def _start(
 
 
 def _later(
-    consumer: IdempotentConsumer, message: Any, later: Later, acquired: list[_execution.Lease]
+    consumer: Running, message: Any, later: Later, acquired: list[_execution.Lease]
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """A copy of a key another flow of this run claimed: run under that flow's lease if it
     has not started it (same fingerprint), else wait for that run (`retry_delay` at most)
@@ -360,7 +359,7 @@ def _later(
 
 
 def settled_verdict(
-    consumer: IdempotentConsumer, lease: _execution.Lease, value: Any, outcome: Any
+    consumer: Running, lease: _execution.Lease, value: Any, outcome: Any
 ) -> Verdict:
     """The verdict of a handler that returned *value*, once its completion answered
     *outcome* (`Landed`): acked only when the record is completed."""
@@ -385,7 +384,7 @@ def settled_verdict(
 
 
 def _run_one(
-    consumer: IdempotentConsumer, message: Any, lease: _execution.Lease, slot: Slot | None = None
+    consumer: Running, message: Any, lease: _execution.Lease, slot: Slot | None = None
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run one handler and send its completion off at once: ``(lease, value, handle)``
     (the handle answers the completion, see `Landed`), or the verdict of its failure.
@@ -405,11 +404,19 @@ def _run_one(
 
 
 def _guarded(
-    consumer: IdempotentConsumer, message: Any, lease: _execution.Lease
+    consumer: Running, message: Any, lease: _execution.Lease
 ) -> Flow[tuple[Any] | Verdict]:
-    """Run one handler: ``(value,)``, or the verdict of its failure (lease released)."""
+    """Run one handler: ``(value,)``, or the verdict of its failure (lease released).
+
+    Observed, the run's start and end are kept for the delivery's report (`_observed.verdict`):
+    the batch is decided after every handler ran, and each delivery is timed by its own."""
+    started = time.time_ns() if _events.on else 0
     try:
-        value = yield Run(message, lease)
+        try:
+            value = yield Run(message, lease)
+        finally:
+            if started:
+                _observed.ran(consumer, lease.key, started)
     except ConfigurationError:
         yield from consumer._release(lease)  # not the message's failure: never redelivered as one
         raise
@@ -423,9 +430,7 @@ def _guarded(
     return (value,)
 
 
-def complete_many(
-    consumer: IdempotentConsumer, items: list[tuple[str, int, bytes]]
-) -> Flow[list[Any]]:
+def complete_many(consumer: Running, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
     """Complete every item in one call, retrying while the store is briefly unavailable."""
     retried = False
     for delay in (*_execution.flows.SETTLE_RETRY_DELAYS, None):
@@ -458,7 +463,7 @@ def complete_many(
 
 
 def _applied(
-    consumer: IdempotentConsumer, items: list[tuple[str, int, bytes]], answers: list[Any]
+    consumer: Running, items: list[tuple[str, int, bytes]], answers: list[Any]
 ) -> Flow[list[Any]]:
     """A completion sent again after a call whose reply was lost answers LeaseLost when
     that call was applied: the record then shows this token completed with this result."""

@@ -136,6 +136,7 @@ class IdempotentConsumer:
         self.fingerprint = fingerprint
         self.codec: Codec = codec or JSONCodec()
         self.stats = ConsumerStats()
+        self._ran_ns: dict[str, tuple[int, int]] = {}  # a batch's handler runs, observed
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # (loop, grouped store, running keys): see _grouped
         self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known

@@ -16,19 +16,17 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec
 from oncely._core.flow import Flow, drive
 from oncely._log import fields, get_logger
+from oncely.consumers._running import Running
 from oncely.consumers._sharing import Slot
 from oncely.errors import LeaseLostError, StoreError
 from oncely.stores._coalesce import MAX_BATCH
-
-if TYPE_CHECKING:
-    from oncely.consumers._consumer import IdempotentConsumer
 
 __all__ = ["GroupCommit", "Landed", "Settle", "acomplete", "completion", "encoded", "landed"]
 
@@ -40,7 +38,7 @@ class Settle:
     """Send the completion of *lease* with *payload* now, without waiting for its answer:
     answers a handle (see `Landed`). *decided*, the key's `Slot`, is decided once it landed."""
 
-    consumer: IdempotentConsumer
+    consumer: Running
     lease: _execution.Lease
     payload: bytes
     decided: Slot | None = None
@@ -55,7 +53,7 @@ class Landed:
 
 
 def completion(
-    consumer: IdempotentConsumer,
+    consumer: Running,
     lease: _execution.Lease,
     payload: bytes,
     first: tuple[Any, BaseException | None] | None = None,
@@ -70,9 +68,7 @@ def completion(
     return None
 
 
-async def acomplete(
-    consumer: IdempotentConsumer, lease: _execution.Lease, payload: bytes, store: Any
-) -> Any:
+async def acomplete(consumer: Running, lease: _execution.Lease, payload: bytes, store: Any) -> Any:
     """`completion` against an async *store* (a `CoalescingStore`), its first call written
     out: one await when it lands, the settle flow only to retry or judge what it answered."""
     try:

@@ -730,23 +730,12 @@ class PostgresStore:
     def forget(self, key: str, *, force: bool = False) -> Status | None:
         """See `oncely.stores.memory.MemoryStore.forget`. One statement."""
         flow = _sql.forget(self._queries, self._stored_key(key), key, force)
-        return self._forgotten(key, drive(flow, self._execute))
+        return _forgotten(key, drive(flow, self._execute))
 
     async def aforget(self, key: str, *, force: bool = False) -> Status | None:
         """Async `forget`."""
         flow = _sql.forget(self._queries, self._stored_key(key), key, force)
-        return self._forgotten(key, await adrive(flow, self._aexecute))
-
-    def _forgotten(self, key: str, answer: tuple[str | None, bool]) -> Status | None:
-        status, refused = answer
-        if refused:
-            raise in_progress_refusal(key)
-        try:
-            return None if status is None else Status(status)
-        except ValueError as exc:
-            raise CorruptRecordError(
-                f"unknown status {status!r}", backend=self.backend, key=key
-            ) from exc
+        return _forgotten(key, await adrive(flow, self._aexecute))
 
     def check(self) -> StoreHealth:
         """See `oncely.CheckableStore.check`: one statement reads the schema's version."""
@@ -865,3 +854,14 @@ if hasattr(os, "register_at_fork"):
 
 
 PostgresStore._cancel_safe = PostgresStore
+
+
+def _forgotten(key: str, answer: tuple[str | None, bool]) -> Status | None:
+    """`forget`'s answer: the status the record had, or the refusal of a held lease."""
+    status, refused = answer
+    if refused:
+        raise in_progress_refusal(key)
+    try:
+        return None if status is None else Status(status)
+    except ValueError as exc:
+        raise CorruptRecordError(f"unknown status {status!r}", backend="postgres", key=key) from exc
