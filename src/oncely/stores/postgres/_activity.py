@@ -16,9 +16,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from oncely.stores._own_connection import OwnConnection
+
 __all__ = ["PostgresActivity"]
 
-_INHERITED: list[Any] = []  # a parent process's connections: never used nor closed here
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS {counts} (
@@ -75,7 +76,7 @@ WHERE namespace = %(ns)s ORDER BY id DESC LIMIT %(limit)s
 """
 
 
-class PostgresActivity:
+class PostgresActivity(OwnConnection):
     """Activity in the store's database, through a connection of its own."""
 
     def __init__(
@@ -189,20 +190,3 @@ class PostgresActivity:
             else []
         )
         return [tuple(row) for row in rows], [tuple(row) for row in recent]
-
-    def _drop(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
-
-    def after_fork(self) -> None:
-        """In a forked child: leave the parent's connection to the parent (closing it here
-        would end the parent's session), unclosed and referenced; connect anew on next use."""
-        _INHERITED.append(self._connection)
-        self._connection = None
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        """Close the connection."""
-        with self._lock:
-            self._drop()

@@ -11,9 +11,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from oncely.stores._own_connection import OwnConnection
+
 __all__ = ["SQLiteActivity"]
 
-_INHERITED: list[Any] = []  # a parent process's connections: never used nor closed here
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS oncely_activity (
@@ -60,7 +61,7 @@ WHERE namespace = ? ORDER BY id DESC LIMIT ?
 """
 
 
-class SQLiteActivity:
+class SQLiteActivity(OwnConnection):
     """Activity in the store's database file, through a connection of its own."""
 
     def __init__(self, path: str, namespace: str, timeout: float = 5.0) -> None:
@@ -134,17 +135,3 @@ class SQLiteActivity:
             rows = connection.execute(_READ_COUNTS, (ns, since_minute, until_minute)).fetchall()
             recent = connection.execute(_READ_RECENT, (ns, limit)).fetchall() if limit > 0 else []
         return [tuple(row) for row in rows], [tuple(row) for row in recent]
-
-    def after_fork(self) -> None:
-        """In a forked child: leave the parent's connection to the parent (closing it here
-        would end the parent's session), unclosed and referenced; connect anew on next use."""
-        _INHERITED.append(self._connection)
-        self._connection = None
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        """Close the connection."""
-        with self._lock:
-            connection, self._connection = self._connection, None
-            if connection is not None:
-                connection.close()
