@@ -201,22 +201,37 @@ async def acount_calls(call: Callable[[], Awaitable[Any]]) -> list[int]:
     return counts.result()
 
 
-def calls_per_call() -> dict[str, list[int]]:
+def calls_per_call(tries: int = 3) -> dict[str, list[int]]:
     """``{"<sync|async> <new|replay>": [python calls, C calls]}`` of one oncely decorated call
-    (the decorated function's own call included) on ``memory://``."""
+    (the decorated function's own call included) on ``memory://``: the fewest over *tries*
+    calls, since a new lease may find the heartbeat thread waiting and wake it (a few calls of
+    ``threading.Condition`` that depend on that thread's timing, not on the call's path)."""
     sync, async_ = subjects()["oncely"]
     loop = asyncio.new_event_loop()
+
+    def fewest(counted: list[list[int]]) -> list[int]:
+        return min(counted)
+
     try:
         for index in range(50):  # warm: first-call caches, the heartbeat thread
             sync(f"warm-{index}", 1250)
             sync(f"warm-{index}", 1250)
             loop.run_until_complete(async_(f"awarm-{index}", 1250))
             loop.run_until_complete(async_(f"awarm-{index}", 1250))
+        new, replay, anew, areplay = [], [], [], []
+        for index in range(tries):
+            key, akey = f"count-{index}", f"acount-{index}"
+            new.append(count_calls(lambda key=key: sync(key, 1250)))
+            replay.append(count_calls(lambda key=key: sync(key, 1250)))
+            anew.append(loop.run_until_complete(acount_calls(lambda akey=akey: async_(akey, 1250))))
+            areplay.append(
+                loop.run_until_complete(acount_calls(lambda akey=akey: async_(akey, 1250)))
+            )
         return {
-            "sync new": count_calls(lambda: sync("count", 1250)),
-            "sync replay": count_calls(lambda: sync("count", 1250)),
-            "async new": loop.run_until_complete(acount_calls(lambda: async_("acount", 1250))),
-            "async replay": loop.run_until_complete(acount_calls(lambda: async_("acount", 1250))),
+            "sync new": fewest(new),
+            "sync replay": fewest(replay),
+            "async new": fewest(anew),
+            "async replay": fewest(areplay),
         }
     finally:
         loop.close()
