@@ -95,6 +95,9 @@ class Processes:
             self.start(role)
 
     def kill(self, role: str) -> None:
+        """SIGKILL *role*'s live process: one that has just died where planned is started again
+        first, so the random kill is never spent on a process already dead."""
+        self.restart_the_dead()
         self.running[role].kill()
 
     def stop(self) -> None:
