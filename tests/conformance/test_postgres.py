@@ -39,3 +39,12 @@ class TestPostgresStore(StoreConformance):
 
     def store_url(self) -> str:
         return self.url
+
+
+class TestPostgresStoreAsyncpg(TestPostgresStore):
+    """The same suite with the async verbs on asyncpg (``async_driver=asyncpg``)."""
+
+    preload = ("psycopg", "psycopg_pool", "asyncpg", "oncely.stores.postgres")
+
+    def store_url(self) -> str:
+        return f"{self.url}&async_driver=asyncpg"

@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     import psycopg
     import psycopg.conninfo
     import psycopg_pool
+
+    from oncely.stores.postgres import _asyncpg
 else:
     psycopg = require("psycopg", extra="postgres")
     psycopg_pool = require("psycopg_pool", extra="postgres")
@@ -121,6 +123,7 @@ _URL_OPTIONS: dict[str, Callable[[str], object]] = {
     "pool_timeout": float,
     "statement_timeout": float,
     "prepare": lambda text: text.lower() in ("1", "true", "yes", "on"),
+    "async_driver": str,
 }
 """Query parameters of a store URL that configure the store rather than libpq."""
 
@@ -155,6 +158,8 @@ class PostgresStore:
         application_name: Reported in ``pg_stat_activity`` unless the conninfo sets one.
         prepare: Prepare statements on the server (set ``False`` behind a pooler without
             prepared-statement support).
+        async_driver: ``"psycopg"``, or ``"asyncpg"`` to run the async verbs on asyncpg
+            (``pip install 'oncely[asyncpg]'``); the sync verbs, inbox and outbox use psycopg.
 
     Raises:
         ConfigurationError: A malformed connection string or option; on first use, a role,
@@ -181,6 +186,7 @@ class PostgresStore:
         statement_timeout: float | None = 10.0,
         application_name: str = "oncely",
         prepare: bool = True,
+        async_driver: str = "psycopg",
     ) -> None:
         del clock  # the server's clock judges time
         if not 0 <= min_size <= max_size or max_size < 1:
@@ -212,6 +218,7 @@ class PostgresStore:
             params.get("host") or "localhost", params.get("port") or 5432, params.get("dbname", "")
         )
         self._boundary = Boundary(self._where, schema, pool_timeout)
+        self._driver = _driver(async_driver, params, self._kwargs, self)
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
         self._parked: _pools.Parked | None = None
@@ -256,6 +263,7 @@ class PostgresStore:
         # parent's sessions; this process opens its own on first use.
         self._lock = threading.Lock()
         _INHERITED.extend([self._pool, self._parked, *self._loop_pools.values()])
+        _INHERITED.extend(self._driver.after_fork() if self._driver else ())
         self._pool, self._parked, self._loop_pools = None, None, {}
 
     def _sync_parked(self) -> _pools.Parked:
@@ -415,7 +423,9 @@ class PostgresStore:
             raise translated from exc
 
     async def _aexecute(self, op: _sql.Statement | _sql.Batch) -> Any:
-        """Async `_execute`."""
+        """Async `_execute` (on asyncpg if the store's async driver is)."""
+        if self._driver is not None:
+            return await self._driver.execute(op)
         try:
             entry = await self._loop_pool()
             sends_left = _RESENDS if op.resend else 0
@@ -741,23 +751,13 @@ class PostgresStore:
         """See `oncely.CheckableStore.check`: one statement reads the schema's version."""
         started = time.perf_counter()
         version = drive(_sql.schema_version(self._queries), self._execute)
-        return self._health(version, started)
+        return _health(self, version, started)
 
     async def acheck(self) -> StoreHealth:
         """Async `check`."""
         started = time.perf_counter()
         version = await adrive(_sql.schema_version(self._queries), self._aexecute)
-        return self._health(version, started)
-
-    def _health(self, version: int | None, started: float) -> StoreHealth:
-        if version is None or version < _sql.SCHEMA_VERSION:
-            raise SchemaMissingError(
-                f"the oncely schema in schema {self.schema!r} at {self._where} is at version "
-                f"{version}, older than {_sql.SCHEMA_VERSION}: run store.migrate() or "
-                "`oncely migrate`",
-                backend=self.backend,
-            )
-        return StoreHealth(self.backend, version, (time.perf_counter() - started) * 1000)
+        return _health(self, version, started)
 
     def purge(self, *, batch: int = 1000, limit: int | None = None) -> int:
         """Delete expired records in batches; return how many were deleted.
@@ -800,6 +800,8 @@ class PostgresStore:
             parked.pool.close()
         for loop, entry in loop_pools:
             _pools.close_elsewhere(loop, entry)
+        for connections in self._driver.detach() if self._driver else ():
+            connections.abandon()
 
     async def aclose(self) -> None:
         """Close every pool, awaiting the one of the running loop."""
@@ -813,6 +815,8 @@ class PostgresStore:
                 await entry.close()
             else:
                 _pools.close_elsewhere(loop, entry)
+        for connections in self._driver.detach() if self._driver else ():
+            await (connections.aclose() if connections.loop is current else _abandon(connections))
 
     def __enter__(self: _S) -> _S:
         return self
@@ -854,6 +858,43 @@ if hasattr(os, "register_at_fork"):
 
 
 PostgresStore._cancel_safe = PostgresStore
+
+
+def _health(store: PostgresStore, version: int | None, started: float) -> StoreHealth:
+    if version is None or version < _sql.SCHEMA_VERSION:
+        raise SchemaMissingError(
+            f"the oncely schema in schema {store.schema!r} at {store._where} is at version "
+            f"{version}, older than {_sql.SCHEMA_VERSION}: run store.migrate() or "
+            "`oncely migrate`",
+            backend=store.backend,
+        )
+    return StoreHealth(store.backend, version, (time.perf_counter() - started) * 1000)
+
+
+def _driver(
+    name: str, params: dict[str, Any], kwargs: dict[str, Any], store: PostgresStore
+) -> _asyncpg.Driver | None:
+    """The asyncpg driver of *store*'s async verbs, if *name* asks for it (``None``: psycopg)."""
+    if name == "psycopg":
+        return None
+    if name != "asyncpg":
+        raise ConfigurationError(f"async_driver is 'psycopg' or 'asyncpg', not {name!r}")
+    from oncely.stores.postgres import _asyncpg
+
+    settings = {**params, **{option: str(value) for option, value in kwargs.items()}}
+    del settings["autocommit"]
+    return _asyncpg.Driver(
+        _asyncpg.connect_options(settings),
+        max_size=store._max_size,
+        pool_timeout=store._pool_timeout,
+        prepare=store._prepare,
+        where=store._where,
+        schema=store.schema,
+    )
+
+
+async def _abandon(connections: Any) -> None:
+    connections.abandon()
 
 
 def _forgotten(key: str, answer: tuple[str | None, bool]) -> Status | None:
