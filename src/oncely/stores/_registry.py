@@ -18,6 +18,7 @@ _BUILTIN_SCHEMES: Final[Mapping[str, str]] = {
     "sqlite": "oncely.stores.sqlite:SQLiteStore",
     "postgresql": "oncely.stores.postgres:PostgresStore",
     "postgres": "oncely.stores.postgres:PostgresStore",
+    "postgresql+asyncpg": "oncely.stores.postgres.store:AsyncpgScheme",
     "redis": "oncely.stores.redis:RedisStore",
     "rediss": "oncely.stores.redis:RedisStore",
     "redis+cluster": "oncely.stores.redis:RedisClusterStore",
@@ -37,7 +38,8 @@ def _target(scheme: str) -> str | None:
 def open_store(url: str, **options: Any) -> Store:
     """Open the store a URL names.
 
-    ``memory://``, ``sqlite:///path/to.db``, ``postgresql://…``, ``redis://…``,
+    ``memory://``, ``sqlite:///path/to.db``, ``postgresql://…`` (``postgresql+asyncpg://…``: async
+    verbs on asyncpg), ``redis://…``,
     ``rediss://…``, ``redis+cluster://host:port,…``, and ``tiered+<url>`` for an in-process
     cache of completed records in front of another store. Packages can add schemes through the
     ``oncely.stores`` entry-point group.

@@ -101,7 +101,7 @@ def connect_options(params: Mapping[str, str]) -> dict[str, Any]:
     Raises:
         ConfigurationError: A libpq parameter asyncpg has no equivalent for.
     """
-    options: dict[str, Any] = {"statement_cache_size": 0}
+    options: dict[str, Any] = {}
     settings: dict[str, str] = {}
     for name, value in params.items():
         if name in ("host", "user", "password", "passfile", "target_session_attrs"):

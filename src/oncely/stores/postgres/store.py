@@ -860,6 +860,16 @@ if hasattr(os, "register_at_fork"):
 PostgresStore._cancel_safe = PostgresStore
 
 
+class AsyncpgScheme:
+    """``postgresql+asyncpg://``: a `PostgresStore` whose async verbs run on asyncpg."""
+
+    @staticmethod
+    def from_url(url: str, **options: Any) -> PostgresStore:
+        """`PostgresStore.from_url` with ``async_driver="asyncpg"`` (unless *options* say)."""
+        options.setdefault("async_driver", "asyncpg")
+        return PostgresStore.from_url("postgresql" + url[url.index("://") :], **options)
+
+
 def _health(store: PostgresStore, version: int | None, started: float) -> StoreHealth:
     if version is None or version < _sql.SCHEMA_VERSION:
         raise SchemaMissingError(
