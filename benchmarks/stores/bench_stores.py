@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from stores_common import (
+    ASYNCPG_DECORATED,
     CONCURRENCY,
     FINGERPRINT,
     HERE,
@@ -149,7 +150,7 @@ def bench_sync(plan: Plan, results: Results, keys: Keys, ops: int, rounds: int) 
         subjects: list[Subject] = [plan.raw, plan.oncely]
         if concurrency == 1:
             subjects += [each for each in plan.floors if "sync" in each.worlds]
-            subjects += plan.decorated
+            subjects += [each for each in plan.decorated if each.call is not None]
         warm = max(CONCURRENCY * 4, ops)
         for round_number in range(-1, rounds):  # round -1 is the warm-up
             for subject in _rotated(list(subjects), max(round_number, 0)):
@@ -394,6 +395,7 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
     sizes: dict[str, Any] = {"min_size": 1, "max_size": 10}  # oncely's defaults
     pool: Any = None
     floors: list[Any] = []
+    on_asyncpg: Any = None
     try:
         store.migrate()
         with psycopg.connect(servers.postgres_url, autocommit=True) as connection:
@@ -413,6 +415,11 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
         else:
             plan.floors.append(AsyncpgFloor(*floor_args))
         plan.decorated.append(oncely_decorated(store))
+        if not missing:
+            on_asyncpg = oncely.open_store(
+                servers.postgres_url, namespace="bench", schema=schema, async_driver="asyncpg"
+            )
+            plan.decorated.append(oncely_decorated(on_asyncpg, ASYNCPG_DECORATED, sync=False))
 
         async def open_async() -> None:
             raw.apool = psycopg_pool.AsyncConnectionPool(
@@ -428,6 +435,8 @@ def postgres_plan(servers: Servers, run_id: str) -> Iterator[Plan]:
             for floor in plan.floors:
                 await floor.close_async()
             await store.aclose()
+            if on_asyncpg is not None:
+                await on_asyncpg.aclose()
 
         plan.open_async, plan.close_async = open_async, close_async
         yield plan

@@ -245,6 +245,10 @@ faster one that survives a process crash only. Both in WAL mode, as the store ru
 FLOORS = ("psycopg floor", "asyncpg floor")
 """The floor subjects of a SQL store (`floors`), x1 only."""
 TARGET_FLOOR = {"sync x1": 0.8, "async x1": 0.8}
+
+ASYNCPG_DECORATED = "oncely @idempotent (asyncpg)"
+"""The decorated function (async only) on a PostgreSQL store whose async verbs run on asyncpg
+(``async_driver="asyncpg"``), beside the asyncpg floor."""
 """The floor issue's targets: `@idempotent` over the fastest floor of its world."""
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stores_common import (
+    ASYNCPG_DECORATED,
     CALL_BUDGET,
     CALLS,
     CONCURRENCY,
@@ -231,8 +232,8 @@ def fastest_floor(results: Results, store: str, mode: str, op: str) -> str | Non
 def sql_decorator_section(results: Results, store: str) -> list[str]:
     """The `@idempotent` rows of a SQL store (x1), beside its store verbs, the raw driver and
     the floors."""
-    subjects = ("raw", *FLOORS, "oncely", "oncely @idempotent")
-    if not results.get(store, MODES[0], "cycle", subjects[-1]):
+    subjects = ("raw", *FLOORS, "oncely", "oncely @idempotent", ASYNCPG_DECORATED)
+    if not results.get(store, MODES[0], "cycle", "oncely @idempotent"):
         return []
     lines = [
         f"### {store}: decorated function, x1",
@@ -243,7 +244,8 @@ def sql_decorator_section(results: Results, store: str) -> list[str]:
         "the same rounds. A floor is the driver's cheapest honest way to make the raw "
         "reference's round trips: one plain connection, statements prepared on the server "
         "(psycopg's `prepare=True` on a kept cursor; asyncpg's statement cache), one sequential "
-        "worker (`benchmarks/stores/floors.py`).",
+        "worker (`benchmarks/stores/floors.py`). On PostgreSQL, async, the same function on a "
+        'store whose async verbs run on asyncpg (`async_driver="asyncpg"`) as well.',
         "",
         "| mode | operation | subject | ops/s | p50 µs | p99 µs | ratio to raw (IQR) "
         "| ratio to psycopg floor | ratio to asyncpg floor |",
@@ -299,6 +301,16 @@ def sql_decorator_verdicts(results: Results, store: str, verdicts: list[Verdict]
             value = statistics.median(ratios(mine, results.get(store, mode, op, floor)))
             verdicts.append(
                 Verdict(f"{store}, {mode}, {op}: @idempotent/{floor}", value, TARGET_FLOOR[mode])
+            )
+        on_asyncpg = results.get(store, mode, op, ASYNCPG_DECORATED)
+        if floor is not None and on_asyncpg:
+            value = statistics.median(ratios(on_asyncpg, results.get(store, mode, op, floor)))
+            verdicts.append(
+                Verdict(
+                    f"{store}, {mode}, {op}: @idempotent on asyncpg/{floor}",
+                    value,
+                    TARGET_FLOOR[mode],
+                )
             )
 
 

@@ -184,7 +184,7 @@ class Decorated:
     def __init__(
         self,
         name: str,
-        call: Callable[[str], Any],
+        call: Callable[[str], Any] | None,
         key_prefix: str = "",
         acall: Callable[[str], Awaitable[Any]] | None = None,
     ) -> None:
@@ -198,10 +198,12 @@ class Decorated:
         return self.key_prefix + serial
 
     def cycle(self, key: str) -> None:
+        if self.call is None:
+            raise NotImplementedError
         self.call(key)
 
     def replay(self, key: str) -> None:
-        self.call(key)
+        self.cycle(key)
 
     async def acycle(self, key: str) -> None:
         if self.acall is None:
@@ -212,8 +214,9 @@ class Decorated:
         await self.acycle(key)
 
 
-def oncely_decorated(store: Any) -> Decorated:
-    """``@oncely.idempotent`` around a payment function, sync and async, default policy."""
+def oncely_decorated(store: Any, name: str = "oncely @idempotent", sync: bool = True) -> Decorated:
+    """``@oncely.idempotent`` around a payment function, sync (unless not *sync*) and async,
+    default policy."""
     options: dict[str, Any] = {"store": store, "key": "payment_id", "ttl": TTL, "lease": LEASE}
 
     @oncely.idempotent(**options)
@@ -227,8 +230,8 @@ def oncely_decorated(store: Any) -> Decorated:
         return {"payment_id": payment_id, "status": "captured", "amount_cents": amount_cents}
 
     subject = Decorated(
-        "oncely @idempotent",
-        lambda key: charge(key, 1250),
+        name,
+        (lambda key: charge(key, 1250)) if sync else None,
         acall=lambda key: acharge(key, 1250),
     )
     return subject

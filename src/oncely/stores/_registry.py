@@ -38,11 +38,10 @@ def _target(scheme: str) -> str | None:
 def open_store(url: str, **options: Any) -> Store:
     """Open the store a URL names.
 
-    ``memory://``, ``sqlite:///path/to.db``, ``postgresql://…`` (``postgresql+asyncpg://…``: async
-    verbs on asyncpg), ``redis://…``,
-    ``rediss://…``, ``redis+cluster://host:port,…``, and ``tiered+<url>`` for an in-process
-    cache of completed records in front of another store. Packages can add schemes through the
-    ``oncely.stores`` entry-point group.
+    ``memory://``, ``sqlite:///path/to.db``, ``postgresql://…`` (``postgresql+asyncpg://…``:
+    its async verbs on asyncpg), ``redis://…``, ``rediss://…``, ``redis+cluster://host:port,…``,
+    and ``tiered+<url>`` for an in-process cache of completed records in front of another store.
+    Packages can add schemes through the ``oncely.stores`` entry-point group.
 
     Args:
         url: The store's URL.

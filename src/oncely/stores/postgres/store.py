@@ -234,9 +234,8 @@ class PostgresStore:
         """Open ``postgresql://user:password@host:port/dbname?…`` (or ``postgres://``).
 
         Query parameters ``schema``, ``min_size``, ``max_size``, ``connect_timeout``,
-        ``pool_timeout``, ``statement_timeout`` and ``prepare`` configure the store (keyword
-        *options* take precedence); any other parameter, such as ``sslmode`` or
-        ``application_name``, goes to libpq.
+        ``pool_timeout``, ``statement_timeout``, ``prepare`` and ``async_driver`` configure the
+        store (keyword *options* take precedence); any other, such as ``sslmode``, goes to libpq.
         """
         parts = urlsplit(url)
         passed = []
