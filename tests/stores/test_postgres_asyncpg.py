@@ -27,6 +27,7 @@ from oncely import (
 from oncely.stores.postgres import PostgresStore
 from oncely.stores.postgres._asyncpg import numbered
 from oncely.testing.conformance import StoreCalls
+from tests._helpers import eventually
 from tests._proxy import Proxy
 from tests.stores._cut import VERBS, assert_lost_reply_is_recognised
 from tests.stores.test_postgres import (
@@ -279,3 +280,46 @@ def test_closed_store_refuses(base_url: str, schema: str) -> None:
             await store.aget("k")
 
     asyncio.run(main())
+
+
+def test_unprepared_statements_behind_a_pooler(
+    base_url: str, schema: str, counter: _ProtocolCounter
+) -> None:
+    """prepare=False: every statement runs unnamed (a pooler in transaction mode cannot keep
+    named ones), so each is parsed again on every call; the answers are the same."""
+    conninfo = psycopg.conninfo.make_conninfo(
+        base_url, host="127.0.0.1", port=counter.port, sslmode="disable"
+    )
+
+    async def main() -> None:
+        async with _store(conninfo, schema=schema, namespace=_name("np"), prepare=False) as store:
+            for _ in range(2):
+                mark = len(counter.sent)
+                taken = await store.aclaim("k", "fp", lease=LEASE, ttl=TTL)
+                assert counter.sent_since(mark).count("P") == 1
+                if isinstance(taken, Acquired):
+                    assert await store.acomplete("k", taken.token, b"r", ttl=TTL) is None
+                else:
+                    assert isinstance(taken, Replay)
+                    assert taken.record.result == b"r"
+
+    asyncio.run(main())
+
+
+def test_each_event_loop_has_its_own_connections(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str
+) -> None:
+    """A store used from one asyncio.run after another, never closed in between: each loop's
+    connections close when that loop shuts down (no unclosed-connection warning), and the next
+    loop opens its own."""
+    store = _store(base_url, schema=schema, namespace=_name("ns"), application_name=app)
+
+    async def claim(key: str) -> Any:
+        return await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+
+    try:
+        assert isinstance(asyncio.run(claim("a")), Acquired)
+        eventually(lambda: not _backends(admin, app), timeout=10)  # closed with its loop
+        assert isinstance(asyncio.run(claim("b")), Acquired)
+    finally:
+        store.close()
