@@ -323,3 +323,32 @@ def test_each_event_loop_has_its_own_connections(
         assert isinstance(asyncio.run(claim("b")), Acquired)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (asyncpg.exceptions.UndefinedTableError("no table"), SchemaMissingError),
+        (asyncpg.exceptions.UndefinedFunctionError("no function"), SchemaMissingError),
+        (asyncpg.exceptions.AdminShutdownError("shutting down"), StoreUnavailableError),
+        (asyncpg.exceptions.QueryCanceledError("statement timeout"), StoreUnavailableError),
+        (asyncpg.exceptions.DeadlockDetectedError("deadlock"), StoreUnavailableError),
+        (asyncpg.exceptions.ConnectionDoesNotExistError("closed mid-way"), StoreUnavailableError),
+        (asyncpg.InterfaceError("connection is closed"), StoreUnavailableError),
+        (ConnectionResetError("reset by peer"), StoreUnavailableError),
+        (asyncpg.exceptions.UniqueViolationError("duplicate"), StoreError),
+        (asyncpg.exceptions.ProtocolError("unexpected message"), StoreError),
+        (ValueError("not the driver's"), type(None)),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else "",
+)
+def test_driver_errors_read_as_oncely_errors(
+    base_url: str, exc: BaseException, expected: type
+) -> None:
+    """asyncpg's exceptions map as psycopg's do (`_errors.Boundary`): a missing schema, the
+    classes psycopg raises as OperationalError (unavailable: a settle retries them), any other
+    server or protocol error; anything else is not the driver's."""
+    with _store(base_url) as store:
+        assert store._driver is not None
+        translated = store._driver.translated(exc, "'k'")
+        assert type(translated) is expected, translated

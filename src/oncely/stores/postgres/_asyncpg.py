@@ -416,6 +416,11 @@ class Driver:
         if isinstance(exc, asyncpg.InterfaceError | OSError):
             # The connection closed under the statement, or the network failed.
             return self._unavailable(exc, subject)
+        if isinstance(exc, asyncpg.exceptions.InternalClientError):  # a protocol error
+            return StoreError(
+                f"PostgreSQL at {self.where} failed on {subject}: {first_line(exc)}",
+                backend=BACKEND,
+            )
         return None
 
     def _unavailable(self, exc: BaseException, subject: str) -> StoreUnavailableError:
@@ -429,7 +434,11 @@ class Driver:
         settings, else `StoreUnavailableError`, quoting asyncpg's reason."""
         state = str(getattr(exc, "sqlstate", "") or "")
         reason = first_line(exc) or type(exc).__name__
-        if state[:2] in _REFUSED or any(refusal in str(exc) for refusal in REFUSALS):
+        if (
+            state[:2] in _REFUSED
+            or isinstance(exc, asyncpg.exceptions.ClientConfigurationError)
+            or any(refusal in str(exc) for refusal in REFUSALS)
+        ):
             return ConfigurationError(
                 f"PostgreSQL at {self.where} refused the store's settings: {reason}"
             )
