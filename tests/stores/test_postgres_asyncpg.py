@@ -5,6 +5,7 @@ sessions, the pool's limit, cancellation."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -352,3 +353,34 @@ def test_driver_errors_read_as_oncely_errors(
         assert store._driver is not None
         translated = store._driver.translated(exc, "'k'")
         assert type(translated) is expected, translated
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_forked_child_opens_its_own_connections(
+    base_url: str, schema: str, admin: psycopg.Connection[Any], app: str
+) -> None:
+    """A child forked while the parent's loop keeps asyncpg connections connects anew in a loop
+    of its own; the parent's sessions survive and serve it afterwards."""
+    store = _store(base_url, schema=schema, namespace=_name("ns"), application_name=app)
+    loop = asyncio.new_event_loop()
+    try:
+        claim = store.aclaim
+        assert isinstance(loop.run_until_complete(claim("p", "fp", lease=LEASE, ttl=TTL)), Acquired)
+        parent_sessions = _backends(admin, app)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit status
+            status = 1
+            try:
+                answer = asyncio.run(claim("c", "fp", lease=LEASE, ttl=TTL))
+                status = 0 if isinstance(answer, Acquired) else 2
+            finally:
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert set(parent_sessions) <= set(_backends(admin, app))
+        again = loop.run_until_complete(claim("c", "fp", lease=LEASE, ttl=TTL))
+        assert isinstance(again, InProgress)
+        loop.run_until_complete(store.aclose())
+    finally:
+        store.close()
+        loop.close()
