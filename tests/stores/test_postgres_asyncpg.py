@@ -384,3 +384,29 @@ def test_forked_child_opens_its_own_connections(
     finally:
         store.close()
         loop.close()
+
+
+def test_libpq_settings_become_asyncpg_arguments() -> None:
+    """The store's libpq settings reach asyncpg: the statement timeout and ``options``' other
+    ``-c`` settings as server settings, the application name, the connect timeout, sslmode."""
+    store = _store(
+        "postgresql://u:pw@db.internal:6543/shop?sslmode=require&options=-c%20lock_timeout%3D99",
+        statement_timeout=2.5,
+        connect_timeout=3,
+        application_name="billing",
+    )
+    assert store._driver is not None
+    assert store._driver.options == {
+        "user": "u",
+        "password": "pw",
+        "host": "db.internal",
+        "port": 6543,
+        "database": "shop",
+        "ssl": "require",
+        "timeout": 3.0,
+        "server_settings": {
+            "lock_timeout": "99",
+            "statement_timeout": "2500",
+            "application_name": "billing",
+        },
+    }
