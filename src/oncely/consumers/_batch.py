@@ -10,7 +10,6 @@ from typing import Any
 
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow
-from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
 from oncely.consumers._drivers import Parallel, Run
@@ -428,53 +427,3 @@ def _guarded(
         yield from consumer._release(lease)
         raise
     return (value,)
-
-
-def complete_many(consumer: Running, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
-    """Complete every item in one call, retrying while the store is briefly unavailable."""
-    retried = False
-    for delay in (*_execution.flows.SETTLE_RETRY_DELAYS, None):
-        try:
-            answers: list[Any] = yield _execution.StoreCall(  # the handlers ran: shielded
-                "complete_many", (items,), {"ttl": consumer._policy.ttl}, shield=True
-            )
-        except StoreUnavailableError as exc:
-            if delay is None:
-                logger.error(
-                    "could not complete a batch: the store is unavailable: %s",
-                    exc,
-                    extra=fields(store=consumer.store, outcome="complete_failed"),
-                )
-                return [exc] * len(items)
-            retried = True
-            yield _execution.Sleep(delay)
-        except StoreError as exc:
-            logger.error(
-                "could not complete a batch: %s",
-                exc,
-                extra=fields(store=consumer.store, outcome="complete_failed"),
-            )
-            return [exc] * len(items)
-        else:
-            if retried:
-                answers = yield from _applied(consumer, items, answers)
-            return answers
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _applied(
-    consumer: Running, items: list[tuple[str, int, bytes]], answers: list[Any]
-) -> Flow[list[Any]]:
-    """A completion sent again after a call whose reply was lost answers LeaseLost when
-    that call was applied: the record then shows this token completed with this result."""
-    answers = list(answers)
-    for i, ((key, token, result), answer) in enumerate(zip(items, answers, strict=True)):
-        if not isinstance(answer, LeaseLost):
-            continue
-        try:
-            record = yield _execution.StoreCall("get", (key,))
-        except StoreError:
-            continue
-        if landed(record, token, "complete", result):
-            answers[i] = None
-    return answers
