@@ -26,10 +26,9 @@ from oncely.errors import (
     ConfigurationError,
     LeaseLostError,
     StoreError,
-    StoreUnavailableError,
 )
 from oncely.stores._batch import takes_ops
-from oncely.stores._coalesce import unknown_claim
+from oncely.stores._coalesce import ClaimRule
 
 logger = get_logger(__name__)
 
@@ -178,52 +177,29 @@ def batched(
 
 
 def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
-    """Claim every request in one call. A call whose outcome is unknown (it timed out, or
-    its connection broke) is sent once more to learn each item's, with the same call ids
-    when the store takes them (``ops``): a claim applied with its reply lost then answers
+    """Claim every request in one call, by the rule of the one grouping of claims
+    (`oncely.stores._coalesce.ClaimRule`): a call whose outcome is unknown (it timed out, or
+    its connection broke) is sent once more to learn each item's, with the same call ids when
+    the store takes them (``ops``): a claim applied with its reply lost then answers
     `Acquired`. Without ids, an item answered `InProgress` may hold its own first claim and
     keeps the error (never run: its lease, if it is ours, expires on its own); the others
     get their answers."""
     options: dict[str, Any] = {"lease": consumer._policy.lease, "ttl": consumer._policy.ttl}
-    ops: list[str] | None = None
     if consumer._takes_ops is None:  # both twins: a subclass may override one without ids
         verbs = (getattr(consumer.store, name, None) for name in ("claim_many", "aclaim_many"))
         consumer._takes_ops = all(takes_ops(verb) for verb in verbs if verb is not None)
-    if consumer._takes_ops:  # the same ids if sent again; unique: a random prefix per call
+    rule = _BatchClaims()
+    rule.takes_ops = consumer._takes_ops
+    items: list[tuple[str, str, str | None]]
+    if rule.takes_ops:  # the same ids if sent again; unique: a random prefix per call
         prefix = secrets.token_hex(8)
-        ops = [f"{prefix}.{i}" for i in range(len(requests))]
-    call = _execution.StoreCall(
-        "claim_many", (requests,), options if ops is None else {**options, "ops": ops}
-    )
+        items = [(key, fp, f"{prefix}.{i}") for i, (key, fp) in enumerate(requests)]
+    else:
+        items = [(key, fp, None) for key, fp in requests]
     try:
-        answers: list[Any] = yield call
-    except StoreUnavailableError as exc:
-        answers = [exc] * len(requests)
+        answers = yield from rule.answers(items, options)
     except StoreError as exc:
-        logger.warning(
-            "store error claiming a batch; redelivering later: %s",
-            exc,
-            extra=fields(store=consumer.store, outcome="store_unavailable"),
-        )
-        return [exc] * len(requests)
-    unknown = [i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)]
-    if not unknown:
-        return answers
-    try:
-        kwargs = options if ops is None else {**options, "ops": [ops[i] for i in unknown]}
-        again: list[Any] = yield _execution.StoreCall(
-            "claim_many", ([requests[i] for i in unknown],), kwargs
-        )
-    except StoreError:
-        again = [answers[i] for i in unknown]
-    answers = list(answers)
-    for i, answer in zip(unknown, again, strict=True):
-        if ops is not None and not isinstance(answer, StoreError):
-            answers[i] = answer  # with its own id, its own applied claim is Acquired
-        elif not isinstance(answer, (InProgress, StoreError)):
-            answers[i] = answer
-        elif isinstance(answer, InProgress):
-            unknown_claim(requests[i][0])
+        answers = [exc] * len(requests)
     errors = [answer for answer in answers if isinstance(answer, StoreError)]
     if errors:
         logger.warning(
@@ -232,6 +208,17 @@ def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[
             extra=fields(store=consumer.store, outcome="store_unavailable"),
         )
     return answers
+
+
+class _BatchClaims(ClaimRule):
+    """`ClaimRule` in a consumer's flow: its batch call is a `oncely._execution.StoreCall`."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
+        many = super()._many_call(items, options)
+        return _execution.StoreCall("claim_many", many.args, many.kwargs)
 
 
 def _run_batch(

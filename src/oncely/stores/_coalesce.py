@@ -27,8 +27,8 @@ not close its store under it). `Coalescer.drain` waits for every call in flight.
 store groups its extends with it); the consumers group their claims and completions with it.
 `SyncCoalescer` is its sync side, for callers that block: one sender thread sends one batch call
 at a time, of what was queued meanwhile. Both take their batches (`_take`: by options, at most
-*max_batch* items) and answer a batch (`_answers`: a lost reply resolved per item, each kind by
-its rule, `_ClaimRule` and `_CompletionRule`) by the same code, a flow each side drives; the
+*max_batch* items) and answer a batch (`answers`: a lost reply resolved per item, each kind by
+its rule, `ClaimRule` and `_CompletionRule`) by the same code, a flow each side drives; the
 sync consumers complete with `SyncCompletions`.
 """
 
@@ -54,6 +54,7 @@ from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
 
 __all__ = [
+    "ClaimRule",
     "Coalescer",
     "CoalescingStore",
     "MAX_BATCH",
@@ -119,17 +120,19 @@ def _take(
 
 class _Batching:
     """What both sides of the grouping (`Coalescer`, `SyncCoalescer`) share: batches taken by
-    `_take`, and a batch's answers (`_answers`): a call whose outcome is unknown is resolved per
+    `_take`, and a batch's answers (`answers`): a call whose outcome is unknown is resolved per
     item, the same way; the sides differ only in how they wait and perform what it yields."""
 
-    def __init__(self, many: Callable[..., Any], get: Callable[[str], Any] | None) -> None:
-        self._many = many
+    def __init__(self, many: Callable[..., Any] | None, get: Callable[[str], Any] | None) -> None:
+        self._many: Any = many
         self._get = get
 
-    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> _Many:
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
+        """The operation that sends *items* with the batch verb (a subclass may yield its
+        driver's own)."""
         return _Many((items,), options)
 
-    def _answers(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Flow[list[Any]]:
+    def answers(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Flow[list[Any]]:
         """The answers of one batch call of *items*, one per item (an item's `StoreError`
         among them); raises what the whole call raised, but a lost reply (see `_resolve`)."""
         try:
@@ -167,13 +170,16 @@ class _Batching:
         yield  # a flow: a rule may read the record (`_CompletionRule`)
 
 
-class _ClaimRule(_Batching):
+class ClaimRule(_Batching):
     """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
-    (both times) when the store's batch verb takes ``ops``."""
+    (both times) when the store's batch verb takes ``ops`` (*takes_ops*).
+
+    A batch consumer's own claim of a fetched batch (`oncely.consumers._batch.claim_many`)
+    answers by this rule too: the flow `answers`, its batch call yielded as its driver's."""
 
     takes_ops = False
 
-    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> _Many:
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
         requests = [item[:2] for item in items]
         if self.takes_ops:
             return _Many((requests,), {**options, "ops": [item[2] for item in items]})
@@ -366,7 +372,7 @@ class Coalescer(_Batching):
     ) -> None:
         items = [item for item, _ in batch]
         try:
-            answers = await adrive(self._answers(items, options), self._perform)
+            answers = await adrive(self.answers(items, options), self._perform)
         except BaseException as exc:  # the whole call failed: every caller sees it
             for _, future in batch:
                 if not future.done():
@@ -387,7 +393,7 @@ class Coalescer(_Batching):
 class SyncCoalescer(_Batching):
     """The sync side of `Coalescer`: callers in any thread `submit` their items, and one sender
     thread of its own sends them, one batch call at a time: the items submitted while one is in
-    flight go together in the next, by the same rules (`_take`, `_answers`), every item with
+    flight go together in the next, by the same rules (`_take`, `answers`), every item with
     the batch verb. The thread starts with the first item and ends at `close`.
 
     *get* (an item's record) is for a rule that reads it (completions).
@@ -452,7 +458,7 @@ class SyncCoalescer(_Batching):
     def _send(self, batch: list[tuple[Any, Any]], options: dict[str, Any]) -> None:
         items = [item for item, _ in batch]
         try:
-            answers = drive(self._answers(items, options), self._perform)
+            answers = drive(self.answers(items, options), self._perform)
         except BaseException as exc:  # the whole call failed: every caller sees it
             for _, future in batch:
                 future.set_exception(exc)
@@ -460,7 +466,7 @@ class SyncCoalescer(_Batching):
             _settle(batch, answers)
 
 
-class _Claims(_ClaimRule, Coalescer):
+class _Claims(ClaimRule, Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
         super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles)
         self.takes_ops = takes_ops(store.aclaim_many)
