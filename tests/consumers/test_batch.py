@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -168,6 +169,26 @@ def test_store_down_nothing_acked(
     assert {v.action for v in verdicts} == {Action.RETRY}
     assert reasons(verdicts)[:2] == ["store_unavailable"] * 2
     assert len(seen) == (0 if down == "claim_many" else 2)
+
+
+def test_sync_completions_that_did_not_land_retry_together(
+    store: BatchingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync, the completions of a batch that did not land go on with the settle flow side by
+    side, as async tasks do: each pause is taken once for all of them (not once per message),
+    and each round's completions go together, a few batch calls, not one per message."""
+    monkeypatch.setattr("oncely._execution.flows.SETTLE_RETRY_DELAYS", (0.013, 0.017))
+    pauses: list[float] = []
+    monkeypatch.setattr("oncely.consumers._grouping.time", SimpleNamespace(sleep=pauses.append))
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    store.down.add("complete_many")
+    verdicts = consumer.process_batch(deliveries("a", "b", "c", "d"), lambda m: None)
+    assert reasons(verdicts) == ["store_unavailable"] * 4
+    assert pauses == [0.013, 0.017]
+    # 3 rounds, each sent twice (once more to learn each item's outcome); in a round the
+    # sender takes what is queued when it is free: the first item alone at worst, then the rest
+    # (the first round goes as the handlers return: 4 calls at worst).
+    assert store.calls.count("complete_many") <= 2 * (4 + 2 + 2)
 
 
 def test_a_completion_applied_with_its_reply_lost_is_processed(

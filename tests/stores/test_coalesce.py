@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Awaitable, Iterator, Sequence
 from datetime import timedelta
@@ -14,7 +15,7 @@ import pytest
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely.errors import CorruptRecordError, StoreUnavailableError
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalesce import CoalescingStore, SyncCompletions
 from oncely.stores.memory import MemoryStore
 from tests._proxy import Proxy
 from tests.conftest import service_url
@@ -293,6 +294,76 @@ def test_http_middleware_coalesces_concurrent_requests(coalesce: bool) -> None:
         assert store.batches == []
 
 
+# -- the sync side: one sender thread ------------------------------------------------------------
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose batch completions are counted, the first held until ``gate``;
+    ``down`` fails every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+        self.sent = threading.Event()
+        self.gate = threading.Event()
+        self.down = False
+
+    def complete_many(self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta) -> Any:
+        self.batches.append(len(items))
+        self.sent.set()
+        self.gate.wait()
+        if self.down:
+            raise StoreUnavailableError("down", backend="memory")
+        return super().complete_many(items, ttl=ttl)
+
+
+def _claimed(store: MemoryStore, count: int) -> list[tuple[str, int, bytes]]:
+    items = []
+    for index in range(count):
+        answer = store.claim(f"k{index}", "fp", lease=LEASE, ttl=TTL)
+        assert isinstance(answer, Acquired)
+        items.append((f"k{index}", answer.token, b"r"))
+    return items
+
+
+@pytest.mark.parametrize("max_batch", [256, 3])
+def test_sync_calls_made_while_one_is_in_flight_go_together(max_batch: int) -> None:
+    """The sender thread sends one call at a time: what is queued meanwhile goes in the next
+    ones, at most max_batch items each and split by options; each caller its own answer."""
+    store = GatedStore()
+    items = _claimed(store, 7)
+    completions = SyncCompletions(store, max_batch=max_batch)
+    first = completions.submit(items[0], {"ttl": TTL})
+    assert store.sent.wait(10)
+    rest = [completions.submit(item, {"ttl": TTL}) for item in items[1:5]]
+    rest += [completions.submit(item, {"ttl": TTL * 2}) for item in items[5:]]
+    again = completions.submit(items[1], {"ttl": TTL})  # completed by then: LeaseLost
+    store.gate.set()
+    completions.close()
+    assert first.result() is None
+    assert [future.result() for future in rest] == [None] * 6
+    assert again.result() == LeaseLost()
+    assert store.batches == ([1, 5, 2] if max_batch == 256 else [1, 3, 2, 2])
+
+
+def test_sync_a_failed_call_fails_every_caller_of_the_batch() -> None:
+    """The store down: the batch, sent again once to learn each item's outcome, fails again,
+    and every caller gets the error."""
+    store = GatedStore()
+    items = _claimed(store, 3)
+    store.down = True
+    store.gate.set()
+    completions = SyncCompletions(store)
+    futures = [completions.submit(item, {"ttl": TTL}) for item in items]
+    completions.close()
+    for future in futures:
+        assert isinstance(future.exception(), StoreUnavailableError)
+    assert sum(store.batches) == 6  # each item sent twice
+    record = store.get("k0")
+    assert record is not None
+    assert record.status is Status.IN_PROGRESS
+
+
 # -- a batch call whose reply is lost, against the real Redis ----------------------------------
 
 
@@ -340,6 +411,27 @@ def test_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
         return await _one_then_batch(complete[0], complete[1:])
 
     assert asyncio.run(main()) == [None] * 4
+    assert proxy.cut.is_set()
+    for key in keys:
+        record = direct.get(key)
+        assert record is not None
+        assert record.status is Status.COMPLETED
+
+
+@pytest.mark.redis
+def test_sync_a_batch_of_completions_whose_reply_is_lost_is_resolved_per_caller(
+    cutting: tuple[Proxy, Any, Any],
+) -> None:
+    """The sync side, by the same rule: the completions ran but their reply never came, and
+    each caller learns its completion succeeded."""
+    proxy, through, direct = cutting
+    keys = ["plain", "cut-1", "cut-2", "cut-3"]
+    tokens = {key: direct.claim(key, "fp", lease=LEASE, ttl=TTL).token for key in keys}
+    completions = SyncCompletions(through)
+    proxy.arm(b"cut-1", hold=True)
+    futures = [completions.submit((key, tokens[key], key.encode()), {"ttl": TTL}) for key in keys]
+    completions.close()
+    assert [future.result() for future in futures] == [None] * 4
     assert proxy.cut.is_set()
     for key in keys:
         record = direct.get(key)

@@ -10,7 +10,6 @@ from typing import Any
 
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow
-from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
 from oncely.consumers._drivers import Parallel, Run
@@ -27,10 +26,9 @@ from oncely.errors import (
     ConfigurationError,
     LeaseLostError,
     StoreError,
-    StoreUnavailableError,
 )
 from oncely.stores._batch import takes_ops
-from oncely.stores._coalesce import unknown_claim
+from oncely.stores._coalesce import ClaimRule
 
 logger = get_logger(__name__)
 
@@ -179,52 +177,29 @@ def batched(
 
 
 def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
-    """Claim every request in one call. A call whose outcome is unknown (it timed out, or
-    its connection broke) is sent once more to learn each item's, with the same call ids
-    when the store takes them (``ops``): a claim applied with its reply lost then answers
+    """Claim every request in one call, by the rule of the one grouping of claims
+    (`oncely.stores._coalesce.ClaimRule`): a call whose outcome is unknown (it timed out, or
+    its connection broke) is sent once more to learn each item's, with the same call ids when
+    the store takes them (``ops``): a claim applied with its reply lost then answers
     `Acquired`. Without ids, an item answered `InProgress` may hold its own first claim and
     keeps the error (never run: its lease, if it is ours, expires on its own); the others
     get their answers."""
     options: dict[str, Any] = {"lease": consumer._policy.lease, "ttl": consumer._policy.ttl}
-    ops: list[str] | None = None
     if consumer._takes_ops is None:  # both twins: a subclass may override one without ids
         verbs = (getattr(consumer.store, name, None) for name in ("claim_many", "aclaim_many"))
         consumer._takes_ops = all(takes_ops(verb) for verb in verbs if verb is not None)
-    if consumer._takes_ops:  # the same ids if sent again; unique: a random prefix per call
+    rule = _BatchClaims()
+    rule.takes_ops = consumer._takes_ops
+    items: list[tuple[str, str, str | None]]
+    if rule.takes_ops:  # the same ids if sent again; unique: a random prefix per call
         prefix = secrets.token_hex(8)
-        ops = [f"{prefix}.{i}" for i in range(len(requests))]
-    call = _execution.StoreCall(
-        "claim_many", (requests,), options if ops is None else {**options, "ops": ops}
-    )
+        items = [(key, fp, f"{prefix}.{i}") for i, (key, fp) in enumerate(requests)]
+    else:
+        items = [(key, fp, None) for key, fp in requests]
     try:
-        answers: list[Any] = yield call
-    except StoreUnavailableError as exc:
-        answers = [exc] * len(requests)
+        answers = yield from rule.answers(items, options)
     except StoreError as exc:
-        logger.warning(
-            "store error claiming a batch; redelivering later: %s",
-            exc,
-            extra=fields(store=consumer.store, outcome="store_unavailable"),
-        )
-        return [exc] * len(requests)
-    unknown = [i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)]
-    if not unknown:
-        return answers
-    try:
-        kwargs = options if ops is None else {**options, "ops": [ops[i] for i in unknown]}
-        again: list[Any] = yield _execution.StoreCall(
-            "claim_many", ([requests[i] for i in unknown],), kwargs
-        )
-    except StoreError:
-        again = [answers[i] for i in unknown]
-    answers = list(answers)
-    for i, answer in zip(unknown, again, strict=True):
-        if ops is not None and not isinstance(answer, StoreError):
-            answers[i] = answer  # with its own id, its own applied claim is Acquired
-        elif not isinstance(answer, (InProgress, StoreError)):
-            answers[i] = answer
-        elif isinstance(answer, InProgress):
-            unknown_claim(requests[i][0])
+        answers = [exc] * len(requests)
     errors = [answer for answer in answers if isinstance(answer, StoreError)]
     if errors:
         logger.warning(
@@ -233,6 +208,17 @@ def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[
             extra=fields(store=consumer.store, outcome="store_unavailable"),
         )
     return answers
+
+
+class _BatchClaims(ClaimRule):
+    """`ClaimRule` in a consumer's flow: its batch call is a `oncely._execution.StoreCall`."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
+        many = super()._many_call(items, options)
+        return _execution.StoreCall("claim_many", many.args, many.kwargs)
 
 
 def _run_batch(
@@ -428,53 +414,3 @@ def _guarded(
         yield from consumer._release(lease)
         raise
     return (value,)
-
-
-def complete_many(consumer: Running, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
-    """Complete every item in one call, retrying while the store is briefly unavailable."""
-    retried = False
-    for delay in (*_execution.flows.SETTLE_RETRY_DELAYS, None):
-        try:
-            answers: list[Any] = yield _execution.StoreCall(  # the handlers ran: shielded
-                "complete_many", (items,), {"ttl": consumer._policy.ttl}, shield=True
-            )
-        except StoreUnavailableError as exc:
-            if delay is None:
-                logger.error(
-                    "could not complete a batch: the store is unavailable: %s",
-                    exc,
-                    extra=fields(store=consumer.store, outcome="complete_failed"),
-                )
-                return [exc] * len(items)
-            retried = True
-            yield _execution.Sleep(delay)
-        except StoreError as exc:
-            logger.error(
-                "could not complete a batch: %s",
-                exc,
-                extra=fields(store=consumer.store, outcome="complete_failed"),
-            )
-            return [exc] * len(items)
-        else:
-            if retried:
-                answers = yield from _applied(consumer, items, answers)
-            return answers
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _applied(
-    consumer: Running, items: list[tuple[str, int, bytes]], answers: list[Any]
-) -> Flow[list[Any]]:
-    """A completion sent again after a call whose reply was lost answers LeaseLost when
-    that call was applied: the record then shows this token completed with this result."""
-    answers = list(answers)
-    for i, ((key, token, result), answer) in enumerate(zip(items, answers, strict=True)):
-        if not isinstance(answer, LeaseLost):
-            continue
-        try:
-            record = yield _execution.StoreCall("get", (key,))
-        except StoreError:
-            continue
-        if landed(record, token, "complete", result):
-            answers[i] = None
-    return answers

@@ -53,7 +53,6 @@ from oncely.consumers._batch import (
     batched,
     blocked_verdict,
     claim_many,
-    complete_many,
     settled_verdict,
 )
 from oncely.consumers._decision import decide, report, retry_delay
@@ -331,9 +330,6 @@ class IdempotentConsumer:
 
     def _claim_many(self, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
         return claim_many(self, requests)
-
-    def _complete_many(self, items: list[tuple[str, int, bytes]]) -> Flow[list[Any]]:
-        return complete_many(self, items)
 
     def _replayed(self, outcome: Replay) -> Any:
         """What the first run returned (for adapters that pass results on), else ``None``."""

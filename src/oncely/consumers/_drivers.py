@@ -13,12 +13,12 @@ from typing import Any, TypeVar
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.protocols import AsyncStore, SyncStore
-from oncely.consumers._grouping import GroupCommit, Landed, Settle, acomplete, landed
+from oncely.consumers._grouping import Landed, Settle, acomplete, landed, sent, settle_all
 from oncely.consumers._sharing import Decide, Share, Slot, Wait
 from oncely.errors import (
     ConfigurationError,
 )
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalesce import CoalescingStore, SyncCompletions
 
 T = TypeVar("T")
 
@@ -78,7 +78,7 @@ def run_with(
     the rest (store calls, the handler's invocation, heartbeats, sleeps) to
     `oncely._execution.perform`, with *handler* called on the message of the enclosing `Handle`.
     """
-    completions = GroupCommit(lambda op: _execution.perform(op, store))
+    completions: SyncCompletions | None = None
 
     def performer(message: Any) -> Callable[[Any], Any]:
         def perform(op: Any) -> Any:
@@ -86,9 +86,15 @@ def run_with(
             if kind is Run:
                 return _execution.invoke_under(op.lease, handler, op.message)
             if kind is Settle:
-                return completions.submit(op)
+                nonlocal completions
+                if completions is None:  # the sync side of the one grouping, see arun_with
+                    completions = SyncCompletions(_observed.timed(store) if _events.on else store)
+                return sent(op, completions)
             if kind is Landed:
-                return [handle.result() for handle in op.handles]
+                assert completions is not None
+                return settle_all(
+                    op.handles, completions, lambda each: _execution.perform(each, store)
+                )
             if kind is Share:
                 return {}  # the flows of a Parallel run one after the other
             if kind is Decide or kind is Wait:
@@ -109,7 +115,8 @@ def run_with(
     try:
         return drive(flow, performer(None))
     finally:
-        completions.close()
+        if completions is not None:  # the handlers ran: their records must say so
+            completions.close()
 
 
 async def arun_with(

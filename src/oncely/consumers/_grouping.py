@@ -4,31 +4,42 @@ A batch's handler that returns yields `Settle`: its completion goes to the store
 without waiting for the answer (a handle answers it), and `Landed` waits for those handles.
 Async, each completion is the shared settle flow (`completion`) over the run's
 `oncely.stores._coalesce.CoalescingStore`, the one grouping of claims and completions into
-batch calls that the async consumer and the ASGI middleware use too. Sync, `GroupCommit` sends
-them from a thread of its own: one at once, those queued meanwhile together as one
-``complete_many`` call, at most `MAX_BATCH` in one call.
+batch calls that the async consumer and the ASGI middleware use too. Sync, its sync side
+(`oncely.stores._coalesce.SyncCompletions`) sends them from a thread of its own, by the same
+rules: one call at once, those queued meanwhile together as one ``complete_many`` call, at most
+`oncely.stores._coalesce.MAX_BATCH` in one call; one whose first call did not land goes on
+with the same settle flow (`settle_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from oncely import _execution
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec
-from oncely._core.flow import Flow, drive
+from oncely._core.flow import Flow
 from oncely._log import fields, get_logger
 from oncely.consumers._running import Running
 from oncely.consumers._sharing import Slot
 from oncely.errors import LeaseLostError, StoreError
-from oncely.stores._coalesce import MAX_BATCH
+from oncely.stores._coalesce import SyncCompletions
 
-__all__ = ["GroupCommit", "Landed", "Settle", "acomplete", "completion", "encoded", "landed"]
+__all__ = [
+    "Landed",
+    "Settle",
+    "acomplete",
+    "completion",
+    "encoded",
+    "landed",
+    "sent",
+    "settle_all",
+]
 
 logger = get_logger(__name__)
 
@@ -98,52 +109,77 @@ def encoded(lease: _execution.Lease, value: Any, codec: Codec) -> bytes:
         return _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
 
 
-class GroupCommit:
-    """The completions of one sync run (`run_with`), sent from a thread of their own while the
-    next handlers run: one goes at once; those queued while it is in flight go together, as one
-    ``complete_many`` call of the consumer that made them (its `_complete_many` flow)."""
+def sent(op: Settle, completions: SyncCompletions) -> tuple[Settle, Future[Any]]:
+    """Sync `Settle`: *op*'s completion, queued for the sender thread of *completions* (the
+    sync side of the one grouping); the handle that `settle_all` answers."""
+    item = (op.lease.key, op.lease.token, op.payload)
+    return op, completions.submit(item, {"ttl": op.consumer._policy.ttl})
 
-    def __init__(self, perform: Callable[[Any], Any]) -> None:
-        self._perform = perform
-        self._lock = threading.Lock()
-        self._queue: list[tuple[Settle, concurrent.futures.Future[Any]]] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def submit(self, op: Settle) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self._queue.append((op, future))
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="oncely-complete"
-                )
-        self._pool.submit(self._send)
-        return future
+def settle_all(
+    handles: Sequence[tuple[Settle, Future[Any]]],
+    completions: SyncCompletions,
+    perform: Callable[[Any], Any],
+) -> list[Any]:
+    """Sync `landed`: the answers of these completions (`sent` handles), in order. One that
+    did not land at once goes on with the settle flow (`completion`), as an async consumer's
+    does; those flows go side by side, as its tasks would: in each round their completions
+    go together through *completions* and their pauses are taken once for all (their other
+    operations, to *perform*)."""
+    answers: list[Any] = [None] * len(handles)
+    flows: dict[int, Flow[Any]] = {}
+    replies: dict[int, tuple[Any, BaseException | None]] = {}
+    for i, (op, handle) in enumerate(handles):
+        first = _outcome(handle)
+        if first != (None, None):  # else landed: the common case
+            flows[i] = completion(op.consumer, op.lease, op.payload, first)
+            replies[i] = (None, None)
+    while flows:
+        pause = 0.0
+        calls: dict[int, Future[Any]] = {}
+        for i, flow in list(flows.items()):
+            try:
+                op = _advance(flow, replies[i], perform)
+            except StopIteration as done:
+                answers[i] = done.value
+                del flows[i]
+                continue
+            if type(op) is _execution.Sleep:
+                pause = max(pause, op.seconds)
+                replies[i] = (None, None)
+            else:
+                calls[i] = completions.submit(op.args, op.kwargs)
+        if pause:
+            time.sleep(pause)
+        for i, call in calls.items():
+            replies[i] = _outcome(call)
+    return answers
 
-    def _send(self) -> None:
-        while True:
-            with self._lock:
-                queued, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-            if not queued:  # none: sent with an earlier one
-                return
-            batches: dict[int, list[tuple[Settle, concurrent.futures.Future[Any]]]] = {}
-            for entry in queued:
-                batches.setdefault(id(entry[0].consumer), []).append(entry)
-            for batch in batches.values():
-                items = [(op.lease.key, op.lease.token, op.payload) for op, _ in batch]
-                try:
-                    answers: list[Any] = drive(
-                        batch[0][0].consumer._complete_many(items), self._perform
-                    )
-                except BaseException as exc:  # answered to each waiter, as a failed batch call
-                    answers = [exc] * len(batch)
-                for (_, future), answer in zip(batch, answers, strict=True):
-                    future.set_result(answer)
 
-    def close(self) -> None:
-        """Wait for the completions sent: the handlers ran, their records must say so."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+def _outcome(future: Future[Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return future.result(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _advance(
+    flow: Flow[Any], reply: tuple[Any, BaseException | None], perform: Callable[[Any], Any]
+) -> Any:
+    """Go on with *flow* from *reply* (its operation's answer, or error) to its next pause or
+    completion call, which is returned (the rest performed by *perform*); StopIteration at its
+    end."""
+    value, error = reply
+    while True:
+        op = flow.throw(error) if error is not None else flow.send(value)
+        if type(op) is _execution.Sleep or (
+            type(op) is _execution.StoreCall and op.verb == "complete"
+        ):
+            return op
+        try:
+            value, error = perform(op), None
+        except Exception as exc:  # the flow decides
+            value, error = None, exc
 
 
 async def landed(handles: Sequence[asyncio.Future[Any]]) -> list[Any]:

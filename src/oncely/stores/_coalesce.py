@@ -25,26 +25,43 @@ not close its store under it). `Coalescer.drain` waits for every call in flight.
 
 `Coalescer` is the grouping itself, for any pair of a single and a batch verb (the PostgreSQL
 store groups its extends with it); the consumers group their claims and completions with it.
+`SyncCoalescer` is its sync side, for callers that block: one sender thread sends one batch call
+at a time, of what was queued meanwhile. Both take their batches (`_take`: by options, at most
+*max_batch* items) and answer a batch (`answers`: a lost reply resolved per item, each kind by
+its rule, `ClaimRule` and `_CompletionRule`) by the same code, a flow each side drives; the
+sync consumers complete with `SyncCompletions`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import secrets
+import threading
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from oncely._cancel import give_back, shielded
+from oncely._core.flow import Flow, adrive, drive
 from oncely._core.machine import landed
 from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
 from oncely.stores._batch import takes_ops
 
-__all__ = ["Coalescer", "CoalescingStore", "MAX_BATCH", "unknown_claim"]
+__all__ = [
+    "ClaimRule",
+    "Coalescer",
+    "CoalescingStore",
+    "MAX_BATCH",
+    "SyncCoalescer",
+    "SyncCompletions",
+    "unknown_claim",
+]
 
 logger = get_logger(__name__)
 
@@ -68,6 +85,148 @@ def unknown_claim(key: str) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Many:
+    """The batch verb, on these arguments."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Get:
+    """The record of *key* (``aget`` or ``get``)."""
+
+    key: str
+
+
+def _take(
+    waiting: dict[tuple[Any, ...], list[tuple[Any, Any]]], max_batch: int
+) -> tuple[tuple[Any, ...], list[tuple[Any, Any]]] | None:
+    """The next batch of what *waiting* holds (by the calls' options, oldest first): at most
+    *max_batch* items of one group, without those whose caller has gone (its future done)."""
+    while waiting:
+        group = next(iter(waiting))
+        batch = [(item, future) for item, future in waiting[group] if not future.done()]
+        batch, rest = batch[:max_batch], batch[max_batch:]
+        if rest:
+            waiting[group] = rest
+        else:
+            del waiting[group]
+        if batch:
+            return group, batch
+    return None
+
+
+class _Batching:
+    """What both sides of the grouping (`Coalescer`, `SyncCoalescer`) share: batches taken by
+    `_take`, and a batch's answers (`answers`): a call whose outcome is unknown is resolved per
+    item, the same way; the sides differ only in how they wait and perform what it yields."""
+
+    def __init__(self, many: Callable[..., Any] | None, get: Callable[[str], Any] | None) -> None:
+        self._many: Any = many
+        self._get = get
+
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
+        """The operation that sends *items* with the batch verb (a subclass may yield its
+        driver's own)."""
+        return _Many((items,), options)
+
+    def answers(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Flow[list[Any]]:
+        """The answers of one batch call of *items*, one per item (an item's `StoreError`
+        among them); raises what the whole call raised, but a lost reply (see `_resolve`)."""
+        try:
+            answers: list[Any] = yield self._many_call(items, options)
+        except StoreUnavailableError as exc:  # the outcome of every item is unknown
+            answers = [exc] * len(items)
+        if any(isinstance(answer, StoreUnavailableError) for answer in answers):
+            answers = yield from self._resolve(items, answers, options)
+        return answers
+
+    def _resolve(
+        self, items: list[tuple[Any, ...]], answers: list[Any], options: dict[str, Any]
+    ) -> Flow[list[Any]]:
+        """Answer, each on its own, the items of a batch whose outcome is unknown (the call
+        timed out, or its connection broke): they are sent again, as one batch call, and every
+        answer that tells what happened replaces the error. An item whose first call may have
+        been applied keeps its error when the answer cannot tell (see `_told`)."""
+        unknown = [
+            i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
+        ]
+        try:
+            again = yield self._many_call([items[i] for i in unknown], options)
+        except StoreError:
+            return answers  # still unreachable: the errors stand
+        answers = list(answers)
+        for i, answer in zip(unknown, again, strict=True):
+            told = yield from self._told(items[i], answer)
+            if told is not _UNKNOWN:
+                answers[i] = told
+        return answers
+
+    def _told(self, item: tuple[Any, ...], answer: Any) -> Flow[Any]:
+        """What a re-sent item's *answer* says about the item, or `_UNKNOWN`."""
+        return _UNKNOWN if isinstance(answer, StoreError) else answer
+        yield  # a flow: a rule may read the record (`_CompletionRule`)
+
+
+class ClaimRule(_Batching):
+    """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
+    (both times) when the store's batch verb takes ``ops`` (*takes_ops*).
+
+    A batch consumer's own claim of a fetched batch (`oncely.consumers._batch.claim_many`)
+    answers by this rule too: the flow `answers`, its batch call yielded as its driver's."""
+
+    takes_ops = False
+
+    def _many_call(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> Any:
+        requests = [item[:2] for item in items]
+        if self.takes_ops:
+            return _Many((requests,), {**options, "ops": [item[2] for item in items]})
+        return _Many((requests,), options)
+
+    def _told(self, item: tuple[Any, ...], answer: Any) -> Flow[Any]:
+        # Sent again with the same call id, a claim applied the first time (reply lost) answers
+        # Acquired with its own token: InProgress is then another worker's lease. Without ids,
+        # InProgress may be this very claim, which is not known, and the caller keeps its error
+        # (the lease, if it is ours, expires on its own).
+        if self.takes_ops and not isinstance(answer, StoreError):
+            return answer
+        if isinstance(answer, (InProgress, StoreError)):
+            unknown_claim(item[0])
+            return _UNKNOWN
+        return answer
+        yield  # a flow, as every rule
+
+
+class _CompletionRule(_Batching):
+    """Completions, each item ``(key, token, result)``."""
+
+    def _told(self, item: tuple[Any, ...], answer: Any) -> Flow[Any]:
+        # A completion re-sent after its first call was applied answers LeaseLost: the record
+        # then shows this token completed with this result, and the completion succeeded.
+        if isinstance(answer, LeaseLost):
+            key, token, result = item
+            try:
+                record = yield _Get(key)
+            except StoreError:
+                return _UNKNOWN
+            if landed(record, token, "complete", result):
+                return None
+        return _UNKNOWN if isinstance(answer, StoreError) else answer
+
+
+def _settle(batch: list[tuple[Any, Any]], answers: list[Any]) -> None:
+    """Answer each caller of *batch* its answer (its own `StoreError` raised)."""
+    for (_, future), answer in zip(batch, answers, strict=True):
+        if future.done():  # cancelled with its loop
+            continue
+        if isinstance(answer, StoreError):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
+
+
 class _LoopState:
     __slots__ = ("in_flight", "starting", "waiting")
 
@@ -77,8 +236,10 @@ class _LoopState:
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
 
 
-class Coalescer:
-    """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches."""
+class Coalescer(_Batching):
+    """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches.
+
+    *get* (an item's record, async) is for a rule that reads it (completions)."""
 
     def __init__(
         self,
@@ -87,10 +248,11 @@ class Coalescer:
         max_in_flight: int,
         max_batch: int,
         singles: bool = True,
+        get: Callable[[str], Awaitable[Any]] | None = None,
     ) -> None:
+        super().__init__(many, get)
         self._singles = singles
         self._single = single
-        self._many = many
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
@@ -185,26 +347,21 @@ class Coalescer:
 
     async def _send_next(self, loop: asyncio.AbstractEventLoop, state: _LoopState) -> None:
         state.starting = False
-        while state.waiting:
-            group = next(iter(state.waiting))
-            waiting = state.waiting[group]
-            batch = [(item, future) for item, future in waiting if not future.done()]
-            batch, rest = batch[: self._max_batch], batch[self._max_batch :]
-            if rest:
-                state.waiting[group] = rest
-            else:
-                del state.waiting[group]
-            if batch:
-                self._send_waiting(loop, state)  # more waiting, and room: another call
-                await self._send(loop, state, batch, dict(group))
-                return
-        state.in_flight -= 1  # every caller that waited was cancelled meanwhile
+        taken = _take(state.waiting, self._max_batch)
+        if taken is None:
+            state.in_flight -= 1  # every caller that waited was cancelled meanwhile
+            return
+        self._send_waiting(loop, state)  # more waiting, and room: another call
+        await self._send(loop, state, taken[1], dict(taken[0]))
 
     async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
         return await self._single(*item, **options)
 
-    async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
-        return await self._many(items, **options)
+    async def _perform(self, op: _Many | _Get) -> Any:
+        if isinstance(op, _Many):
+            return await self._many(*op.args, **op.kwargs)
+        assert self._get is not None  # a rule that reads records has it
+        return await self._get(op.key)
 
     async def _send(
         self,
@@ -215,12 +372,7 @@ class Coalescer:
     ) -> None:
         items = [item for item, _ in batch]
         try:
-            try:
-                answers: list[Any] = await self._call_many(items, options)
-            except StoreUnavailableError as exc:  # the outcome of every item is unknown
-                answers = [exc] * len(items)
-            if any(isinstance(answer, StoreUnavailableError) for answer in answers):
-                answers = await self._resolve(items, answers, options)
+            answers = await adrive(self.answers(items, options), self._perform)
         except BaseException as exc:  # the whole call failed: every caller sees it
             for _, future in batch:
                 if not future.done():
@@ -232,47 +384,89 @@ class Coalescer:
                 raise
             return
         else:
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if future.done():  # cancelled with its loop
-                    continue
-                if isinstance(answer, StoreError):
-                    future.set_exception(answer)
-                else:
-                    future.set_result(answer)
+            _settle(batch, answers)
         finally:
             state.in_flight -= 1
             self._send_waiting(loop, state)
 
-    async def _resolve(
-        self, items: list[tuple[Any, ...]], answers: list[Any], options: dict[str, Any]
-    ) -> list[Any]:
-        """Answer, each on its own, the items of a batch whose outcome is unknown (the call
-        timed out, or its connection broke): they are sent again, as one batch call, and every
-        answer that tells what happened replaces the error. An item whose first call may have
-        been applied keeps its error when the answer cannot tell (see `_told`)."""
-        unknown = [
-            i for i, answer in enumerate(answers) if isinstance(answer, StoreUnavailableError)
-        ]
+
+class SyncCoalescer(_Batching):
+    """The sync side of `Coalescer`: callers in any thread `submit` their items, and one sender
+    thread of its own sends them, one batch call at a time: the items submitted while one is in
+    flight go together in the next, by the same rules (`_take`, `answers`), every item with
+    the batch verb. The thread starts with the first item and ends at `close`.
+
+    *get* (an item's record) is for a rule that reads it (completions).
+    """
+
+    def __init__(
+        self,
+        many: Callable[..., list[Any]],
+        max_batch: int = MAX_BATCH,
+        get: Callable[[str], Any] | None = None,
+        name: str = "oncely-batches",
+    ) -> None:
+        super().__init__(many, get)
+        self._max_batch = max_batch
+        self._name = name
+        self._lock = threading.Condition(threading.Lock())
+        self._waiting: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self._sender: threading.Thread | None = None
+        self._closing = False
+
+    def submit(
+        self, item: tuple[Any, ...], options: dict[str, Any]
+    ) -> concurrent.futures.Future[Any]:
+        """Queue *item* for the sender thread; the future answers its answer (or raises its
+        `StoreError`, or what the whole call raised)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._waiting.setdefault(tuple(sorted(options.items())), []).append((item, future))
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._sender.start()
+            else:
+                self._lock.notify()
+        return future
+
+    def close(self) -> None:
+        """Wait until every item submitted has answered; the sender thread then ends."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+            sender = self._sender
+        if sender is not None:
+            sender.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                taken = _take(self._waiting, self._max_batch)
+                while taken is None and not self._closing:
+                    self._lock.wait()
+                    taken = _take(self._waiting, self._max_batch)
+            if taken is None:
+                return
+            self._send(taken[1], dict(taken[0]))
+
+    def _perform(self, op: _Many | _Get) -> Any:
+        if isinstance(op, _Many):
+            return self._many(*op.args, **op.kwargs)
+        assert self._get is not None  # a rule that reads records has it
+        return self._get(op.key)
+
+    def _send(self, batch: list[tuple[Any, Any]], options: dict[str, Any]) -> None:
+        items = [item for item, _ in batch]
         try:
-            again = await self._call_many([items[i] for i in unknown], options)
-        except StoreError:
-            return answers  # still unreachable: the errors stand
-        answers = list(answers)
-        for i, answer in zip(unknown, again, strict=True):
-            told = await self._told(items[i], answer)
-            if told is not _UNKNOWN:
-                answers[i] = told
-        return answers
-
-    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
-        """What a re-sent item's *answer* says about the item, or `_UNKNOWN`."""
-        return _UNKNOWN if isinstance(answer, StoreError) else answer
+            answers = drive(self.answers(items, options), self._perform)
+        except BaseException as exc:  # the whole call failed: every caller sees it
+            for _, future in batch:
+                future.set_exception(exc)
+        else:
+            _settle(batch, answers)
 
 
-class _Claims(Coalescer):
-    """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
-    (both times) when the store's ``aclaim_many`` takes ``ops``."""
-
+class _Claims(ClaimRule, Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
         super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles)
         self.takes_ops = takes_ops(store.aclaim_many)
@@ -299,42 +493,21 @@ class _Claims(Coalescer):
         self._track(releasing)
         return releasing
 
-    async def _call_many(self, items: list[tuple[Any, ...]], options: dict[str, Any]) -> list[Any]:
-        requests = [item[:2] for item in items]
-        if self.takes_ops:
-            return await self._many(requests, ops=[item[2] for item in items], **options)
-        return await self._many(requests, **options)
 
-    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
-        # Sent again with the same call id, a claim applied the first time (reply lost) answers
-        # Acquired with its own token: InProgress is then another worker's lease. Without ids,
-        # InProgress may be this very claim, which is not known, and the caller keeps its error
-        # (the lease, if it is ours, expires on its own).
-        if self.takes_ops and not isinstance(answer, StoreError):
-            return answer
-        if isinstance(answer, (InProgress, StoreError)):
-            unknown_claim(item[0])
-            return _UNKNOWN
-        return answer
-
-
-class _Completions(Coalescer):
+class _Completions(_CompletionRule, Coalescer):
     def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
-        super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles)
-        self._store = store
+        super().__init__(
+            store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles, store.aget
+        )
 
-    async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
-        # A completion re-sent after its first call was applied answers LeaseLost: the record
-        # then shows this token completed with this result, and the completion succeeded.
-        if isinstance(answer, LeaseLost):
-            key, token, result = item
-            try:
-                record = await self._store.aget(key)
-            except StoreError:
-                return _UNKNOWN
-            if landed(record, token, "complete", result):
-                return None
-        return _UNKNOWN if isinstance(answer, StoreError) else answer
+
+class SyncCompletions(_CompletionRule, SyncCoalescer):
+    """Completions of a sync *store* (items ``(key, token, result)``, option ``ttl``), sent
+    from a thread of their own (see `SyncCoalescer`): a sync consumer's, as its handlers
+    return."""
+
+    def __init__(self, store: Any, max_batch: int = MAX_BATCH) -> None:
+        super().__init__(store.complete_many, max_batch, store.get, "oncely-complete")
 
 
 class CoalescingStore:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["AsyncLane", "SyncLane", "lane_for", "packer"]
@@ -61,8 +61,9 @@ def packer(hiredis_packs: bool) -> Packer | None:
     return pack
 
 
-class SyncLane:
-    """The sync calls of one store, on the connections of its queuing pool (`_pool`)."""
+class _Lane:
+    """What both lanes share: their settings, and the plan of the retries (`_pauses`) that
+    each drives its own way (`SyncLane._again`, `AsyncLane._again`)."""
 
     __slots__ = ("_backoff", "_errors", "_pack", "_pool", "_retries")
 
@@ -79,6 +80,20 @@ class SyncLane:
         self._backoff = backoff
         self._errors = errors  # what redis-py retries: ConnectionError, TimeoutError
         self._pack = pack
+
+    def _pauses(self) -> Iterator[float]:
+        """After a first try that failed, the pause before each try again, as redis-py's Retry
+        runs them: ``retries`` tries at most. The connection disconnects before each, and
+        after the last one fails (then its error is raised)."""
+        self._backoff.reset()
+        for failures in range(1, self._retries + 1):
+            yield self._backoff.compute(failures)
+
+
+class SyncLane(_Lane):
+    """The sync calls of one store, on the connections of its queuing pool (`_pool`)."""
+
+    __slots__ = ()
 
     def call(self, command: Sequence[Any]) -> Any:
         """Send *command* and return its reply (raises ``ResponseError`` for an error reply)."""
@@ -97,14 +112,8 @@ class SyncLane:
 
     def _again(self, connection: Any, packed: list[bytes], error: BaseException) -> Any:
         """Re-send *packed* after the *error* of its first try, as redis-py's Retry would."""
-        self._backoff.reset()
-        failures = 0
-        while True:
-            failures += 1
+        for delay in self._pauses():
             connection.disconnect()
-            if failures > self._retries:
-                raise error
-            delay = self._backoff.compute(failures)
             if delay > 0:
                 time.sleep(delay)
             try:
@@ -112,9 +121,11 @@ class SyncLane:
                 return connection.read_response()
             except self._errors as exc:
                 error = exc
+        connection.disconnect()
+        raise error
 
 
-class AsyncLane:
+class AsyncLane(_Lane):
     """The async calls of one store in one event loop, on the connections of its client's pool.
 
     The loop's idle connections wait in a list of the lane's own: the store's semaphore already
@@ -122,7 +133,7 @@ class AsyncLane:
     stay in the pool's count of connections in use, so closing the client closes them too.
     """
 
-    __slots__ = ("_backoff", "_errors", "_idle", "_pack", "_pool", "_retries")
+    __slots__ = ("_idle",)
 
     def __init__(
         self,
@@ -132,11 +143,7 @@ class AsyncLane:
         errors: tuple[type[BaseException], ...],
         pack: Packer | None,
     ) -> None:
-        self._pool = pool
-        self._retries = retries
-        self._backoff = backoff
-        self._errors = errors
-        self._pack = pack
+        super().__init__(pool, retries, backoff, errors, pack)
         self._idle: list[Any] = []
 
     async def call(self, command: Sequence[Any]) -> Any:
@@ -156,14 +163,8 @@ class AsyncLane:
 
     async def _again(self, connection: Any, packed: list[bytes], error: BaseException) -> Any:
         """Async `SyncLane._again`."""
-        self._backoff.reset()
-        failures = 0
-        while True:
-            failures += 1
+        for delay in self._pauses():
             await connection.disconnect()
-            if failures > self._retries:
-                raise error
-            delay = self._backoff.compute(failures)
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
@@ -171,6 +172,8 @@ class AsyncLane:
                 return await connection.read_response()
             except self._errors as exc:
                 error = exc
+        await connection.disconnect()
+        raise error
 
 
 async def _send(connection: Any, packed: list[bytes]) -> None:
