@@ -13,7 +13,7 @@ from oncely._core.flow import Flow
 from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
-from oncely.consumers._drivers import Parallel, Run
+from oncely.consumers._drivers import Overlaps, Parallel, Run
 from oncely.consumers._grouping import Landed, Settle, encoded
 from oncely.consumers._running import Running
 from oncely.consumers._sharing import Decide, Later, Share, Slot, Wait, decided, withdrawn
@@ -33,6 +33,10 @@ from oncely.stores._batch import takes_ops
 from oncely.stores._coalesce import unknown_claim
 
 logger = get_logger(__name__)
+
+CLAIM_CHUNK = 50
+"""The keys of an unordered batch claimed per call when its driver overlaps flows (async): a
+batch of 200 starts its first handlers after one claim of 50 rather than of 200."""
 
 
 def blocked_verdict(consumer: Running, key: str | None) -> Verdict:
@@ -111,52 +115,22 @@ def batched(
                 claims[key] = index
             else:
                 leases.append((index, kept))
-        requests = [(key, prints[key]) for key in claims]
-        answers: list[Any] = []
-        slots: dict[str, Slot] = {}
-        if requests:
-            slots = yield Share(tuple(claims))
-            answers = yield from consumer._claim_many(requests)
-        runs: list[tuple[int, _execution.Lease | Later]] = [*leases]
-        for (key, index), answer in zip(claims.items(), answers, strict=True):
-            slot = slots.get(key)
-            if slot is not None:
-                slot.claiming -= 1
-                if isinstance(answer, InProgress) and slot.flows > 1:
-                    # Maybe claimed by another flow of this run (another partition's
-                    # copy): run under its lease if it has not started, else wait for it.
-                    runs.append((index, Later(key, prints[key], slot)))
-                    continue
-            verdict, lease = consumer._claimed(key, answer)
-            if verdict is None:
-                assert lease is not None
-                if slot is not None:
-                    slot.owned, slot.fingerprint = True, prints[key]
-                runs.append((index, lease))
-                continue
-            if lease is not None:  # exhausted: given back, not run
-                yield from consumer._release(lease)
-            verdicts[index] = consumer._verdict(verdict)
-        idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
-        if idle:  # nobody here got these keys: their other copies need not wait
-            yield Decide(idle)
-        runs.sort(key=lambda pair: pair[0])
-        if ordered:  # leases after the first retry are kept for next time, unused
-            stop = min(
-                (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
-                default=len(deliveries),
+        overlapping = not ordered and not kept_leases and len(claims) > CLAIM_CHUNK
+        if overlapping and (yield Overlaps()):
+            # Claimed in chunks sent at once: the first chunk's handlers run while the
+            # store answers the next ones. Copies of a key are in one chunk (see *copies*).
+            chunks = list(claims.items())
+            parts = [
+                _claim_and_run(
+                    consumer, deliveries, dict(chunks[at : at + CLAIM_CHUNK]), prints, [], verdicts
+                )
+                for at in range(0, len(chunks), CLAIM_CHUNK)
+            ]
+            yield Parallel(parts, shares=False)
+        else:
+            yield from _claim_and_run(
+                consumer, deliveries, claims, prints, leases, verdicts, ordered, held
             )
-            for index, run in runs:
-                if index > stop:
-                    if isinstance(run, _execution.Lease):
-                        held[run.key] = run
-                    verdicts[index] = consumer._verdict(blocked_verdict(consumer, run.key))
-            runs = [(i, run) for i, run in runs if i < stop]
-        ran = yield from _run_batch(consumer, deliveries, runs, slots, held if ordered else None)
-        for index, verdict in ran:
-            verdicts[index] = consumer._verdict(verdict)
-        if slots:
-            yield Decide(list(slots.values()))
     for first, others in copies.items():
         outcome = verdicts[first]
         assert outcome is not None
@@ -176,6 +150,67 @@ def batched(
     settled = [verdict for verdict in verdicts if verdict is not None]
     assert len(settled) == len(deliveries)
     return settled
+
+
+def _claim_and_run(
+    consumer: Running,
+    deliveries: Sequence[Delivery],
+    claims: dict[str, int],
+    prints: Mapping[str, str],
+    leases: list[tuple[int, _execution.Lease]],
+    verdicts: list[Verdict | None],
+    ordered: bool = False,
+    held: MutableMapping[str, _execution.Lease] | None = None,
+) -> Flow[None]:
+    """Claim *claims* (key -> index of its first copy) in one call and run the handlers of
+    those acquired, and of *leases* (kept from an earlier round); set their *verdicts*."""
+    requests = [(key, prints[key]) for key in claims]
+    answers: list[Any] = []
+    slots: dict[str, Slot] = {}
+    if requests:
+        slots = yield Share(tuple(claims))
+        answers = yield from consumer._claim_many(requests)
+    runs: list[tuple[int, _execution.Lease | Later]] = [*leases]
+    for (key, index), answer in zip(claims.items(), answers, strict=True):
+        slot = slots.get(key)
+        if slot is not None:
+            slot.claiming -= 1
+            if isinstance(answer, InProgress) and slot.flows > 1:
+                # Maybe claimed by another flow of this run (another partition's
+                # copy): run under its lease if it has not started, else wait for it.
+                runs.append((index, Later(key, prints[key], slot)))
+                continue
+        verdict, lease = consumer._claimed(key, answer)
+        if verdict is None:
+            assert lease is not None
+            if slot is not None:
+                slot.owned, slot.fingerprint = True, prints[key]
+            runs.append((index, lease))
+            continue
+        if lease is not None:  # exhausted: given back, not run
+            yield from consumer._release(lease)
+        verdicts[index] = consumer._verdict(verdict)
+    idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
+    if idle:  # nobody here got these keys: their other copies need not wait
+        yield Decide(idle)
+    runs.sort(key=lambda pair: pair[0])
+    if ordered:  # leases after the first retry are kept for next time, unused
+        assert held is not None
+        stop = min(
+            (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
+            default=len(deliveries),
+        )
+        for index, run in runs:
+            if index > stop:
+                if isinstance(run, _execution.Lease):
+                    held[run.key] = run
+                verdicts[index] = consumer._verdict(blocked_verdict(consumer, run.key))
+        runs = [(i, run) for i, run in runs if i < stop]
+    ran = yield from _run_batch(consumer, deliveries, runs, slots, held if ordered else None)
+    for index, verdict in ran:
+        verdicts[index] = consumer._verdict(verdict)
+    if slots:
+        yield Decide(list(slots.values()))
 
 
 def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
@@ -268,7 +303,7 @@ def _run_batch(
     try:
         if held is None:
             starts = [_start(consumer, deliveries[i].raw, run, slots, acquired) for i, run in runs]
-            outcomes_of_runs = yield Parallel(starts)
+            outcomes_of_runs = yield Parallel(starts, shares=False)  # they claim no keys
         else:
             outcomes_of_runs = []
             blocked = False

@@ -48,6 +48,13 @@ class Parallel(BrokerOp):
     """Run *flows* (one per partition, say): concurrently when async, in order when sync."""
 
     flows: Sequence[Flow[Any]]
+    shares: bool = True
+    """Whether *flows* may claim the same keys (`Share`); false when each key is in one."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Overlaps(BrokerOp):
+    """Ask the driver whether it runs the flows of a `Parallel` concurrently (async)."""
 
 
 def no_broker(op: BrokerOp) -> Any:
@@ -98,6 +105,8 @@ def run_with(
                 return drive(flow, performer(op.message))
             if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
+            if kind is Overlaps:
+                return False
             if isinstance(op, BrokerOp):
                 return broker(op)
             if kind is _execution.Invoke:
@@ -123,6 +132,7 @@ async def arun_with(
 
     coalescing: CoalescingStore | None = None
     settling: list[asyncio.Future[Any]] = []
+    pruned = 0  # the length of *settling* when its landed completions were last dropped
     claimed: dict[str, Slot] = {}  # keys claimed by the flows of this run, see Share
     sharing = 0  # Parallel ops of several flows running now: their flows may share keys
 
@@ -150,7 +160,11 @@ async def arun_with(
                     coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
                 sent = acomplete(op.consumer, op.lease, op.payload, coalescing)
                 handle = asyncio.ensure_future(sent)
-                settling[:] = [*(each for each in settling if not each.done()), handle]
+                settling.append(handle)
+                nonlocal pruned
+                if len(settling) >= 2 * pruned + 64:  # amortised: not a scan per completion
+                    settling[:] = [each for each in settling if not each.done()]
+                    pruned = len(settling)
                 if op.decided is not None:
                     handle.add_done_callback(op.decided.decide)
                 return handle
@@ -168,9 +182,11 @@ async def arun_with(
             if kind is Handle:
                 flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
                 return await adrive(flow, performer(op.message))
+            if kind is Overlaps:
+                return True
             if kind is Parallel:
                 nonlocal sharing
-                several = len(op.flows) > 1
+                several = len(op.flows) > 1 and op.shares
                 sharing += several
                 tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
                 try:
