@@ -480,6 +480,49 @@ def test_a_cancellation_during_the_batch_completion_still_records_it() -> None:
     assert len(ran) == 2
 
 
+def test_a_cancellation_during_a_failing_completion_still_records_it() -> None:
+    """The batch is cancelled while its completion call is in flight, and that call fails
+    (twice: the grouped store sends it again at once): the completion is sent again all the
+    same (the handlers ran), and a later copy is a duplicate."""
+    clock = FrozenClock()
+
+    class CompletionHangsThenFails(BatchingStore):
+        def __init__(self) -> None:
+            super().__init__(clock=clock)
+            self.completing = asyncio.Event()
+            self.go = asyncio.Event()
+            self.failures = 0
+
+        async def acomplete_many(self, items: Any, *, ttl: timedelta) -> list[Any]:
+            if self.failures < 2:
+                self.failures += 1
+                self.completing.set()
+                await self.go.wait()
+                raise oncely.StoreUnavailableError("connection reset", backend="test")
+            return self.complete_many(items, ttl=ttl)
+
+    store = CompletionHangsThenFails()
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    ran: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        ran.append(message)
+
+    async def main() -> list[Verdict]:
+        task = asyncio.create_task(consumer.aprocess_batch(deliveries("a", "b"), handler))
+        await store.completing.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        store.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        clock.advance(timedelta(minutes=1))  # the leases are long gone
+        return await consumer.aprocess_batch(deliveries("a", "b"), handler)
+
+    assert reasons(asyncio.run(main())) == ["duplicate", "duplicate"]
+    assert len(ran) == 2
+
+
 @pytest.fixture
 def redis_store(redis_url: str, name: str) -> Iterator[Any]:
     """The shared Redis, in a namespace of this test's own."""

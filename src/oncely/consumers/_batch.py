@@ -13,7 +13,7 @@ from oncely._core.flow import Flow
 from oncely._core.machine import landed
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
-from oncely.consumers._drivers import Overlaps, Parallel, Run
+from oncely.consumers._drivers import Overlaps, Parallel, Run, SettleHere
 from oncely.consumers._grouping import Landed, Settle, encoded
 from oncely.consumers._running import Running
 from oncely.consumers._sharing import Decide, Later, Share, Slot, Wait, decided, withdrawn
@@ -302,7 +302,12 @@ def _run_batch(
     finished: list[tuple[int, _execution.Lease, Any, Any]] = []
     try:
         if held is None:
-            starts = [_start(consumer, deliveries[i].raw, run, slots, acquired) for i, run in runs]
+            # Async, each run is a task of its own whose last step is its completion: awaited
+            # there (`SettleHere`), with no task of its own. Sync, it goes to the group commit.
+            here = bool(runs) and bool((yield Overlaps()))
+            starts = [
+                _start(consumer, deliveries[i].raw, run, slots, acquired, here) for i, run in runs
+            ]
             outcomes_of_runs = yield Parallel(starts, shares=False)  # they claim no keys
         else:
             outcomes_of_runs = []
@@ -351,23 +356,28 @@ def _start(
     run: _execution.Lease | Later,
     slots: Mapping[str, Slot],
     acquired: list[_execution.Lease],
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run *message* under its lease (`_run_one`), unless another flow of the run has
-    started it: then it is a copy of that run (`_later`)."""
+    started it: then it is a copy of that run (`_later`). *here*: see `_run_one`."""
     if isinstance(run, Later):
-        return (yield from _later(consumer, message, run, acquired))
+        return (yield from _later(consumer, message, run, acquired, here))
     slot = slots.get(run.key)
     if slot is not None:
         if slot.lease is not run:  # another flow took it: this delivery is its copy
             assert slot.fingerprint is not None
             later = Later(run.key, slot.fingerprint, slot)
-            return (yield from _later(consumer, message, later, acquired))
+            return (yield from _later(consumer, message, later, acquired, here))
         slot.lease = None
-    return (yield from _run_one(consumer, message, run, slot))
+    return (yield from _run_one(consumer, message, run, slot, here))
 
 
 def _later(
-    consumer: Running, message: Any, later: Later, acquired: list[_execution.Lease]
+    consumer: Running,
+    message: Any,
+    later: Later,
+    acquired: list[_execution.Lease],
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """A copy of a key another flow of this run claimed: run under that flow's lease if it
     has not started it (same fingerprint), else wait for that run (`retry_delay` at most)
@@ -379,7 +389,7 @@ def _later(
     if lease is not None and slot.fingerprint == later.fingerprint:
         slot.lease, slot.taken = None, lease
         acquired.append(lease)
-        return (yield from _run_one(consumer, message, lease, slot))
+        return (yield from _run_one(consumer, message, lease, slot, here))
     answers = yield from consumer._claim_many([(later.key, later.fingerprint)])
     verdict, lease = consumer._claimed(later.key, answers[0])
     if verdict is not None:
@@ -390,7 +400,7 @@ def _later(
     acquired.append(lease)
     if consumer._policy.heartbeat:
         yield _execution.StartHeartbeat(lease)
-    return (yield from _run_one(consumer, message, lease, None))
+    return (yield from _run_one(consumer, message, lease, None, here))
 
 
 def settled_verdict(
@@ -419,11 +429,17 @@ def settled_verdict(
 
 
 def _run_one(
-    consumer: Running, message: Any, lease: _execution.Lease, slot: Slot | None = None
+    consumer: Running,
+    message: Any,
+    lease: _execution.Lease,
+    slot: Slot | None = None,
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run one handler and send its completion off at once: ``(lease, value, handle)``
     (the handle answers the completion, see `Landed`), or the verdict of its failure.
-    *slot* (the key's, shared with other flows) is decided once the completion lands."""
+    *slot* (the key's, shared with other flows) is decided once the completion lands.
+    *here*: this flow is a task of its own with nothing left to do: the completion is
+    awaited in it (`SettleHere`), its handle done when returned."""
     ran = yield from _guarded(consumer, message, lease)
     if isinstance(ran, Verdict):
         yield from decided(slot)
@@ -434,7 +450,8 @@ def _run_one(
     lease.settling = True  # an extend landing after the completion answers LeaseLost
     if lease.heartbeat is not None:  # before the completion: an extend after it is refused
         yield _execution.StopHeartbeat(lease)
-    sent = yield Settle(consumer, lease, encoded(lease, ran[0], consumer.codec), slot)
+    settle = Settle(consumer, lease, encoded(lease, ran[0], consumer.codec), slot)
+    sent = yield (SettleHere(settle) if here else settle)
     return lease, ran[0], sent
 
 
