@@ -402,6 +402,56 @@ def test_async_handlers_of_a_batch_run_concurrently(store: BatchingStore) -> Non
     assert reasons(asyncio.run(main())) == ["processed"] * 3
 
 
+def chunked_batch() -> tuple[list[str], list[Delivery]]:
+    """130 keys, the first and the last ones delivered twice more at the batch's other end."""
+    keys = [f"k{n}" for n in range(130)]
+    return keys, deliveries(*keys, "k129", "k0", "k64")
+
+
+def test_a_large_async_batch_is_claimed_in_chunks_sent_at_once(store: BatchingStore) -> None:
+    """An async batch of more keys than `CLAIM_CHUNK` sends its claims in chunks at once: the
+    first chunk's handlers run before the last chunk's claim is answered. A key's copies
+    are in its first copy's chunk: duplicates of its one run, as in one claim."""
+    from oncely.consumers._batch import CLAIM_CHUNK
+
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    keys, batch = chunked_batch()
+    ran: list[str] = []
+
+    async def main() -> list[Verdict]:
+        first_ran = asyncio.Event()
+        claim_many = store.aclaim_many
+
+        async def aclaim_many(requests: Any, **options: Any) -> list[Any]:
+            if requests[0][0] == f"s|k{CLAIM_CHUNK * 2}":  # the last chunk: after a handler
+                await asyncio.wait_for(first_ran.wait(), 5)  # only if claims overlap handlers
+            return await claim_many(requests, **options)
+
+        async def handler(message: Any) -> None:
+            ran.append(message[1])
+            first_ran.set()
+
+        store.aclaim_many = aclaim_many  # type: ignore[method-assign]
+        return await consumer.aprocess_batch(batch, handler)
+
+    verdicts = asyncio.run(main())
+    assert store.calls.count("claim_many") == 3
+    assert sorted(ran) == sorted(keys)
+    assert reasons(verdicts) == ["processed"] * 130 + ["duplicate"] * 3
+    assert [v.key for v in verdicts[130:]] == ["s|k129", "s|k0", "s|k64"]
+
+
+def test_a_large_sync_batch_is_claimed_in_one_call(store: BatchingStore) -> None:
+    """A sync driver runs flows one after the other: chunks would only add round trips."""
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    keys, batch = chunked_batch()
+    ran: list[str] = []
+    verdicts = consumer.process_batch(batch, lambda message: ran.append(message[1]))
+    assert store.calls.count("claim_many") == 1
+    assert sorted(ran) == sorted(keys)
+    assert reasons(verdicts) == ["processed"] * 130 + ["duplicate"] * 3
+
+
 def test_batch_verbs_are_the_batch_store_protocol() -> None:
     """BATCH_VERBS names exactly the verbs of oncely.BatchStore, which `batches` checks."""
     import typing
@@ -445,6 +495,49 @@ def test_a_cancellation_during_the_batch_completion_still_records_it() -> None:
             await task
         clock.advance(timedelta(minutes=1))  # the leases are long gone
         store.go.set()
+        return await consumer.aprocess_batch(deliveries("a", "b"), handler)
+
+    assert reasons(asyncio.run(main())) == ["duplicate", "duplicate"]
+    assert len(ran) == 2
+
+
+def test_a_cancellation_during_a_failing_completion_still_records_it() -> None:
+    """The batch is cancelled while its completion call is in flight, and that call fails
+    (twice: the grouped store sends it again at once): the completion is sent again all the
+    same (the handlers ran), and a later copy is a duplicate."""
+    clock = FrozenClock()
+
+    class CompletionHangsThenFails(BatchingStore):
+        def __init__(self) -> None:
+            super().__init__(clock=clock)
+            self.completing = asyncio.Event()
+            self.go = asyncio.Event()
+            self.failures = 0
+
+        async def acomplete_many(self, items: Any, *, ttl: timedelta) -> list[Any]:
+            if self.failures < 2:
+                self.failures += 1
+                self.completing.set()
+                await self.go.wait()
+                raise oncely.StoreUnavailableError("connection reset", backend="test")
+            return self.complete_many(items, ttl=ttl)
+
+    store = CompletionHangsThenFails()
+    consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
+    ran: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        ran.append(message)
+
+    async def main() -> list[Verdict]:
+        task = asyncio.create_task(consumer.aprocess_batch(deliveries("a", "b"), handler))
+        await store.completing.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        store.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        clock.advance(timedelta(minutes=1))  # the leases are long gone
         return await consumer.aprocess_batch(deliveries("a", "b"), handler)
 
     assert reasons(asyncio.run(main())) == ["duplicate", "duplicate"]

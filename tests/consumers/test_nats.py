@@ -321,9 +321,13 @@ def test_a_batch_keeps_every_message_while_its_slow_one_runs(
     assert ledger.counts() == {"quick": 1, "slow": 1}
 
 
-def test_fetched_batches_take_effect_once(any_store: Any, ledger: Ledger, name: str) -> None:
-    """handler.batch(fetched): 3 copies of 8 keys in batches of 10, two members: 8 effects."""
-    keys = [f"order-{i}" for i in range(8)]
+@pytest.mark.parametrize(("unique", "fetch"), [(8, 10), (80, 120)])
+def test_fetched_batches_take_effect_once(
+    any_store: Any, ledger: Ledger, name: str, unique: int, fetch: int
+) -> None:
+    """handler.batch(fetched): 3 copies of 8 keys in batches of 10, two members: 8 effects;
+    likewise 80 keys in batches of 120 (claimed in chunks, `CLAIM_CHUNK`)."""
+    keys = [f"order-{i}" for i in range(unique)]
 
     async def main() -> list[IdempotentHandler]:
         async with jetstream(name) as (_, js):
@@ -342,20 +346,20 @@ def test_fetched_batches_take_effect_once(any_store: Any, ledger: Ledger, name: 
                 sub = await js.pull_subscribe(f"{name}.orders", durable="billing", stream=name)
                 while not stop.is_set():
                     try:
-                        await handle.batch(await sub.fetch(10, timeout=0.2))
+                        await handle.batch(await sub.fetch(fetch, timeout=0.2))
                     except (nats.errors.TimeoutError, asyncio.TimeoutError):
                         continue
 
             stop = asyncio.Event()
             tasks = [asyncio.create_task(member(h, stop)) for h in members]
-            await until(lambda: settled(members) == 24)
+            await until(lambda: settled(members) == 3 * unique)
             stop.set()
             await asyncio.gather(*tasks)
             return members
 
     members = asyncio.run(main())
     assert ledger.counts() == {key: 1 for key in keys}
-    assert sum(m.stats[Reason.DUPLICATE] for m in members) == 16
+    assert sum(m.stats[Reason.DUPLICATE] for m in members) == 2 * unique
 
 
 @pytest.mark.parametrize(

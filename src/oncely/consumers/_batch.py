@@ -12,7 +12,7 @@ from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow
 from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
-from oncely.consumers._drivers import Parallel, Run
+from oncely.consumers._drivers import Overlaps, Parallel, Run, SettleHere
 from oncely.consumers._grouping import Landed, Settle, encoded
 from oncely.consumers._running import Running
 from oncely.consumers._sharing import Decide, Later, Share, Slot, Wait, decided, withdrawn
@@ -31,6 +31,10 @@ from oncely.stores._batch import takes_ops
 from oncely.stores._coalesce import ClaimRule
 
 logger = get_logger(__name__)
+
+CLAIM_CHUNK = 50
+"""The keys of an unordered batch claimed per call when its driver overlaps flows (async): a
+batch of 200 starts its first handlers after one claim of 50 rather than of 200."""
 
 
 def blocked_verdict(consumer: Running, key: str | None) -> Verdict:
@@ -109,52 +113,22 @@ def batched(
                 claims[key] = index
             else:
                 leases.append((index, kept))
-        requests = [(key, prints[key]) for key in claims]
-        answers: list[Any] = []
-        slots: dict[str, Slot] = {}
-        if requests:
-            slots = yield Share(tuple(claims))
-            answers = yield from consumer._claim_many(requests)
-        runs: list[tuple[int, _execution.Lease | Later]] = [*leases]
-        for (key, index), answer in zip(claims.items(), answers, strict=True):
-            slot = slots.get(key)
-            if slot is not None:
-                slot.claiming -= 1
-                if isinstance(answer, InProgress) and slot.flows > 1:
-                    # Maybe claimed by another flow of this run (another partition's
-                    # copy): run under its lease if it has not started, else wait for it.
-                    runs.append((index, Later(key, prints[key], slot)))
-                    continue
-            verdict, lease = consumer._claimed(key, answer)
-            if verdict is None:
-                assert lease is not None
-                if slot is not None:
-                    slot.owned, slot.fingerprint = True, prints[key]
-                runs.append((index, lease))
-                continue
-            if lease is not None:  # exhausted: given back, not run
-                yield from consumer._release(lease)
-            verdicts[index] = consumer._verdict(verdict)
-        idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
-        if idle:  # nobody here got these keys: their other copies need not wait
-            yield Decide(idle)
-        runs.sort(key=lambda pair: pair[0])
-        if ordered:  # leases after the first retry are kept for next time, unused
-            stop = min(
-                (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
-                default=len(deliveries),
+        overlapping = not ordered and not kept_leases and len(claims) > CLAIM_CHUNK
+        if overlapping and (yield Overlaps()):
+            # Claimed in chunks sent at once: the first chunk's handlers run while the
+            # store answers the next ones. Copies of a key are in one chunk (see *copies*).
+            chunks = list(claims.items())
+            parts = [
+                _claim_and_run(
+                    consumer, deliveries, dict(chunks[at : at + CLAIM_CHUNK]), prints, [], verdicts
+                )
+                for at in range(0, len(chunks), CLAIM_CHUNK)
+            ]
+            yield Parallel(parts, shares=False)
+        else:
+            yield from _claim_and_run(
+                consumer, deliveries, claims, prints, leases, verdicts, ordered, held
             )
-            for index, run in runs:
-                if index > stop:
-                    if isinstance(run, _execution.Lease):
-                        held[run.key] = run
-                    verdicts[index] = consumer._verdict(blocked_verdict(consumer, run.key))
-            runs = [(i, run) for i, run in runs if i < stop]
-        ran = yield from _run_batch(consumer, deliveries, runs, slots, held if ordered else None)
-        for index, verdict in ran:
-            verdicts[index] = consumer._verdict(verdict)
-        if slots:
-            yield Decide(list(slots.values()))
     for first, others in copies.items():
         outcome = verdicts[first]
         assert outcome is not None
@@ -174,6 +148,67 @@ def batched(
     settled = [verdict for verdict in verdicts if verdict is not None]
     assert len(settled) == len(deliveries)
     return settled
+
+
+def _claim_and_run(
+    consumer: Running,
+    deliveries: Sequence[Delivery],
+    claims: dict[str, int],
+    prints: Mapping[str, str],
+    leases: list[tuple[int, _execution.Lease]],
+    verdicts: list[Verdict | None],
+    ordered: bool = False,
+    held: MutableMapping[str, _execution.Lease] | None = None,
+) -> Flow[None]:
+    """Claim *claims* (key -> index of its first copy) in one call and run the handlers of
+    those acquired, and of *leases* (kept from an earlier round); set their *verdicts*."""
+    requests = [(key, prints[key]) for key in claims]
+    answers: list[Any] = []
+    slots: dict[str, Slot] = {}
+    if requests:
+        slots = yield Share(tuple(claims))
+        answers = yield from consumer._claim_many(requests)
+    runs: list[tuple[int, _execution.Lease | Later]] = [*leases]
+    for (key, index), answer in zip(claims.items(), answers, strict=True):
+        slot = slots.get(key)
+        if slot is not None:
+            slot.claiming -= 1
+            if isinstance(answer, InProgress) and slot.flows > 1:
+                # Maybe claimed by another flow of this run (another partition's
+                # copy): run under its lease if it has not started, else wait for it.
+                runs.append((index, Later(key, prints[key], slot)))
+                continue
+        verdict, lease = consumer._claimed(key, answer)
+        if verdict is None:
+            assert lease is not None
+            if slot is not None:
+                slot.owned, slot.fingerprint = True, prints[key]
+            runs.append((index, lease))
+            continue
+        if lease is not None:  # exhausted: given back, not run
+            yield from consumer._release(lease)
+        verdicts[index] = consumer._verdict(verdict)
+    idle = [slot for slot in slots.values() if not slot.claiming and not slot.owned]
+    if idle:  # nobody here got these keys: their other copies need not wait
+        yield Decide(idle)
+    runs.sort(key=lambda pair: pair[0])
+    if ordered:  # leases after the first retry are kept for next time, unused
+        assert held is not None
+        stop = min(
+            (i for i, v in enumerate(verdicts) if v and v.action is Action.RETRY),
+            default=len(deliveries),
+        )
+        for index, run in runs:
+            if index > stop:
+                if isinstance(run, _execution.Lease):
+                    held[run.key] = run
+                verdicts[index] = consumer._verdict(blocked_verdict(consumer, run.key))
+        runs = [(i, run) for i, run in runs if i < stop]
+    ran = yield from _run_batch(consumer, deliveries, runs, slots, held if ordered else None)
+    for index, verdict in ran:
+        verdicts[index] = consumer._verdict(verdict)
+    if slots:
+        yield Decide(list(slots.values()))
 
 
 def claim_many(consumer: Running, requests: list[tuple[str, str]]) -> Flow[list[Any]]:
@@ -253,8 +288,13 @@ def _run_batch(
     finished: list[tuple[int, _execution.Lease, Any, Any]] = []
     try:
         if held is None:
-            starts = [_start(consumer, deliveries[i].raw, run, slots, acquired) for i, run in runs]
-            outcomes_of_runs = yield Parallel(starts)
+            # Async, each run is a task of its own whose last step is its completion: awaited
+            # there (`SettleHere`), with no task of its own. Sync, it goes to the group commit.
+            here = bool(runs) and bool((yield Overlaps()))
+            starts = [
+                _start(consumer, deliveries[i].raw, run, slots, acquired, here) for i, run in runs
+            ]
+            outcomes_of_runs = yield Parallel(starts, shares=False)  # they claim no keys
         else:
             outcomes_of_runs = []
             blocked = False
@@ -302,23 +342,28 @@ def _start(
     run: _execution.Lease | Later,
     slots: Mapping[str, Slot],
     acquired: list[_execution.Lease],
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run *message* under its lease (`_run_one`), unless another flow of the run has
-    started it: then it is a copy of that run (`_later`)."""
+    started it: then it is a copy of that run (`_later`). *here*: see `_run_one`."""
     if isinstance(run, Later):
-        return (yield from _later(consumer, message, run, acquired))
+        return (yield from _later(consumer, message, run, acquired, here))
     slot = slots.get(run.key)
     if slot is not None:
         if slot.lease is not run:  # another flow took it: this delivery is its copy
             assert slot.fingerprint is not None
             later = Later(run.key, slot.fingerprint, slot)
-            return (yield from _later(consumer, message, later, acquired))
+            return (yield from _later(consumer, message, later, acquired, here))
         slot.lease = None
-    return (yield from _run_one(consumer, message, run, slot))
+    return (yield from _run_one(consumer, message, run, slot, here))
 
 
 def _later(
-    consumer: Running, message: Any, later: Later, acquired: list[_execution.Lease]
+    consumer: Running,
+    message: Any,
+    later: Later,
+    acquired: list[_execution.Lease],
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """A copy of a key another flow of this run claimed: run under that flow's lease if it
     has not started it (same fingerprint), else wait for that run (`retry_delay` at most)
@@ -330,7 +375,7 @@ def _later(
     if lease is not None and slot.fingerprint == later.fingerprint:
         slot.lease, slot.taken = None, lease
         acquired.append(lease)
-        return (yield from _run_one(consumer, message, lease, slot))
+        return (yield from _run_one(consumer, message, lease, slot, here))
     answers = yield from consumer._claim_many([(later.key, later.fingerprint)])
     verdict, lease = consumer._claimed(later.key, answers[0])
     if verdict is not None:
@@ -341,7 +386,7 @@ def _later(
     acquired.append(lease)
     if consumer._policy.heartbeat:
         yield _execution.StartHeartbeat(lease)
-    return (yield from _run_one(consumer, message, lease, None))
+    return (yield from _run_one(consumer, message, lease, None, here))
 
 
 def settled_verdict(
@@ -370,11 +415,17 @@ def settled_verdict(
 
 
 def _run_one(
-    consumer: Running, message: Any, lease: _execution.Lease, slot: Slot | None = None
+    consumer: Running,
+    message: Any,
+    lease: _execution.Lease,
+    slot: Slot | None = None,
+    here: bool = False,
 ) -> Flow[tuple[_execution.Lease, Any, Any] | Verdict]:
     """Run one handler and send its completion off at once: ``(lease, value, handle)``
     (the handle answers the completion, see `Landed`), or the verdict of its failure.
-    *slot* (the key's, shared with other flows) is decided once the completion lands."""
+    *slot* (the key's, shared with other flows) is decided once the completion lands.
+    *here*: this flow is a task of its own with nothing left to do: the completion is
+    awaited in it (`SettleHere`), its handle done when returned."""
     ran = yield from _guarded(consumer, message, lease)
     if isinstance(ran, Verdict):
         yield from decided(slot)
@@ -385,7 +436,8 @@ def _run_one(
     lease.settling = True  # an extend landing after the completion answers LeaseLost
     if lease.heartbeat is not None:  # before the completion: an extend after it is refused
         yield _execution.StopHeartbeat(lease)
-    sent = yield Settle(consumer, lease, encoded(lease, ran[0], consumer.codec), slot)
+    settle = Settle(consumer, lease, encoded(lease, ran[0], consumer.codec), slot)
+    sent = yield (SettleHere(settle) if here else settle)
     return lease, ran[0], sent
 
 

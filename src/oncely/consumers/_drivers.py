@@ -12,12 +12,11 @@ from typing import Any, TypeVar
 
 from oncely import _events, _execution, _observed
 from oncely._core.flow import Flow, adrive, drive
+from oncely._core.machine import landed as landed_in
 from oncely._core.protocols import AsyncStore, SyncStore
 from oncely.consumers._grouping import Landed, Settle, acomplete, landed, sent, settle_all
 from oncely.consumers._sharing import Decide, Share, Slot, Wait
-from oncely.errors import (
-    ConfigurationError,
-)
+from oncely.errors import ConfigurationError, StoreError
 from oncely.stores._coalesce import CoalescingStore, SyncCompletions
 
 T = TypeVar("T")
@@ -48,6 +47,22 @@ class Parallel(BrokerOp):
     """Run *flows* (one per partition, say): concurrently when async, in order when sync."""
 
     flows: Sequence[Flow[Any]]
+    shares: bool = True
+    """Whether *flows* may claim the same keys (`Share`); false when each key is in one."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Overlaps(BrokerOp):
+    """Ask the driver whether it runs the flows of a `Parallel` concurrently (async)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SettleHere(BrokerOp):
+    """*settle*, from a flow that is a task of its own with nothing left to do but wait for it
+    (a handler run of an async batch): completed in that task, with no task of its own; answers
+    a handle, done, as `Settle` does (async drivers only: see `Overlaps`)."""
+
+    settle: Settle
 
 
 def no_broker(op: BrokerOp) -> Any:
@@ -104,6 +119,8 @@ def run_with(
                 return drive(flow, performer(op.message))
             if kind is Parallel:
                 return [drive(each, perform) for each in op.flows]
+            if kind is Overlaps:
+                return False
             if isinstance(op, BrokerOp):
                 return broker(op)
             if kind is _execution.Invoke:
@@ -130,8 +147,34 @@ async def arun_with(
 
     coalescing: CoalescingStore | None = None
     settling: list[asyncio.Future[Any]] = []
+    pruned = 0  # the length of *settling* when its landed completions were last dropped
     claimed: dict[str, Slot] = {}  # keys claimed by the flows of this run, see Share
     sharing = 0  # Parallel ops of several flows running now: their flows may share keys
+
+    def coalesced() -> CoalescingStore:
+        nonlocal coalescing
+        if coalescing is None:
+            coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
+        return coalescing
+
+    async def settle_here(op: Settle) -> asyncio.Future[Any]:
+        grouped = coalesced()
+        try:
+            outcome = await acomplete(op.consumer, op.lease, op.payload, grouped)
+        except asyncio.CancelledError:
+            # Its first call lands all the same (the grouped store sees to it), its answer
+            # lost to this task: a task of its own learns it, or completes again, as the task
+            # of a `Settle` would have gone on doing.
+            handle = asyncio.ensure_future(_complete_again(op, grouped))
+            settling.append(handle)
+            if op.decided is not None:
+                handle.add_done_callback(op.decided.decide)
+            raise
+        if op.decided is not None:
+            op.decided.decide()
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(outcome)
+        return done
 
     def share(keys: tuple[str, ...]) -> dict[str, Slot]:
         slots: dict[str, Slot] = {}
@@ -151,13 +194,16 @@ async def arun_with(
             kind = type(op)
             if kind is Run:
                 return await _execution.ainvoke_under(op.lease, handler, op.message)
+            if kind is SettleHere:
+                return await settle_here(op.settle)
             if kind is Settle:
-                nonlocal coalescing
-                if coalescing is None:
-                    coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
-                sent = acomplete(op.consumer, op.lease, op.payload, coalescing)
+                sent = acomplete(op.consumer, op.lease, op.payload, coalesced())
                 handle = asyncio.ensure_future(sent)
-                settling[:] = [*(each for each in settling if not each.done()), handle]
+                settling.append(handle)
+                nonlocal pruned
+                if len(settling) >= 2 * pruned + 64:  # amortised: not a scan per completion
+                    settling[:] = [each for each in settling if not each.done()]
+                    pruned = len(settling)
                 if op.decided is not None:
                     handle.add_done_callback(op.decided.decide)
                 return handle
@@ -175,9 +221,11 @@ async def arun_with(
             if kind is Handle:
                 flow = _observed.handling(op.flow, op.message) if _events.on else op.flow
                 return await adrive(flow, performer(op.message))
+            if kind is Overlaps:
+                return True
             if kind is Parallel:
                 nonlocal sharing
-                several = len(op.flows) > 1
+                several = len(op.flows) > 1 and op.shares
                 sharing += several
                 tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
                 try:
@@ -205,6 +253,19 @@ async def arun_with(
         with contextlib.suppress(asyncio.CancelledError):  # what is raised is the first error
             await landed(settling)
         raise
+
+
+async def _complete_again(op: Settle, store: CoalescingStore) -> Any:
+    """The answer of a completion whose caller was cancelled after its first call landed: the
+    record shows it completed, else it is sent again (retried as `acomplete` retries)."""
+    lease = op.lease
+    try:
+        record = await store.aget(lease.key)
+    except StoreError:
+        record = None
+    if landed_in(record, lease.token, "complete", op.payload):
+        return None
+    return await acomplete(op.consumer, lease, op.payload, store)
 
 
 def mark_coroutine_function(handler: Any) -> None:
