@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -68,17 +69,46 @@ def unknown_claim(key: str) -> None:
     )
 
 
+SPARE_WINDOW = 0.02
+"""Seconds over which the event loop's thread's CPU time is measured, to tell whether it has
+CPU to spare (see `Coalescer`'s *burst*)."""
+
+SPARE_BUSY = 0.8
+"""The share of `SPARE_WINDOW` the loop's thread may spend on the CPU and still have some to
+spare."""
+
+
 class _LoopState:
-    __slots__ = ("in_flight", "starting", "waiting")
+    __slots__ = ("cpu", "in_flight", "sampled", "spare", "starting", "waiting")
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.starting = False  # a call's task is created, its batch not taken yet
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
+        self.spare = True  # the loop's thread had CPU to spare over its last window
+        self.sampled = time.monotonic()
+        self.cpu = time.thread_time()
+
+    def has_spare(self) -> bool:
+        """Whether the loop's thread spent less than `SPARE_BUSY` of its last window (at least
+        `SPARE_WINDOW` long, up to now) on the CPU."""
+        now = time.monotonic()
+        if now - self.sampled >= SPARE_WINDOW:
+            cpu = time.thread_time()
+            self.spare = cpu - self.cpu < SPARE_BUSY * (now - self.sampled)
+            self.sampled, self.cpu = now, cpu
+        return self.spare
 
 
 class Coalescer:
-    """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches."""
+    """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches.
+
+    With a *burst* over *max_in_flight*, up to *burst* calls go at once, alone, while the event
+    loop's thread has CPU to spare (it spent less than `SPARE_BUSY` of the last `SPARE_WINDOW`
+    on the CPU): a batch saves the CPU of its round trips, which only a loop short of CPU needs,
+    and costs its callers the wait for a call in flight, which a loop with CPU to spare need
+    not pay.
+    """
 
     def __init__(
         self,
@@ -87,8 +117,10 @@ class Coalescer:
         max_in_flight: int,
         max_batch: int,
         singles: bool = True,
+        burst: int | None = None,
     ) -> None:
         self._singles = singles
+        self._burst = max(burst or 0, max_in_flight)
         self._single = single
         self._many = many
         self._max_in_flight = max_in_flight
@@ -113,8 +145,15 @@ class Coalescer:
         loop = asyncio.get_running_loop()
         state = self._state(loop)
         answer: asyncio.Future[Any]
-        if self._singles and state.in_flight < self._max_in_flight and not state.waiting:
-            state.in_flight += 1  # the store is not busy: go now, alone
+        if (
+            self._singles
+            and not state.waiting
+            and (
+                state.in_flight < self._max_in_flight
+                or (state.in_flight < self._burst and state.has_spare())
+            )
+        ):
+            state.in_flight += 1  # the store is not busy, or the loop has CPU: go now, alone
             answer = loop.create_task(self._alone(loop, state, item, options))
             self._track(answer)
         else:
@@ -273,8 +312,10 @@ class _Claims(Coalescer):
     """Claims, each item ``(key, fingerprint, op)``: *op* is the claim's call id, sent with it
     (both times) when the store's ``aclaim_many`` takes ``ops``."""
 
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
-        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles)
+    def __init__(
+        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
+    ) -> None:
+        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles, burst)
         self.takes_ops = takes_ops(store.aclaim_many)
         self._store = store
 
@@ -319,8 +360,12 @@ class _Claims(Coalescer):
 
 
 class _Completions(Coalescer):
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
-        super().__init__(store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles)
+    def __init__(
+        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
+    ) -> None:
+        super().__init__(
+            store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles, burst
+        )
         self._store = store
 
     async def _told(self, item: tuple[Any, ...], answer: Any) -> Any:
@@ -348,6 +393,8 @@ class CoalescingStore:
         max_batch: The most items sent in one batch call.
         singles: Send a call that need not wait alone, with the single verb; else every call
             goes with the batch verb (a consumer's: the same script, warm, for every call).
+        burst: Claims (completions) sent at once, alone, while the event loop's thread has
+            CPU to spare (see `Coalescer`); at most *max_in_flight* otherwise.
     """
 
     _cancel_safe: ClassVar[type[CoalescingStore]]
@@ -361,12 +408,13 @@ class CoalescingStore:
         max_in_flight: int = 4,
         max_batch: int = MAX_BATCH,
         singles: bool = True,
+        burst: int | None = None,
     ) -> None:
         self.store = store
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(8)  # call ids: unique per view, cheap per claim
-        self._claims = _Claims(store, max_in_flight, max_batch, singles)
-        self._completions = _Completions(store, max_in_flight, max_batch, singles)
+        self._claims = _Claims(store, max_in_flight, max_batch, singles, burst)
+        self._completions = _Completions(store, max_in_flight, max_batch, singles, burst)
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
