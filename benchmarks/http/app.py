@@ -6,6 +6,10 @@
 * ``baseline``: no idempotency middleware.
 * ``oncely-memory``, ``oncely-sqlite``, ``oncely-redis``, ``oncely-postgres``: oncely's ASGI
   middleware on that store (URLs from ``--sqlite-path``, ``--redis-url``, ``--postgres-url``).
+* ``oncely-postgres-direct``: the same on PostgreSQL with ``coalesce=False``: every claim and
+  completion its own call, as they come, none grouped into a batch call. What the grouping
+  costs a request's latency, or saves the server's CPU, is the difference with
+  ``oncely-postgres``.
 * ``idemkit-redis``: idemkit's ASGI middleware on its Redis backend.
 * ``fastapi-idempotency-key-redis``: fastapi-idempotency-key's middleware on its Redis backend.
 * ``floor-redis``, ``floor-postgres``: the floor, `RawFloor`: no idempotency package, the same
@@ -62,6 +66,8 @@ def with_idempotency(app: Starlette, args: argparse.Namespace) -> Any:
         from oncely.http.asgi import IdempotencyMiddleware
 
         backend = scenario.removeprefix("oncely-")
+        direct = backend.endswith("-direct")
+        backend = backend.removesuffix("-direct")
         url = {
             "memory": "memory://",
             "sqlite": f"sqlite:///{args.sqlite_path}?synchronous=normal",
@@ -69,7 +75,8 @@ def with_idempotency(app: Starlette, args: argparse.Namespace) -> Any:
             "postgres": args.postgres_url,
         }[backend]
         store = oncely.open_store(url, namespace=f"bench-{uuid.uuid4().hex[:8]}")
-        return IdempotencyMiddleware(app, store=store, policy=HttpPolicy(ttl=TTL_SECONDS))
+        policy = HttpPolicy(ttl=TTL_SECONDS)
+        return IdempotencyMiddleware(app, store=store, policy=policy, coalesce=not direct)
     if scenario == "idemkit-redis":
         import redis.asyncio
         from idemkit import HttpConfig, IdempotencyMiddleware

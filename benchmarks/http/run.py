@@ -39,7 +39,9 @@ ROOT = HERE.parent.parent
 ONCELY = ["oncely-memory", "oncely-sqlite", "oncely-redis", "oncely-postgres"]
 REFERENCES = ["idemkit-redis", "fastapi-idempotency-key-redis"]
 FLOORS = ["floor-redis", "floor-postgres"]
-SCENARIOS = ["baseline", *ONCELY, *REFERENCES, *FLOORS]
+DIRECT = ["oncely-postgres-direct"]
+"""oncely with every store call its own (``coalesce=False``): what grouping them costs or saves."""
+SCENARIOS = ["baseline", *ONCELY, *REFERENCES, *FLOORS, *DIRECT]
 OURS = ["oncely", "starlette", "redis", "psycopg"]
 THEIRS = ["idemkit", "fastapi-idempotency-key", "starlette", "redis"]
 
@@ -323,6 +325,17 @@ def _targets(
                 f"[a CPU-bound server gets there at {budget:.0f} CPU µs/req: floor-redis takes "
                 f"{floor_cpu:.0f}, the bare app {base_cpu:.0f}]"
             )
+    for direct in DIRECT:
+        grouped = direct.removesuffix("-direct")
+        ours, ours_cpu = median(grouped, "rps"), median(grouped, "cpu_us")
+        alone, alone_cpu = median(direct, "rps"), median(direct, "cpu_us")
+        if ours is None or ours_cpu is None or alone is None or alone_cpu is None:
+            continue
+        out.append(
+            f"- grouping: {grouped} at {ours / alone:.2f} of {direct}'s req/s "
+            f"[{alone_cpu / ours_cpu:.2f} of its CPU µs/req] (the same middleware with every "
+            "store call its own, none grouped into a batch call)"
+        )
     return [*out, ""]
 
 
@@ -367,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args.machine = machine()
     schema = None
     base_postgres = args.postgres_url
-    if {"oncely-postgres", "floor-postgres"} & set(args.scenarios) and base_postgres:
+    if {"oncely-postgres", "floor-postgres", *DIRECT} & set(args.scenarios) and base_postgres:
         args.postgres_url, schema = _postgres_schema(base_postgres)
     results: dict[tuple[str, float], Result] = {}
     try:

@@ -114,6 +114,31 @@ def test_calls_made_while_the_store_is_busy_go_together() -> None:
     assert store.batches == [("claim", 58), ("complete", 49)]
 
 
+@pytest.mark.parametrize("spare", [True, False])
+def test_a_burst_goes_alone_only_while_the_loop_has_cpu_to_spare(
+    spare: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a burst, up to that many calls go alone while the loop's thread has CPU to spare;
+    a loop short of CPU sends max_in_flight alone and the rest together. Same answers."""
+    from oncely.stores import _coalesce
+
+    monkeypatch.setattr(_coalesce, "SPARE_WINDOW", 0.0)  # measured at every call
+    # Any CPU time is under an unbounded share of the window, and none is under no share.
+    monkeypatch.setattr(_coalesce, "SPARE_BUSY", float("inf") if spare else 0.0)
+    store = CountingStore()
+    view = CoalescingStore(store, max_in_flight=2, burst=5)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(view.aclaim(f"k{index}", "fp", lease=LEASE, ttl=TTL) for index in range(12))
+        )
+
+    assert asyncio.run(main()) == [Acquired(1, recovered=False, attempt=1)] * 12
+    alone = 5 if spare else 2
+    assert store.singles == ["claim"] * alone
+    assert store.batches == [("claim", 12 - alone)]
+
+
 def test_an_items_own_error_reaches_only_its_caller() -> None:
     store = CountingStore()
     store.corrupt.add("bad")

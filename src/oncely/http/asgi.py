@@ -66,9 +66,9 @@ class IdempotencyMiddleware:
         resolver: Finds the route (template and view) a request reaches; by default Starlette,
             FastAPI and Litestar routing are understood, and other apps use the path.
         coalesce: With a store that has the batch verbs (`oncely.BatchStore`: every built-in
-            store), let two claims (completions) go to the store at once and send those that
-            arrive meanwhile together as one batch call. Same answers, fewer round trips under
-            load, no wait when idle.
+            store), let two claims (completions) go to the store at once, four while the event
+            loop has CPU to spare, and send those that arrive meanwhile together as one batch
+            call. Same answers, fewer round trips under load, no wait when idle.
 
     Raises:
         ConfigurationError: The store cannot serve async callers, or an option is invalid.
@@ -97,9 +97,11 @@ class IdempotencyMiddleware:
         # A store whose verbs never suspend (memory://) has nothing in flight to group.
         inline = getattr(type(store), "_inline_async", None) is type(store)
         if coalesce and not inline and isinstance(store, BatchStore):
-            # Two calls at once keep a request's wait short (a 50 ms handler loses nothing);
-            # past two, the waiting calls go together, which is what lets a busy server keep up.
-            self._calls = CoalescingStore(store, max_in_flight=2)
+            # Past two calls at once, the waiting calls go together, which is what lets a
+            # server short of CPU keep up (fewer round trips, each costing CPU); but a call
+            # that waits pays for the call in flight too, so up to four go alone while the
+            # loop has CPU to spare (PostgreSQL, 50 ms handlers: 0.81 -> 0.86 of the bare app).
+            self._calls = CoalescingStore(store, max_in_flight=2, burst=4)
         self.routes = RouteTable(policy, routes, resolver)
         # Only a Django app needs itself to be resolved (see resolve_asgi): decided once.
         self._resolve: RouteResolver = resolver or (

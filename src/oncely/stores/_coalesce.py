@@ -40,6 +40,7 @@ import contextlib
 import itertools
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -227,19 +228,48 @@ def _settle(batch: list[tuple[Any, Any]], answers: list[Any]) -> None:
             future.set_result(answer)
 
 
+SPARE_WINDOW = 0.02
+"""Seconds over which the event loop's thread's CPU time is measured, to tell whether it has
+CPU to spare (see `Coalescer`'s *burst*)."""
+
+SPARE_BUSY = 0.8
+"""The share of `SPARE_WINDOW` the loop's thread may spend on the CPU and still have some to
+spare."""
+
+
 class _LoopState:
-    __slots__ = ("in_flight", "starting", "waiting")
+    __slots__ = ("cpu", "in_flight", "sampled", "spare", "starting", "waiting")
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.starting = False  # a call's task is created, its batch not taken yet
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
+        self.spare = True  # the loop's thread had CPU to spare over its last window
+        self.sampled = time.monotonic()
+        self.cpu = time.thread_time()
+
+    def has_spare(self) -> bool:
+        """Whether the loop's thread spent less than `SPARE_BUSY` of its last window (at least
+        `SPARE_WINDOW` long, up to now) on the CPU."""
+        now = time.monotonic()
+        if now - self.sampled >= SPARE_WINDOW:
+            cpu = time.thread_time()
+            self.spare = cpu - self.cpu < SPARE_BUSY * (now - self.sampled)
+            self.sampled, self.cpu = now, cpu
+        return self.spare
 
 
 class Coalescer(_Batching):
     """At most *max_in_flight* calls at once per event loop; the rest wait and go in batches.
 
-    *get* (an item's record, async) is for a rule that reads it (completions)."""
+    With a *burst* over *max_in_flight*, up to *burst* calls go at once, alone, while the event
+    loop's thread has CPU to spare (it spent less than `SPARE_BUSY` of the last `SPARE_WINDOW`
+    on the CPU): a batch saves the CPU of its round trips, which only a loop short of CPU needs,
+    and costs its callers the wait for a call in flight, which a loop with CPU to spare need
+    not pay.
+
+    *get* (an item's record, async) is for a rule that reads it (completions).
+    """
 
     def __init__(
         self,
@@ -249,9 +279,11 @@ class Coalescer(_Batching):
         max_batch: int,
         singles: bool = True,
         get: Callable[[str], Awaitable[Any]] | None = None,
+        burst: int | None = None,
     ) -> None:
         super().__init__(many, get)
         self._singles = singles
+        self._burst = max(burst or 0, max_in_flight)
         self._single = single
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
@@ -275,8 +307,15 @@ class Coalescer(_Batching):
         loop = asyncio.get_running_loop()
         state = self._state(loop)
         answer: asyncio.Future[Any]
-        if self._singles and state.in_flight < self._max_in_flight and not state.waiting:
-            state.in_flight += 1  # the store is not busy: go now, alone
+        if (
+            self._singles
+            and not state.waiting
+            and (
+                state.in_flight < self._max_in_flight
+                or (state.in_flight < self._burst and state.has_spare())
+            )
+        ):
+            state.in_flight += 1  # the store is not busy, or the loop has CPU: go now, alone
             answer = loop.create_task(self._alone(loop, state, item, options))
             self._track(answer)
         else:
@@ -467,8 +506,12 @@ class SyncCoalescer(_Batching):
 
 
 class _Claims(ClaimRule, Coalescer):
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
-        super().__init__(store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles)
+    def __init__(
+        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
+    ) -> None:
+        super().__init__(
+            store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles, burst=burst
+        )
         self.takes_ops = takes_ops(store.aclaim_many)
         self._store = store
 
@@ -495,9 +538,17 @@ class _Claims(ClaimRule, Coalescer):
 
 
 class _Completions(_CompletionRule, Coalescer):
-    def __init__(self, store: Any, max_in_flight: int, max_batch: int, singles: bool) -> None:
+    def __init__(
+        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
+    ) -> None:
         super().__init__(
-            store.acomplete, store.acomplete_many, max_in_flight, max_batch, singles, store.aget
+            store.acomplete,
+            store.acomplete_many,
+            max_in_flight,
+            max_batch,
+            singles,
+            get=store.aget,
+            burst=burst,
         )
 
 
@@ -521,6 +572,8 @@ class CoalescingStore:
         max_batch: The most items sent in one batch call.
         singles: Send a call that need not wait alone, with the single verb; else every call
             goes with the batch verb (a consumer's: the same script, warm, for every call).
+        burst: Claims (completions) sent at once, alone, while the event loop's thread has
+            CPU to spare (see `Coalescer`); at most *max_in_flight* otherwise.
     """
 
     _cancel_safe: ClassVar[type[CoalescingStore]]
@@ -534,12 +587,13 @@ class CoalescingStore:
         max_in_flight: int = 4,
         max_batch: int = MAX_BATCH,
         singles: bool = True,
+        burst: int | None = None,
     ) -> None:
         self.store = store
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(8)  # call ids: unique per view, cheap per claim
-        self._claims = _Claims(store, max_in_flight, max_batch, singles)
-        self._completions = _Completions(store, max_in_flight, max_batch, singles)
+        self._claims = _Claims(store, max_in_flight, max_batch, singles, burst)
+        self._completions = _Completions(store, max_in_flight, max_batch, singles, burst)
 
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
