@@ -216,6 +216,78 @@ def test_postgres_duplicate_raises_at_once_when_asked(pg: tuple[str, str], pg_st
 
 
 @pytest.mark.postgres
+def test_postgres_concurrent_replays_do_not_wait_for_each_other(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A replay holds nothing until its transaction ends: another transaction replays the
+    same key at once (a new key's claim holds a lock on the key; a replay takes none)."""
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection:
+        place_order_pg(Inbox(pg_store), connection, order, 5)
+    inbox = Inbox(pg_store, on_conflict="raise")
+    with (
+        pg_connect(pg) as first,
+        first.transaction(),
+        inbox.claim(first, order, scope="orders.place", fingerprint={"amount": 5}) as held,
+    ):
+        assert held.replayed
+        with pg_connect(pg) as second, second.transaction():
+            assert place_order_pg(inbox, second, order, 5) == held.result
+
+
+@pytest.mark.postgres
+def test_postgres_a_key_claimed_after_a_rollback_is_still_waited_for_with_a_bound(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """The first claimer rolls back while a second waits: the second claims the key (its own
+    record, uncommitted), and a third's claim is bounded by its wait (InProgressError at once
+    with ``on_conflict="raise"``), never left waiting for the second's transaction."""
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    inbox = Inbox(pg_store, wait_timeout=20)
+    holding, release = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def second() -> None:
+        with pg_connect(pg) as connection, connection.transaction():
+            outcome["pid"] = connection.info.backend_pid
+            started.set()
+            with inbox.claim(connection, order, scope="s") as entry:
+                outcome["second"] = entry.replayed
+                entry.complete("second")
+            holding.set()
+            release.wait(10)
+
+    started = threading.Event()
+    waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+    with (
+        pg_connect(pg) as first,
+        pg_connect(pg) as watcher,
+        first.transaction(),
+        inbox.claim(first, order, scope="s"),
+    ):
+        thread = threading.Thread(target=second)
+        thread.start()
+        started.wait(10)
+        while not watcher.execute(waiting, (outcome["pid"],)).fetchone()[0]:  # type: ignore[index]
+            watcher.commit()  # a fresh snapshot of the activity
+            threading.Event().wait(0.01)
+        raise psycopg.Rollback()  # the first rolls back while the second waits
+    try:
+        holding.wait(10)
+        assert outcome["second"] is False
+        with (
+            pg_connect(pg) as third,
+            third.transaction(),
+            pytest.raises(oncely.InProgressError),
+        ):
+            Inbox(pg_store, on_conflict="raise").claim(third, order, scope="s").__enter__()
+    finally:
+        release.set()
+        thread.join(30)
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+
+
+@pytest.mark.postgres
 def test_postgres_a_live_lease_elsewhere_is_respected(pg: tuple[str, str], pg_store: Any) -> None:
     """A key claimed by the decorator (a lease, committed) is in progress for the inbox."""
     order = f"o-{uuid.uuid4().hex[:8]}"

@@ -56,13 +56,15 @@ async def araw_connection(connection: Any) -> Any:
 
 def check_psycopg_transaction(connection: Any, user: str) -> None:
     """Refuse a psycopg connection in autocommit outside a transaction, or in a failed one."""
-    status = connection.info.transaction_status.name  # psycopg.pq.TransactionStatus
-    if status == "IDLE" and connection.autocommit:
+    # libpq's PGTransactionStatusType (psycopg.pq.TransactionStatus), read as the integer: no
+    # enum lookups on every claim. 0: IDLE, 3: INERROR.
+    status = connection.pgconn.transaction_status
+    if status == 0 and connection.autocommit:
         raise ConfigurationError(
             f"{user} writes in the caller's transaction, and this psycopg connection has "
             "none: use `with connection.transaction():` (or a connection without autocommit)"
         )
-    if status == "INERROR":
+    if status == 3:
         raise ConfigurationError("the caller's transaction has failed: roll it back first")
 
 

@@ -174,7 +174,8 @@ class Inbox:
         self.codec: Codec = codec or JSONCodec()
         self._driver = _inbox_store.driver_for(store)
         self._none = _codec.encode_value(self.codec.encode(None))
-        """The outcome of a block that records none: written with the claim."""
+        """The outcome of a block that records none: written with the claim, and the outcome
+        it then finishes with (encoded once)."""
 
     def claim(
         self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
@@ -518,7 +519,9 @@ def _exit(
     """Record the block's outcome, as the decorator does: a value, or a final error (which
     still propagates: whatever recording it raises is chained to it, never masking it)."""
     policy = inbox.policy
-    if error is None:
+    if error is None and value is None:
+        finish = Finish(plan.key, token, Status.COMPLETED, inbox._none, policy.ttl)
+    elif error is None:
         try:
             payload = _codec.encode_value(inbox.codec.encode(value))
         except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run

@@ -280,8 +280,16 @@ class _Claim:
         this connection (no client-side adaptation machinery: the claim's hot path)."""
         escape = pq.Escaping(self._connection.pgconn).escape_literal
         encoding = self._connection.info.encoding
-        literals = [_literal(escape, encoding, value) for value in params]
-        return f"EXECUTE {self._sql.claim} ({', '.join(literals)})"
+        key, fingerprint, lease, ttl, op, result, wait = params
+        # The op (hex digits) and the wait (decimal digits) need no escaping; the result is
+        # bytea's hex form.
+        quoted_key = escape(key.encode(encoding)).decode(encoding)
+        quoted_fingerprint = escape(fingerprint.encode(encoding)).decode(encoding)
+        quoted_result = escape(b"\\x" + result.hex().encode()).decode()
+        return (
+            f"EXECUTE {self._sql.claim} ({quoted_key}, {quoted_fingerprint}, {lease:d}, "
+            f"{ttl:d}, '{op}', {quoted_result}::bytea, '{wait}')"
+        )
 
     def _finish(self, op: Finish) -> _Flow:
         self._leave()
@@ -380,15 +388,6 @@ def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
         if each is not None:
             params += each
     return "; ".join(sql for sql, _ in script), params or None
-
-
-def _literal(escape: Callable[[bytes], bytes], encoding: str, value: Any) -> str:
-    """*value* (text, bytes or an integer) as an SQL literal, quoted by libpq's *escape*."""
-    if type(value) is int:
-        return str(value)
-    if type(value) is bytes:
-        return escape(b"\\x" + value.hex().encode()).decode() + "::bytea"
-    return escape(value.encode(encoding)).decode(encoding)
 
 
 def _pipelined(connection: Any) -> bool:
