@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import operator
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -81,6 +82,8 @@ from oncely.stores.postgres._sql import Statement
 __all__ = ["PostgresOutbox", "PostgresQueries", "channel"]
 
 _USER: Final = "the outbox"
+_ID: Final = operator.itemgetter(0)
+"""A claimed row's id."""
 _PURGE_BATCH: Final = 1000
 _WINDOW: Final = 2
 """A claim looks for heads among the oldest ``limit`` times this many pending events first
@@ -658,8 +661,8 @@ class _Batch:
         await connection.execute(b"SAVEPOINT oncely_claim")
         cursor = await connection.execute(self._queries.claim_first, {"limit": limit}, binary=True)
         rows = await cursor.fetchall()
-        if all(row[-1] for row in rows):
-            rows.sort(key=lambda row: row[0])
+        if False not in [row[-1] for row in rows]:
+            rows.sort(key=_ID)
             self.events = [event_from_row(row[:-1]) for row in rows]
             return
         # Let go of the rows that are not ready before claiming (see `PG_CLAIM_FIRST`).
@@ -667,7 +670,7 @@ class _Batch:
         params = {"limit": limit, "window": limit * _WINDOW}
         cursor = await connection.execute(self._queries.claim, params, binary=True)
         rows = await cursor.fetchall()
-        rows.sort(key=lambda row: row[0])  # within a key, id order is commit order
+        rows.sort(key=_ID)  # within a key, id order is commit order
         self.events = [event_from_row(row) for row in rows]
 
     async def settle(self, settlement: Settlement) -> None:
