@@ -27,7 +27,8 @@ How events of one ordering key stay in commit order, with any number of writers 
    that scope qualifies while the head is pending, so **a scope is worked on by one relay at a
    time**. (A claim first tries the oldest due pending events, locked with SKIP LOCKED, and
    keeps them when each one's earlier pending events of its scope are all among them
-   (`PG_CLAIM_FIRST`): then it holds those scopes' heads too; else it claims as follows.)
+   (`PG_CLAIM_FIRST`): then it holds those scopes' heads too; else it rolls back and claims
+   as follows.)
    Holding scopes' heads, the relay also locks the scopes' following pending events,
    oldest first (`PG_FOLLOWERS`), and hands the publisher the batch in id order. Within one
    key, id order is seq order (the later writer inserted after the earlier one committed), so
@@ -310,11 +311,11 @@ prefix of each scope it touches, started at the scope's head: a claim (`Postgres
 takes it, one index scan of the batch and one descent per event into the scope index, against
 `PG_CLAIM`'s window, sort and second reading of every row). A row is not ready when an earlier
 event of its scope is held by another relay, not yet due, or a failing head's, and then the
-batch may be short of what is due elsewhere: the claim rolls back to a savepoint taken before
-this statement, which lets go of its locks, and runs `PG_CLAIM`. Held until the relay commits,
-the lock of a row that is not ready (a follower of a scope another relay holds) would make that
-relay's `PG_CLAIM` wait for it at its followers (``FOR UPDATE``), for as long as this relay
-publishes, or deadlock with it.
+batch may be short of what is due elsewhere: the claim rolls back, which lets go of its locks,
+and runs `PG_CLAIM` in a new transaction (sent with them, one round trip). Held until the relay
+commits, the lock of a row that is not ready (a follower of a scope another relay holds) would
+make that relay's `PG_CLAIM` wait for it at its followers (``FOR UPDATE``), for as long as this
+relay publishes, or deadlock with it.
 
 *ready* reads the statement's snapshot, which may be older than a row's lock: an earlier event
 published since still counts as pending (the row waits for the next claim), and none can be
@@ -658,7 +659,6 @@ class _Batch:
 
     async def load(self, limit: int) -> None:
         connection = self._connection
-        await connection.execute(b"SAVEPOINT oncely_claim")
         cursor = await connection.execute(self._queries.claim_first, {"limit": limit}, binary=True)
         rows = await cursor.fetchall()
         if False not in [row[-1] for row in rows]:
@@ -666,7 +666,8 @@ class _Batch:
             self.events = [event_from_row(row[:-1]) for row in rows]
             return
         # Let go of the rows that are not ready before claiming (see `PG_CLAIM_FIRST`).
-        await connection.execute(b"ROLLBACK TO SAVEPOINT oncely_claim")
+        await connection.execute(b"ROLLBACK")
+        await connection.execute(b"BEGIN")
         params = {"limit": limit, "window": limit * _WINDOW}
         cursor = await connection.execute(self._queries.claim, params, binary=True)
         rows = await cursor.fetchall()
