@@ -293,23 +293,32 @@ WITH batch AS MATERIALIZED (
      ORDER BY o.id
      LIMIT %(limit)s
        FOR UPDATE OF o SKIP LOCKED
+), paired AS (
+    SELECT b.*,
+           lag(b.seq) OVER (PARTITION BY b.ordering_key, b.destination ORDER BY b.seq) AS before
+      FROM batch AS b
 )
 SELECT b.id, b.message_id, b.destination, b.payload, b.headers, b.ordering_key, b.attempts,
-       b.ordering_key IS NULL OR NOT EXISTS (
-           SELECT FROM {{schema}}.oncely_outbox AS p
-            WHERE p.ordering_key = b.ordering_key AND p.destination = b.destination
-              AND p.seq < b.seq
-              AND p.published_at IS NULL AND p.dead_at IS NULL
-              AND p.id <> ALL(ARRAY(SELECT c.id FROM batch AS c))) AS ready
-  FROM batch AS b
+       CASE WHEN b.ordering_key IS NULL OR b.before = b.seq - 1 THEN true
+            ELSE NOT EXISTS (
+                SELECT FROM {{schema}}.oncely_outbox AS p
+                 WHERE p.ordering_key = b.ordering_key AND p.destination = b.destination
+                   AND p.seq < b.seq AND p.seq > coalesce(b.before, -1)
+                   AND p.published_at IS NULL AND p.dead_at IS NULL)
+       END AS ready
+  FROM paired AS b
 """
 """Parameters: limit. The claim's first try, what a relay alone on a healthy outbox needs: the
 oldest *limit* due pending events, locked, skipping those another relay holds (the plain
-producer's statement), each with *ready*: every pending event before it in its scope is in
-the batch too (so is it, then, of each of them). When every row is ready the batch is a
-prefix of each scope it touches, started at the scope's head: a claim (`PostgresOutbox.claim`
-takes it, one index scan of the batch and one descent per event into the scope index, against
-`PG_CLAIM`'s window, sort and second reading of every row). A row is not ready when an earlier
+producer's statement), each with *ready*: no pending event of its scope lies between it and
+the batch's previous event of that scope (*before*), or before it if it is the scope's first in
+the batch. When every row is ready, each scope's events in the batch are a prefix of its pending
+events, started at its head: a claim (`PostgresOutbox.claim` takes it: one index scan of the
+batch, a sort of it, and an index-only descent into the scope index for each scope's first
+event and each gap in seq, none for the next seq of a key, against `PG_CLAIM`'s window, its
+sort and second reading of every row). A scope's earlier events are checked as a gap from the
+previous one, not each against all: that read the scope's batched events again for each of
+them, quadratic in how many of one key a batch holds. A row is not ready when an earlier
 event of its scope is held by another relay, not yet due, or a failing head's, and then the
 batch may be short of what is due elsewhere: the claim rolls back, which lets go of its locks,
 and runs `PG_CLAIM` in a new transaction (sent with them, one round trip). Held until the relay
