@@ -33,8 +33,9 @@ reference_flows: bool = os.environ.get(REFERENCE_FLOWS_VARIABLE, "").strip().low
     "no",
 )
 """When true, every entry point with a hand-inlined fast path (the decorator's ``call`` and
-``acall``, the async driver, the ASGI middleware, the async consumer) takes the reference flow
-instead, so that the test suite can hold both to the same tests."""
+``acall``, the async driver, the ASGI middleware, the async consumer, the outbox relay's first
+try at a claim on PostgreSQL) takes the reference flow instead, so that the test suite can hold
+both to the same tests."""
 
 
 def warn_unprotected(name: str, **extra: Any) -> None:

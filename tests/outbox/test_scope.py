@@ -7,9 +7,13 @@ On real PostgreSQL and SQLite, through `FilePublisher` (the relay is under test 
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from oncely.outbox import Outbox
+from oncely.outbox._store import Settlement, backend_for
 from tests.outbox._publisher import FilePublisher
 from tests.outbox._relaying import add_events, close, drain, relay_for, until
 from tests.outbox.conftest import Db
@@ -148,3 +152,33 @@ def test_migrate_adds_the_scope_index_to_an_existing_outbox(db: Db) -> None:
         else "SELECT name FROM sqlite_master WHERE type = 'index'"
     )
     assert ("oncely_outbox_pending_scope",) in db.query(query)
+
+
+@pytest.mark.postgres
+def test_a_claim_beside_another_takes_other_scopes_and_lets_go_of_the_held_ones(pg: Db) -> None:
+    """The first claim holds key k's first two events. A second claim's oldest due events are
+    k's third (not ready: k's head is held) and m's, added since: it takes m's event alone, and
+    lets go of k's third before it publishes, so a third claim, once the first has committed,
+    takes it (locked until the second one ended, it would be skipped and k would wait)."""
+    store = pg.store()
+    outbox = Outbox(store)
+    ids = add_events(pg, outbox, [("d", "k"), ("d", "k"), ("d", "k")])
+    backend = backend_for(store, "the test")
+    hold = timedelta(seconds=60)
+
+    async def scenario() -> None:
+        claiming = backend.claim(2, hold)
+        first = await claiming.__aenter__()
+        assert [event.message_id for event in first.events] == ids[:2]
+        ids.extend(add_events(pg, outbox, [("d", "m")]))
+        async with backend.claim(2, hold) as second:
+            assert [event.message_id for event in second.events] == [ids[3]]
+            await first.settle(Settlement(published=[event.id for event in first.events]))
+            await claiming.__aexit__(None, None, None)  # commits
+            async with backend.claim(2, hold) as third:
+                assert [event.message_id for event in third.events] == [ids[2]]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

@@ -103,6 +103,8 @@ def in_order(events: Sequence[OutboxEvent], outcomes: list[Outcome]) -> list[Out
     """*outcomes*, with every event after the first unconfirmed one of its scope answering
     `NOT_ATTEMPTED`, confirmed or not: an event counts as published only when every earlier
     event of its scope was (a pipelined confirm past a refusal would say otherwise)."""
+    if outcomes.count(None) == len(outcomes):
+        return outcomes  # all confirmed: nothing to change
     broken: set[Scope] = set()
     for index, event in enumerate(events):
         where = scope(event)

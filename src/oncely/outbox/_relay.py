@@ -204,7 +204,7 @@ class Relay:
                     f"the publisher answered {len(answers)} outcomes for {len(part)} events"
                 )
                 return outcomes, error
-            if calls == 1 and all(answer is None for answer in answers):  # all confirmed
+            if calls == 1 and answers.count(None) == len(answers):  # all confirmed
                 return list(answers), None
             for index, answer in zip(part, answers, strict=True):
                 outcomes[index] = answer
@@ -220,7 +220,7 @@ class Relay:
         if _stream.on:
             _observed.relayed(events, outcomes, self.max_attempts)
         settlement = Settlement(note=note)
-        if all(outcome is None for outcome in outcomes):
+        if outcomes.count(None) == len(outcomes):
             settlement.published = [event.id for event in events]
             return settlement
         for event, outcome in zip(events, outcomes, strict=True):

@@ -25,7 +25,11 @@ How events of one ordering key stay in commit order, with any number of writers 
    a lower seq (`PG_HEADS`); seq, per key, orders a scope's events too. The relay locks heads
    with ``FOR UPDATE SKIP LOCKED``: a head another relay holds is skipped, and nothing else of
    that scope qualifies while the head is pending, so **a scope is worked on by one relay at a
-   time**. Holding scopes' heads, the relay also locks the scopes' following pending events,
+   time**. (A claim first tries the oldest due pending events, locked with SKIP LOCKED, and
+   keeps them when each one's earlier pending events of its scope are all among them
+   (`PG_CLAIM_FIRST`): then it holds those scopes' heads too; else it rolls back and claims
+   as follows.)
+   Holding scopes' heads, the relay also locks the scopes' following pending events,
    oldest first (`PG_FOLLOWERS`), and hands the publisher the batch in id order. Within one
    key, id order is seq order (the later writer inserted after the earlier one committed), so
    a batch holds a prefix of each scope's pending events, in the scope's order.
@@ -54,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import operator
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,7 +66,7 @@ from typing import Any, Final
 
 import psycopg
 
-from oncely import _txn
+from oncely import _switches, _txn
 from oncely.outbox._store import (
     OPERATOR_ERROR,
     Change,
@@ -78,6 +83,8 @@ from oncely.stores.postgres._sql import Statement
 __all__ = ["PostgresOutbox", "PostgresQueries", "channel"]
 
 _USER: Final = "the outbox"
+_ID: Final = operator.itemgetter(0)
+"""A claimed row's id."""
 _PURGE_BATCH: Final = 1000
 _WINDOW: Final = 2
 """A claim looks for heads among the oldest ``limit`` times this many pending events first
@@ -277,6 +284,53 @@ window are a prefix of its pending events), else from the scope index, up to *li
 (Read with a limit in the statement, the planner of a prepared statement sorted every pending
 event instead.)"""
 
+PG_CLAIM_FIRST: Final = f"""
+WITH batch AS MATERIALIZED (
+    SELECT {_EVENT}, o.seq
+      FROM {{schema}}.oncely_outbox AS o
+     WHERE o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.next_attempt_at <= statement_timestamp()
+     ORDER BY o.id
+     LIMIT %(limit)s
+       FOR UPDATE OF o SKIP LOCKED
+), paired AS (
+    SELECT b.*,
+           lag(b.seq) OVER (PARTITION BY b.ordering_key, b.destination ORDER BY b.seq) AS before
+      FROM batch AS b
+)
+SELECT b.id, b.message_id, b.destination, b.payload, b.headers, b.ordering_key, b.attempts,
+       CASE WHEN b.ordering_key IS NULL OR b.before = b.seq - 1 THEN true
+            ELSE NOT EXISTS (
+                SELECT FROM {{schema}}.oncely_outbox AS p
+                 WHERE p.ordering_key = b.ordering_key AND p.destination = b.destination
+                   AND p.seq < b.seq AND p.seq > coalesce(b.before, -1)
+                   AND p.published_at IS NULL AND p.dead_at IS NULL)
+       END AS ready
+  FROM paired AS b
+"""
+"""Parameters: limit. The claim's first try, what a relay alone on a healthy outbox needs: the
+oldest *limit* due pending events, locked, skipping those another relay holds (the plain
+producer's statement), each with *ready*: no pending event of its scope lies between it and
+the batch's previous event of that scope (*before*), or before it if it is the scope's first in
+the batch. When every row is ready, each scope's events in the batch are a prefix of its pending
+events, started at its head: a claim (`PostgresOutbox.claim` takes it: one index scan of the
+batch, a sort of it, and an index-only descent into the scope index for each scope's first
+event and each gap in seq, none for the next seq of a key, against `PG_CLAIM`'s window, its
+sort and second reading of every row). A scope's earlier events are checked as a gap from the
+previous one, not each against all: that read the scope's batched events again for each of
+them, quadratic in how many of one key a batch holds. A row is not ready when an earlier
+event of its scope is held by another relay, not yet due, or a failing head's, and then the
+batch may be short of what is due elsewhere: the claim rolls back, which lets go of its locks,
+and runs `PG_CLAIM` in a new transaction (sent with them, one round trip). Held until the relay
+commits, the lock of a row that is not ready (a follower of a scope another relay holds) would
+make that relay's `PG_CLAIM` wait for it at its followers (``FOR UPDATE``), for as long as this
+relay publishes, or deadlock with it.
+
+*ready* reads the statement's snapshot, which may be older than a row's lock: an earlier event
+published since still counts as pending (the row waits for the next claim), and none can be
+missing: the row was visible in the snapshot, so every earlier event of its key had
+committed (the module's docstring, 1)."""
+
 PG_PUBLISHED: Final = """
 UPDATE {schema}.oncely_outbox SET published_at = statement_timestamp()
  WHERE id = ANY(%(ids)s::bigint[])
@@ -381,6 +435,7 @@ class PostgresQueries:
     heads: str = field(init=False)
     followers: str = field(init=False)
     claim: str = field(init=False)
+    claim_first: str = field(init=False)
     published: str = field(init=False)
     failed: str = field(init=False)
     noted: str = field(init=False)
@@ -399,6 +454,7 @@ class PostgresQueries:
             ("heads", PG_HEADS),
             ("followers", PG_FOLLOWERS),
             ("claim", PG_CLAIM),
+            ("claim_first", PG_CLAIM_FIRST),
             ("published", PG_PUBLISHED),
             ("failed", PG_FAILED),
             ("noted", PG_NOTED),
@@ -492,8 +548,9 @@ class PostgresOutbox:
         """Lock a batch in a transaction that lasts until the outcomes are recorded (the
         module's docstring); *hold* is the transaction's own.
 
-        Two round trips in all, in pipeline mode: ``BEGIN`` with the claim (`PG_CLAIM`), and
-        the outcomes' statements with ``COMMIT`` (or ``ROLLBACK``), sent as the claim ends."""
+        Two round trips in all, in pipeline mode: ``BEGIN`` with the claim (`PG_CLAIM_FIRST`,
+        and `PG_CLAIM` after it in a third when a row it locked is not ready), and the outcomes'
+        statements with ``COMMIT`` (or ``ROLLBACK``), sent as the claim ends."""
         with self._errors():
             pool = await self._store._async_pool()
             async with pool.connection() as connection, connection.pipeline():
@@ -610,10 +667,21 @@ class _Batch:
         self.events: list[Any] = []
 
     async def load(self, limit: int) -> None:
+        connection = self._connection
+        if not _switches.reference_flows:  # the tests hold both ways to the same tests
+            first = self._queries.claim_first
+            rows = await (await connection.execute(first, {"limit": limit}, binary=True)).fetchall()
+            if False not in [row[-1] for row in rows]:
+                rows.sort(key=_ID)
+                self.events = [event_from_row(row[:-1]) for row in rows]
+                return
+            # Let go of the rows that are not ready before claiming (see `PG_CLAIM_FIRST`).
+            await connection.execute(b"ROLLBACK")
+            await connection.execute(b"BEGIN")
         params = {"limit": limit, "window": limit * _WINDOW}
-        cursor = await self._connection.execute(self._queries.claim, params, binary=True)
+        cursor = await connection.execute(self._queries.claim, params, binary=True)
         rows = await cursor.fetchall()
-        rows.sort(key=lambda row: row[0])  # within a key, id order is commit order
+        rows.sort(key=_ID)  # within a key, id order is commit order
         self.events = [event_from_row(row) for row in rows]
 
     async def settle(self, settlement: Settlement) -> None:
