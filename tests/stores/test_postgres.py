@@ -677,11 +677,12 @@ def test_claim_and_finishes_give_every_verdict_in_each_setting(
             loop.close()
 
 
-def test_statements_deallocated_behind_the_store_are_prepared_again(
+def test_statements_deallocated_or_kept_behind_the_store_are_used_as_they_are(
     base_url: str, schema: str
 ) -> None:
     """A session whose prepared statements were deallocated (``DEALLOCATE ALL`` by someone
-    else) has the claim and the finishes prepared again, the verdicts unchanged."""
+    else) has the claim and the finishes prepared again, and one that still has them when the
+    store thinks not keeps them: the verdicts are unchanged."""
     with PostgresStore(base_url, schema=schema, namespace=_name("dealloc"), max_size=1) as store:
         verbs = _sync_verbs(store)
         token = verbs.claim("k").token
@@ -689,6 +690,11 @@ def test_statements_deallocated_behind_the_store_are_prepared_again(
         (connection,) = store._parked.idle
         connection.pgconn.exec_(b"DEALLOCATE ALL")
         assert verbs.complete("k", token) is None
+        assert isinstance(verbs.claim("k"), Replay)
+        assert store._parked.idle == [connection]
+        # And the other way round: the session has them while the store lost track of them
+        # (a prepare interrupted after the server took it, by Ctrl-C say): not an error.
+        connection._oncely_prepared.clear()  # type: ignore[attr-defined]
         assert isinstance(verbs.claim("k"), Replay)
         assert store._parked.idle == [connection]
 

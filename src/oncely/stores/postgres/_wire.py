@@ -57,7 +57,9 @@ _INTERVAL: Final = 1186
 _OIDS: Final = {"t": _TEXT, "8": _INT8, "b": _BYTEA, "i": _INTERVAL}
 
 _OK: Final = (psycopg.pq.ExecStatus.TUPLES_OK, psycopg.pq.ExecStatus.COMMAND_OK)
-_UNDEFINED_STATEMENT: Final = "26000"  # invalid_sql_statement_name: prepared elsewhere, lost
+_SQLSTATE: Final = psycopg.pq.DiagnosticField.SQLSTATE
+_UNDEFINED_SQLSTATE: Final = b"26000"  # invalid_sql_statement_name: deallocated behind us
+_DUPLICATE_SQLSTATE: Final = b"42P05"  # duplicate_prepared_statement
 _EXECUTE: Final = psycopg.generators.execute
 _INTERVAL_US: Final = struct.Struct("!qii")
 
@@ -135,6 +137,13 @@ def _checked(results: list[Any]) -> Any:
     return result
 
 
+def _prepared(results: list[Any]) -> None:
+    # A name the session already has: prepared before, its answer lost to an interruption.
+    result = results[-1]
+    if result.status not in _OK and result.error_field(_SQLSTATE) != _DUPLICATE_SQLSTATE:
+        _checked(results)
+
+
 def run(
     connection: psycopg.Connection[Any],
     wire: Wire,
@@ -151,7 +160,7 @@ def run(
     for _ in range(2):
         if wire.name not in prepared:
             pgconn.send_prepare(wire.name, wire.sql, wire.types)
-            _checked(connection.wait(_EXECUTE(pgconn)))
+            _prepared(connection.wait(_EXECUTE(pgconn)))
             prepared.add(wire.name)
         pgconn.send_query_prepared(wire.name, values, wire.formats, 1)
         result = connection.wait(_EXECUTE(pgconn))[-1]
@@ -176,7 +185,7 @@ async def arun(
     for _ in range(2):
         if wire.name not in prepared:
             pgconn.send_prepare(wire.name, wire.sql, wire.types)
-            _checked(await connection.wait(_EXECUTE(pgconn)))
+            _prepared(await connection.wait(_EXECUTE(pgconn)))
             prepared.add(wire.name)
         pgconn.send_query_prepared(wire.name, values, wire.formats, 1)
         result = (await connection.wait(_EXECUTE(pgconn)))[-1]
@@ -184,10 +193,6 @@ async def arun(
             break
         prepared.discard(wire.name)
     return _checked([result])
-
-
-_SQLSTATE: Final = psycopg.pq.DiagnosticField.SQLSTATE
-_UNDEFINED_SQLSTATE: Final = _UNDEFINED_STATEMENT.encode()
 
 
 # -- decoding -----------------------------------------------------------------------------------
