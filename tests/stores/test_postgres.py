@@ -42,7 +42,7 @@ from oncely import (
     StoreUnavailableError,
     _execution,
 )
-from oncely.stores.postgres import PostgresStore, _sql
+from oncely.stores.postgres import PostgresStore, _sql, _wire
 from oncely.stores.postgres import store as postgres_store
 from oncely.testing import FrozenClock
 from oncely.testing.conformance import StoreCalls
@@ -555,6 +555,15 @@ def test_each_verb_is_one_round_trip(
             return _original(self, query, *args, **kw)
 
         monkeypatch.setattr(cls, "execute", execute)
+    # The claim and the finishes go below the cursor, straight to libpq: counted there.
+    for name in ("run", "arun"):
+        original = getattr(_wire, name)
+
+        def run(connection: Any, wire: Any, *args: Any, _original: Any = original) -> Any:
+            executed.append(wire.sql.decode())
+            return _original(connection, wire, *args)
+
+        monkeypatch.setattr(_wire, name, run)
 
     loop = asyncio.new_event_loop()
     try:
@@ -594,6 +603,100 @@ def test_each_verb_is_one_round_trip(
         if world == "async":
             loop.run_until_complete(counted_store.aclose())
         loop.close()
+
+
+def _verdicts(verbs: _Verbs, claim_as: Callable[[str, str], Any], fail: Callable[..., Any]) -> None:
+    """Every verdict of a claim, and both finishes, as the store must give them."""
+    acquired = verbs.claim("café-1")
+    assert isinstance(acquired, Acquired)
+    assert not acquired.recovered
+    assert acquired.attempt == 1
+    busy = verbs.claim("café-1")
+    assert isinstance(busy, InProgress)
+    assert timedelta(0) < busy.retry_after <= LEASE
+    assert verbs.complete("café-1", acquired.token + 1) == LeaseLost()
+    assert verbs.complete("café-1", acquired.token) is None
+    replay = verbs.claim("café-1")
+    assert isinstance(replay, Replay)
+    record = replay.record
+    assert (record.key, record.status, record.fingerprint, record.token, record.result) == (
+        "café-1",
+        Status.COMPLETED,
+        "fp",
+        acquired.token,
+        b"r",
+    )
+    assert record.created_at_ms <= record.updated_at_ms <= replay.judged_at_ms
+    assert record.expires_at_ms - record.updated_at_ms in range(3_600_000 - 1, 3_600_000 + 2)
+    assert claim_as("café-1", "other") == oncely.Mismatch(stored_fingerprint="fp")
+    second = verbs.claim("café-2")
+    assert fail("café-2", second.token) is None
+    failed = verbs.claim("café-2")
+    assert isinstance(failed, Replay)
+    assert failed.record.status is Status.FAILED
+
+
+@pytest.mark.parametrize("world", ["sync", "async"])
+@pytest.mark.parametrize("setting", ["prepared", "unprepared", "latin1"])
+def test_claim_and_finishes_give_every_verdict_in_each_setting(
+    base_url: str, schema: str, world: str, setting: str
+) -> None:
+    """The claim and the finishes go straight to libpq (`_wire`), statements prepared; behind a
+    pooler (``prepare=False``) unnamed; on a connection whose client encoding is not UTF-8
+    through the cursor: the verdicts are the same in each, non-ASCII keys included."""
+    url = base_url
+    if setting == "latin1":
+        url = psycopg.conninfo.make_conninfo(base_url, client_encoding="LATIN1")
+    prepare = setting != "unprepared"
+    with PostgresStore(url, schema=schema, namespace=_name("wire"), prepare=prepare) as store:
+        if world == "sync":
+            _verdicts(
+                _sync_verbs(store),
+                lambda key, fp: store.claim(key, fp, lease=LEASE, ttl=TTL),
+                lambda key, token: store.fail(key, token, b"e", ttl=TTL),
+            )
+            assert store._parked is not None
+            (connection,) = store._parked.idle
+            named = connection.execute(
+                "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'oncely%'"
+            ).fetchone()
+            # The claim and the complete (which fail shares), prepared by the store itself (not
+            # through psycopg, which prepares on the cursor's path).
+            assert named == ((2 if setting == "prepared" else 0),)
+            return
+        loop = asyncio.new_event_loop()
+        run = loop.run_until_complete
+        try:
+            _verdicts(
+                _async_verbs(store, loop),
+                lambda key, fp: run(store.aclaim(key, fp, lease=LEASE, ttl=TTL)),
+                lambda key, token: run(store.afail(key, token, b"e", ttl=TTL)),
+            )
+        finally:
+            run(store.aclose())
+            loop.close()
+
+
+def test_statements_deallocated_or_kept_behind_the_store_are_used_as_they_are(
+    base_url: str, schema: str
+) -> None:
+    """A session whose prepared statements were deallocated (``DEALLOCATE ALL`` by someone
+    else) has the claim and the finishes prepared again, and one that still has them when the
+    store thinks not keeps them: the verdicts are unchanged."""
+    with PostgresStore(base_url, schema=schema, namespace=_name("dealloc"), max_size=1) as store:
+        verbs = _sync_verbs(store)
+        token = verbs.claim("k").token
+        assert store._parked is not None
+        (connection,) = store._parked.idle
+        connection.pgconn.exec_(b"DEALLOCATE ALL")
+        assert verbs.complete("k", token) is None
+        assert isinstance(verbs.claim("k"), Replay)
+        assert store._parked.idle == [connection]
+        # And the other way round: the session has them while the store lost track of them
+        # (a prepare interrupted after the server took it, by Ctrl-C say): not an error.
+        connection._oncely_prepared.clear()  # type: ignore[attr-defined]
+        assert isinstance(verbs.claim("k"), Replay)
+        assert store._parked.idle == [connection]
 
 
 # -- races beyond the conformance suite -------------------------------------------------------

@@ -400,12 +400,15 @@ class Reply:
     """What a `Statement` answered.
 
     Attributes:
-        rows: The rows it returned (empty for a statement returning none).
+        rows: The rows it returned (empty for a statement returning none, or left in *raw*).
         rowcount: How many rows it returned or affected.
+        raw: The driver's own result, whose rows are read where it is decoded, or ``None``
+            (the store's libpq path: `oncely.stores.postgres._wire`).
     """
 
     rows: Sequence[tuple[Any, ...]]
     rowcount: int
+    raw: Any = None
 
 
 # -- flows --------------------------------------------------------------------------------------

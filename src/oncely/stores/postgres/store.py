@@ -52,7 +52,7 @@ from oncely.errors import (
 from oncely.stores import _namespace
 from oncely.stores._coalesce import Coalescer
 from oncely.stores._machine import in_progress_refusal
-from oncely.stores.postgres import _pools, _sql
+from oncely.stores.postgres import _pools, _sql, _wire
 from oncely.stores.postgres._errors import Boundary
 
 if TYPE_CHECKING:
@@ -106,6 +106,30 @@ def _encoded(sql: str) -> bytes | str:
     hashes the new bytes to find its cached parsing and its prepared statement (a claim's
     text is 1.5 kB). Only ASCII text, the same bytes in any client encoding."""
     return sql.encode() if sql.isascii() else sql
+
+
+def _reply(result: Any) -> _sql.Reply:
+    """A `_wire` statement's libpq *result* as a `_sql.Reply`: its rows left in it (``raw``)."""
+    affected = result.command_tuples
+    return _sql.Reply((), -1 if affected is None else affected, result)
+
+
+def _claimed(
+    queries: _sql.Queries, statement: _sql.Statement, reply: _sql.Reply
+) -> ClaimResult | _sql.Statement:
+    """`_sql.decode_claim_one`, for a reply of either path."""
+    if reply.raw is not None:
+        answer = _wire.claim_answer(statement.key, reply.raw, decided=False)
+        if answer is not None:
+            return answer
+    return _sql.decode_claim_one(queries, statement, reply)
+
+
+def _decided(key: str, reply: _sql.Reply) -> ClaimResult:
+    """`_sql.decode_claim`, for a reply of either path."""
+    if reply.raw is not None:
+        return _wire.claim_answer(key, reply.raw, decided=True)  # type: ignore[return-value]
+    return _sql.decode_claim(key, reply)
 
 
 _S = TypeVar("_S", bound="PostgresStore")
@@ -195,6 +219,7 @@ class PostgresStore:
             raise ConfigurationError("pool_timeout and statement_timeout must be positive")
         try:
             self._queries = _sql.Queries(schema)
+            self._wires = _wire.wires(self._queries)
             params = psycopg.conninfo.conninfo_to_dict(conninfo)
         except (ValueError, psycopg.Error) as exc:
             raise ConfigurationError(f"bad PostgreSQL store settings: {exc}") from exc
@@ -395,9 +420,9 @@ class PostgresStore:
                 reusable = False
                 try:
                     if type(op) is _sql.Statement:
-                        reply: Any = self._run(connection, op)
+                        reply: Any = _run(self, connection, op)
                     else:
-                        reply = self._run_batch(connection, op)  # type: ignore[arg-type]
+                        reply = _run_batch(self, connection, op)  # type: ignore[arg-type]
                     reusable = True
                     return reply
                 except psycopg.OperationalError:
@@ -433,9 +458,9 @@ class PostgresStore:
                 reusable = False
                 try:
                     if type(op) is _sql.Statement:
-                        reply: Any = await self._arun(connection, op)
+                        reply: Any = await _arun(self, connection, op)
                     else:
-                        reply = await self._arun_batch(connection, op)  # type: ignore[arg-type]
+                        reply = await _arun_batch(self, connection, op)  # type: ignore[arg-type]
                     reusable = True
                     return reply
                 except psycopg.OperationalError:
@@ -454,59 +479,6 @@ class PostgresStore:
                 raise
             raise translated from exc
 
-    def _run(self, connection: psycopg.Connection[Any], op: _sql.Statement) -> _sql.Reply:
-        script = op.params is None
-        cursor = _cursor(connection)
-        cursor.execute(
-            _encoded(op.sql), op.params, prepare=self._prepare and not script, binary=not script
-        )
-        return _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
-
-    async def _arun(
-        self, connection: psycopg.AsyncConnection[Any], op: _sql.Statement
-    ) -> _sql.Reply:
-        script = op.params is None
-        cursor = _cursor(connection)
-        await cursor.execute(
-            _encoded(op.sql), op.params, prepare=self._prepare and not script, binary=not script
-        )
-        return _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
-
-    def _run_batch(
-        self, connection: psycopg.Connection[Any], batch: _sql.Batch
-    ) -> list[_sql.Reply]:
-        # Pipeline mode: every statement is sent without waiting, then one Sync, whose reply
-        # ends the round trip and commits the implicit transaction (see `_sql.Batch`). An older
-        # libpq gets the same transaction at a round trip per statement.
-        if not _PIPELINE:
-            with connection.transaction():
-                return [self._run(connection, op) for op in batch.statements]
-        with connection.pipeline():
-            cursors = [
-                connection.execute(op.sql, op.params, prepare=self._prepare, binary=True)
-                for op in batch.statements
-            ]
-        return [
-            _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
-            for cursor in cursors
-        ]
-
-    async def _arun_batch(
-        self, connection: psycopg.AsyncConnection[Any], batch: _sql.Batch
-    ) -> list[_sql.Reply]:
-        if not _PIPELINE:
-            async with connection.transaction():
-                return [await self._arun(connection, op) for op in batch.statements]
-        async with connection.pipeline():
-            cursors = [
-                await connection.execute(op.sql, op.params, prepare=self._prepare, binary=True)
-                for op in batch.statements
-            ]
-        return [
-            _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
-            for cursor in cursors
-        ]
-
     def _stored_key(self, key: str) -> str:
         if self._prefix is not None:  # a named namespace: its escaped name, once
             return self._prefix + key
@@ -519,9 +491,9 @@ class PostgresStore:
         # Two for a key whose record is expired, released or a lapsed lease, or that another
         # call inserted at the same moment (see `_sql.CLAIM`).
         statement = self._claim(key, fingerprint, lease, ttl)
-        answer = _sql.decode_claim_one(self._queries, statement, self._execute(statement))
+        answer = _claimed(self._queries, statement, self._execute(statement))
         if type(answer) is _sql.Statement:
-            return _sql.decode_claim(key, self._execute(answer))
+            return _decided(key, self._execute(answer))
         return answer  # type: ignore[return-value]
 
     def complete(self, key: str, token: int, result: bytes, *, ttl: timedelta) -> LeaseLost | None:
@@ -623,9 +595,9 @@ class PostgresStore:
             raise
 
     async def _aclaimed(self, key: str, statement: _sql.Statement) -> ClaimResult:
-        answer = _sql.decode_claim_one(self._queries, statement, await self._aexecute(statement))
+        answer = _claimed(self._queries, statement, await self._aexecute(statement))
         if type(answer) is _sql.Statement:
-            return _sql.decode_claim(key, await self._aexecute(answer))
+            return _decided(key, await self._aexecute(answer))
         return answer  # type: ignore[return-value]
 
     async def _give_back(self, key: str, statement: _sql.Statement) -> None:
@@ -833,6 +805,81 @@ class PostgresStore:
         return (
             f"PostgresStore({self._where!r}, schema={self.schema!r}, namespace={self.namespace!r})"
         )
+
+
+# -- running statements on a connection ------------------------------------------------------
+
+
+def _run(
+    store: PostgresStore, connection: psycopg.Connection[Any], op: _sql.Statement
+) -> _sql.Reply:
+    wire = store._wires.get(op.sql)
+    if wire is not None:  # the claim and the finishes: straight to libpq (`_wire`)
+        prepared = _wire.prepared_on(connection)
+        if prepared is not None:
+            names = prepared if store._prepare else None
+            return _reply(_wire.run(connection, wire, op.params, names))  # type: ignore[arg-type]
+    script = op.params is None
+    cursor = _cursor(connection)
+    cursor.execute(
+        _encoded(op.sql), op.params, prepare=store._prepare and not script, binary=not script
+    )
+    return _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+
+
+async def _arun(
+    store: PostgresStore, connection: psycopg.AsyncConnection[Any], op: _sql.Statement
+) -> _sql.Reply:
+    wire = store._wires.get(op.sql)
+    if wire is not None:  # as in _run
+        prepared = _wire.prepared_on(connection)
+        if prepared is not None:
+            names = prepared if store._prepare else None
+            result = await _wire.arun(connection, wire, op.params, names)  # type: ignore[arg-type]
+            return _reply(result)
+    script = op.params is None
+    cursor = _cursor(connection)
+    await cursor.execute(
+        _encoded(op.sql), op.params, prepare=store._prepare and not script, binary=not script
+    )
+    return _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+
+
+def _run_batch(
+    store: PostgresStore, connection: psycopg.Connection[Any], batch: _sql.Batch
+) -> list[_sql.Reply]:
+    # Pipeline mode: every statement is sent without waiting, then one Sync, whose reply
+    # ends the round trip and commits the implicit transaction (see `_sql.Batch`). An older
+    # libpq gets the same transaction at a round trip per statement.
+    if not _PIPELINE:
+        with connection.transaction():
+            return [_run(store, connection, op) for op in batch.statements]
+    with connection.pipeline():
+        cursors = [
+            connection.execute(op.sql, op.params, prepare=store._prepare, binary=True)
+            for op in batch.statements
+        ]
+    return [
+        _sql.Reply(cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+        for cursor in cursors
+    ]
+
+
+async def _arun_batch(
+    store: PostgresStore, connection: psycopg.AsyncConnection[Any], batch: _sql.Batch
+) -> list[_sql.Reply]:
+    if not _PIPELINE:
+        async with connection.transaction():
+            return [await _arun(store, connection, op) for op in batch.statements]
+    async with connection.pipeline():
+        cursors = [
+            await connection.execute(op.sql, op.params, prepare=store._prepare, binary=True)
+            for op in batch.statements
+        ]
+    return [
+        _sql.Reply(await cursor.fetchall() if _has_rows(cursor) else [], cursor.rowcount)
+        for cursor in cursors
+    ]
 
 
 def _close_at_exit() -> None:
