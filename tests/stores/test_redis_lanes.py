@@ -179,3 +179,62 @@ def test_a_forked_child_uses_connections_of_its_own(store: RedisStore) -> None:
     assert store.complete(key, taken.token, b"r", ttl=TTL) is None
     assert store._client.connection_pool._available_connections[-1] is parent_connection
     assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Replay)
+
+
+@pytest.mark.redis
+class TestACancelledCaller:
+    """The store's own answer to a caller cancelled in the middle of a claim or a finish (the
+    entry points await these verbs without a task of their own to shield them): a claim that
+    may have been applied is sent again, finds its own lease and gives it back; a finish is
+    sent again and lands."""
+
+    def test_a_claim_whose_reply_never_came_is_given_back(self, redis_url: str) -> None:
+        port = int(redis_url.rpartition(":")[2].partition("/")[0])
+        key = f"held-{uuid.uuid4().hex}"
+
+        async def run(proxy: Proxy) -> None:
+            store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", namespace=_namespace())
+            try:
+                await store.aget("warm-up")
+                proxy.arm(key.encode(), hold=True)  # applied on the server, its reply held
+                claiming = asyncio.ensure_future(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+                assert await asyncio.to_thread(proxy.cut.wait, 10)  # it reached the server
+                claiming.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await claiming
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(answer, Acquired)  # not InProgress: the lease came back
+                assert answer.attempt == 2
+            finally:
+                await store.aclose()
+
+        with Proxy(port) as proxy:
+            asyncio.run(run(proxy))
+
+    @pytest.mark.parametrize("verb", ["complete", "fail"])
+    def test_a_finish_cancelled_before_it_was_sent_lands(self, redis_url: str, verb: str) -> None:
+        """Cancelled while it queues for the loop's one connection: sent all the same."""
+        key = f"queued-{uuid.uuid4().hex}"
+
+        async def run() -> None:
+            store = RedisStore(redis_url, namespace=_namespace(), max_connections=1)
+            try:
+                taken = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                gate = (await store._async_entry()).gate
+                await gate.acquire()  # the one connection is busy
+                finish = store.acomplete if verb == "complete" else store.afail
+                finishing = asyncio.ensure_future(finish(key, taken.token, b"r", ttl=TTL))
+                await asyncio.sleep(0)  # it waits for the connection
+                finishing.cancel()
+                await asyncio.sleep(0)
+                gate.release()
+                with pytest.raises(asyncio.CancelledError):
+                    await finishing
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(answer, Replay)
+                assert answer.record.result == b"r"
+            finally:
+                await store.aclose()
+
+        asyncio.run(run())

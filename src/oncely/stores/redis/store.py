@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
+from oncely._cancel import release_unused, shielded
 from oncely._core.clock import Clock
 from oncely._core.flow import adrive, drive
 from oncely._core.records import ClaimResult, LeaseLost, Record, Status, StoreHealth
@@ -105,6 +106,7 @@ class _RedisStoreBase:
     """What the standalone and the cluster store share: everything but making clients."""
 
     backend: ClassVar[str] = BACKEND
+    _cancel_safe: ClassVar[type[_RedisStoreBase]]  # see aclaim
 
     def __init__(
         self,
@@ -379,9 +381,15 @@ class _RedisStoreBase:
     async def _afinish(
         self, verb: str, key: str, token: int, outcome: bytes, ttl: timedelta
     ) -> LeaseLost | None:
-        """Async `_finish`."""
+        """Async `_finish`; it lands even if its caller is cancelled (see `aclaim`)."""
         args = _scripts.finish_args(token, outcome, ttl)
-        reply = await self._arun(verb, key, [self._space.name(key)], args)
+        keys = [self._space.name(key)]
+        try:
+            reply = await self._arun(verb, key, keys, args)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await shielded(self._arun(verb, key, keys, args))
+            raise
         return _codec.settle_answer(key, reply)
 
     # -- sync verbs ----------------------------------------------------------------------------
@@ -413,13 +421,32 @@ class _RedisStoreBase:
 
     # -- async verbs ---------------------------------------------------------------------------
 
+    # A caller cancelled while its claim or finish is in flight: the script may have run with
+    # its reply lost. Each call carries an id of its own, so sending it again (shielded) finds
+    # its own effect: a claim's lease is then given back, a finish has landed. So the entry
+    # points await these verbs directly, without a task of their own to shield them
+    # (`_cancel_safe`): one task and two turns of the event loop less on every call.
+
     async def aclaim(
         self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
     ) -> ClaimResult:
-        """See `oncely.AsyncStore.aclaim`."""
+        """See `oncely.AsyncStore.aclaim`; a cancelled caller's lease is given back."""
         args = _scripts.claim_args(fingerprint, lease, ttl)
-        reply = await self._arun("claim", key, [self._space.name(key)], args)
+        keys = [self._space.name(key)]
+        try:
+            reply = await self._arun("claim", key, keys, args)
+        except asyncio.CancelledError:
+            await shielded(self._give_back(key, keys, args))
+            raise
         return _codec.claim_answer(key, reply)
+
+    async def _give_back(self, key: str, keys: list[bytes], args: Sequence[Any]) -> None:
+        """Send the claim *args* again, and release the lease it took (its caller is gone)."""
+        try:
+            answer = _codec.claim_answer(key, await self._arun("claim", key, keys, args))
+        except Exception:
+            return  # not known: a lease it took expires on its own
+        await release_unused(self, key, answer)
 
     async def acomplete(
         self, key: str, token: int, result: bytes, *, ttl: timedelta
@@ -962,3 +989,7 @@ def _parse_cluster_url(redis: ModuleType, url: str) -> tuple[list[tuple[str, int
     options.pop("host", None)
     options.pop("port", None)
     return nodes, options
+
+
+RedisStore._cancel_safe = RedisStore
+RedisClusterStore._cancel_safe = RedisClusterStore
