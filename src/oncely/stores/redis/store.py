@@ -47,7 +47,7 @@ from oncely.errors import (
 from oncely.stores._machine import in_progress_refusal
 from oncely.stores.redis import _codec, _scripts
 from oncely.stores.redis._codec import BACKEND, Keyspace
-from oncely.stores.redis._lanes import AsyncLane, SyncLane, lane_for, packer
+from oncely.stores.redis._lanes import AsyncLane, Gate, SyncLane, lane_for, packer
 from oncely.stores.redis._packing import packs_with_hiredis, use_hiredis
 from oncely.stores.redis._pool import queuing_pool
 
@@ -70,9 +70,10 @@ class _LoopClient:
 
     client: Any
     scripts: _scripts.Scripts
-    gate: asyncio.Semaphore  # bounds the commands in flight: see _arun
+    gate: Gate  # bounds the commands in flight: see _wait_for_connection
     lane: AsyncLane | None = None  # the direct path to the client's connections, if it has one
     ready: asyncio.Task[None] | None = None  # the client's start: see _async_entry
+    started: bool = False  # the start succeeded: a call takes the entry as it is (_arun)
     guard: AsyncGenerator[None, None] | None = None  # see _close_with_loop
     closed: bool = False
 
@@ -202,7 +203,7 @@ class _RedisStoreBase:
                     for other in [other for other in self._loops if other.is_closed()]:
                         del self._loops[other]  # closed loops closed their clients already
                     client = self._new_async_client()
-                    gate = asyncio.Semaphore(self._max_connections)
+                    gate = Gate(self._max_connections)
                     lane = self._new_lane(client, AsyncLane)
                     entry = _LoopClient(client, self._register(client), gate, lane)
                     self._loops[loop] = entry
@@ -223,6 +224,7 @@ class _RedisStoreBase:
         await entry.guard.__anext__()  # from now on the loop tracks it
         try:
             await self._prepare_async(entry.client)
+            entry.started = True
         except BaseException:
             with self._lock:
                 if self._loops.get(loop) is entry:
@@ -316,12 +318,14 @@ class _RedisStoreBase:
         try:
             if self._closed:
                 self._check_open()
-            entry = await self._async_entry()
+            entry = self._loops.get(asyncio.get_running_loop())
+            if entry is None or not entry.started:
+                entry = await self._async_entry()
             gate = entry.gate
-            if gate.locked():
-                await self._wait_for_connection(key, gate)
+            if gate.free:
+                gate.free -= 1
             else:
-                await gate.acquire()  # at once
+                await self._wait_for_connection(key, gate)
             try:
                 scripts = entry.scripts
                 client = scripts.client
@@ -341,15 +345,15 @@ class _RedisStoreBase:
         except self._failures as exc:
             raise self._translated(key, exc) from exc
 
-    async def _wait_for_connection(self, key: str, gate: asyncio.Semaphore) -> None:
+    async def _wait_for_connection(self, key: str, gate: Gate) -> None:
         """Queue for one of the loop's ``max_connections`` (as long as for a reply at most).
 
         redis-py's async pools raise MaxConnectionsError at once past ``max_connections``
         commands in flight (its blocking pool queues, but costs twice the pool's time on every
-        command), so each loop's commands go through a semaphore of that size instead.
+        command), so each loop's commands go through a `Gate` of that size instead.
         """
         try:
-            await asyncio.wait_for(gate.acquire(), self._wait)
+            await gate.wait(self._wait)
         except asyncio.TimeoutError as exc:
             raise StoreUnavailableError(
                 f"Redis could not serve {key!r}: no connection free within {self._wait} s "
