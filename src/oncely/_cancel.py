@@ -27,7 +27,7 @@ def guards_itself(store: object) -> bool:
     """Whether *store*'s async claim, complete and fail need no task to shield them from a
     cancelled caller: its verbs never suspend (``memory://``), or they give a cancelled
     claim's lease back and land a cancelled finish themselves (``_cancel_safe``: the
-    PostgreSQL store, the coalescing view)."""
+    PostgreSQL and Redis stores, the coalescing view)."""
     kind = type(store)
     return (
         getattr(kind, "_inline_async", None) is kind or getattr(kind, "_cancel_safe", None) is kind

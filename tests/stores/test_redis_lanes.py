@@ -20,7 +20,7 @@ import pytest
 from oncely import Acquired, Replay
 from oncely.errors import StoreUnavailableError
 from oncely.stores.redis import RedisStore
-from oncely.stores.redis._lanes import AsyncLane, SyncLane
+from oncely.stores.redis._lanes import AsyncLane, Gate, SyncLane
 from tests._proxy import Proxy
 from tests.conftest import service_url
 
@@ -179,3 +179,132 @@ def test_a_forked_child_uses_connections_of_its_own(store: RedisStore) -> None:
     assert store.complete(key, taken.token, b"r", ttl=TTL) is None
     assert store._client.connection_pool._available_connections[-1] is parent_connection
     assert isinstance(store.claim(key, "fp", lease=LEASE, ttl=TTL), Replay)
+
+
+@pytest.mark.redis
+class TestACancelledCaller:
+    """The store's own answer to a caller cancelled in the middle of a claim or a finish (the
+    entry points await these verbs without a task of their own to shield them): a claim that
+    may have been applied is sent again, finds its own lease and gives it back; a finish is
+    sent again and lands."""
+
+    def test_a_claim_whose_reply_never_came_is_given_back(self, redis_url: str) -> None:
+        port = int(redis_url.rpartition(":")[2].partition("/")[0])
+        key = f"held-{uuid.uuid4().hex}"
+
+        async def run(proxy: Proxy) -> None:
+            store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", namespace=_namespace())
+            try:
+                await store.aget("warm-up")
+                proxy.arm(key.encode(), hold=True)  # applied on the server, its reply held
+                claiming = asyncio.ensure_future(store.aclaim(key, "fp", lease=LEASE, ttl=TTL))
+                assert await asyncio.to_thread(proxy.cut.wait, 10)  # it reached the server
+                claiming.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await claiming
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(answer, Acquired)  # not InProgress: the lease came back
+                assert answer.attempt == 2
+            finally:
+                await store.aclose()
+
+        with Proxy(port) as proxy:
+            asyncio.run(run(proxy))
+
+    @pytest.mark.parametrize("verb", ["complete", "fail"])
+    def test_a_finish_cancelled_before_it_was_sent_lands(self, redis_url: str, verb: str) -> None:
+        """Cancelled while it queues for the loop's one connection: sent all the same."""
+        key = f"queued-{uuid.uuid4().hex}"
+
+        async def run() -> None:
+            store = RedisStore(redis_url, namespace=_namespace(), max_connections=1)
+            try:
+                taken = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(taken, Acquired)
+                gate = (await store._async_entry()).gate
+                gate.free -= 1  # the one connection is busy
+                finish = store.acomplete if verb == "complete" else store.afail
+                finishing = asyncio.ensure_future(finish(key, taken.token, b"r", ttl=TTL))
+                await asyncio.sleep(0)  # it waits for the connection
+                finishing.cancel()
+                await asyncio.sleep(0)
+                gate.release()
+                with pytest.raises(asyncio.CancelledError):
+                    await finishing
+                answer = await store.aclaim(key, "fp", lease=LEASE, ttl=TTL)
+                assert isinstance(answer, Replay)
+                assert answer.record.result == b"r"
+            finally:
+                await store.aclose()
+
+        asyncio.run(run())
+
+
+class TestTheGate:
+    """The slots of a loop's commands in flight (`Gate`): past them, callers queue in turn."""
+
+    def test_callers_past_the_slots_wait_in_turn(self) -> None:
+        async def run() -> None:
+            gate = Gate(1)
+            gate.free -= 1
+            order: list[str] = []
+
+            async def caller(name: str) -> None:
+                await gate.wait(None)
+                order.append(name)
+                gate.release()
+
+            first = asyncio.ensure_future(caller("first"))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(caller("second"))
+            await asyncio.sleep(0)
+            assert order == []
+            gate.release()
+            await asyncio.gather(first, second)
+            assert order == ["first", "second"]
+            assert gate.free == 1
+
+        asyncio.run(run())
+
+    def test_a_cancelled_or_timed_out_caller_passes_its_turn_on(self) -> None:
+        async def run() -> None:
+            gate = Gate(1)
+            gate.free -= 1
+            with pytest.raises(asyncio.TimeoutError):
+                await gate.wait(0.01)
+            cancelled = asyncio.ensure_future(gate.wait(None))
+            await asyncio.sleep(0)
+            handed = asyncio.ensure_future(gate.wait(None))
+            await asyncio.sleep(0)
+            waiting = asyncio.ensure_future(gate.wait(None))
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            gate.release()  # goes to `handed`, past the cancelled caller
+            handed.cancel()  # handed a slot, then cancelled before it ran: `waiting`'s
+            with pytest.raises(asyncio.CancelledError):
+                await handed
+            await waiting
+            gate.release()
+            assert gate.free == 1
+
+        asyncio.run(run())
+
+    @pytest.mark.redis
+    def test_no_free_slot_within_the_timeout_is_unavailable(self, redis_url: str) -> None:
+        async def run() -> None:
+            store = RedisStore(
+                redis_url, namespace=_namespace(), max_connections=1, socket_timeout=0.2
+            )
+            try:
+                assert isinstance(await store.aclaim("a", "fp", lease=LEASE, ttl=TTL), Acquired)
+                gate = (await store._async_entry()).gate
+                gate.free -= 1
+                with pytest.raises(StoreUnavailableError, match="no connection free"):
+                    await store.aclaim("b", "fp", lease=LEASE, ttl=TTL)
+                gate.release()
+                assert isinstance(await store.aclaim("b", "fp", lease=LEASE, ttl=TTL), Acquired)
+                assert gate.free == 1
+            finally:
+                await store.aclose()
+
+        asyncio.run(run())

@@ -22,11 +22,12 @@ stay on redis-py's cluster client, which follows ``MOVED`` and ``ASK`` and refre
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["AsyncLane", "SyncLane", "lane_for", "packer"]
+__all__ = ["AsyncLane", "Gate", "SyncLane", "lane_for", "packer"]
 
 Packer = Callable[[Sequence[Any]], list[bytes]]
 """Packs one command into the bytes to send."""
@@ -193,3 +194,45 @@ async def _send(connection: Any, packed: list[bytes]) -> None:
     writer.writelines(packed)
     if writer.transport.get_write_buffer_size():
         await connection.send_packed_command([], check_health=False)
+
+
+class Gate:
+    """The slots of one event loop's commands in flight: ``size`` at most.
+
+    redis-py's async pools raise ``MaxConnectionsError`` at once past ``max_connections``
+    commands in flight, so each loop's commands take a slot first. ``asyncio.Semaphore`` does
+    it in six Python calls per command (``locked`` twice, ``acquire``, ``release``...); the
+    common case, a free slot, is here a test and a decrement (``free``) by the caller, and
+    `release` one call. A command that finds no slot free queues (`wait`, first come first
+    served); a released slot goes to the first caller still waiting, and only when none is
+    does ``free`` count it, so while ``free`` is above 0 nobody waits.
+    """
+
+    __slots__ = ("_queue", "free")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def wait(self, timeout: float | None) -> None:
+        """Wait for a slot (``free`` is 0), *timeout* seconds at most (`asyncio.TimeoutError`)."""
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(slot)
+        try:
+            await asyncio.wait_for(slot, timeout)
+        except BaseException:
+            if slot.done() and not slot.cancelled():
+                self.release()  # handed a slot it will not use: the next caller's
+            else:
+                slot.cancel()  # `release` passes it by
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the first caller still waiting, else to ``free``."""
+        queue = self._queue
+        while queue:
+            slot = queue.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.free += 1
