@@ -110,7 +110,7 @@ _ENCODERS: Final[dict[str, Callable[[Any], bytes]]] = {
 }
 
 
-KINDS: Final = {"claim": "ttt88tttttt", "claim_call": "tt88t", "complete": "tbitt8tt"}
+KINDS: Final = {"claim": "tt88t", "claim_call": "tt88t", "complete": "tbitt8tt"}
 """The `_sql.Queries` statements that take this path, and their parameters' types (`Wire`)."""
 
 

@@ -820,7 +820,10 @@ def _run(
             names = prepared if store._prepare else None
             return _reply(_wire.run(connection, wire, op.params, names))  # type: ignore[arg-type]
     script = op.params is None
-    cursor = _cursor(connection)
+    if op.sql in store._queries.numbered:  # `$n` placeholders: psycopg's raw cursor, cold path
+        cursor: psycopg.Cursor[Any] = psycopg.RawCursor(connection)
+    else:
+        cursor = _cursor(connection)
     cursor.execute(
         _encoded(op.sql), op.params, prepare=store._prepare and not script, binary=not script
     )
@@ -838,7 +841,10 @@ async def _arun(
             result = await _wire.arun(connection, wire, op.params, names)  # type: ignore[arg-type]
             return _reply(result)
     script = op.params is None
-    cursor = _cursor(connection)
+    if op.sql in store._queries.numbered:  # as in _run
+        cursor: psycopg.AsyncCursor[Any] = psycopg.AsyncRawCursor(connection)
+    else:
+        cursor = _cursor(connection)
     await cursor.execute(
         _encoded(op.sql), op.params, prepare=store._prepare and not script, binary=not script
     )
