@@ -1,7 +1,10 @@
 """The transactional inbox on PostgreSQL: `oncely._inbox_store.InboxDriver` over psycopg 3.
 
 A claim is one round trip on the caller's connection, in the caller's transaction: a savepoint
-and one claim statement (prepared once per session), sent as one query. A key never seen (the
+and one claim statement (prepared once per session), sent straight to libpq in its pipeline
+mode with binary parameters, as `_wire` sends the store's statements (``_Piped``), or as one
+query through psycopg where that path does not go (a client encoding other than UTF-8, the
+caller's own pipeline mode). A key never seen (the
 common case) is a single INSERT of the record *already completed* with the outcome of a block
 that records nothing: the transaction hides it until the commit and takes it away with a
 rollback, and a concurrent duplicate's INSERT waits on the unique index for that transaction
@@ -366,7 +369,8 @@ class _Claim:
                 if isinstance(translated, (_Unprepared, _Prepared)):
                     raise  # not the session's state this driver knew: a driver error
                 raise translated from exc
-            names.update(each.name for each in prepares)
+            if prepares:
+                names.update(each.name for each in prepares)
             break
         result = results[len(steps) - 2 if op.nested else -1]
         if result.ntuples == 1 and result.get_value(0, 0) == _WRITTEN:
