@@ -936,6 +936,52 @@ def test_postgres_async_in_the_callers_pipeline(pg: tuple[str, str], pg_store: A
 
 
 @pytest.mark.postgres
+def test_postgres_claim_begins_the_transaction_psycopg_would(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A connection out of autocommit whose transaction has not begun yet (Django's
+    ``atomic``, a bare psycopg connection) has it begun by the claim, as psycopg would (its
+    isolation level included), in the claim's one round trip; it ends with the caller's."""
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+
+    def claim() -> None:
+        with inbox.claim(connection, order, scope="begun") as entry:
+            assert not entry.replayed
+
+    with pg_connect(pg) as connection:
+        connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        assert connection.info.transaction_status is psycopg.pq.TransactionStatus.IDLE
+        assert round_trips(connection, claim) == 1
+        assert connection.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS
+        level = connection.execute("SHOW transaction_isolation").fetchone()
+        assert level == ("repeatable read",)
+        connection.rollback()
+    assert pg_store.get(f"begun|{order}") is None  # rolled back with the caller's transaction
+
+
+@pytest.mark.postgres
+def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str, str]) -> None:
+    """A store made with ``prepare=False`` (behind a pooler): the UPDATE that records the
+    block's value is not prepared on the caller's session (the claim is, in its transaction,
+    and prepared again when a session does not have it)."""
+    base, schema = pg
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    url = f"{base}{'&' if '?' in base else '?'}schema={schema}&prepare=false"
+    with oncely.open_store(url) as store:
+        inbox = Inbox(store)
+        with pg_connect(pg) as connection:
+            for _ in range(2):
+                with connection.transaction(), inbox.claim(connection, order, scope="np") as entry:
+                    if not entry.replayed:
+                        entry.complete({"order": order})
+            assert entry.replayed
+            assert entry.result == {"order": order}
+            prepared = connection.execute("SELECT statement FROM pg_prepared_statements")
+            assert [text for (text,) in prepared if "SET status" in text] == []
+
+
+@pytest.mark.postgres
 def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: Any) -> None:
     """The claim is prepared once per session: a session reset behind oncely's back (DISCARD
     ALL, a pooler's other server connection) is prepared again, and one prepared by someone
@@ -966,13 +1012,19 @@ def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: 
 
 
 @pytest.mark.postgres
-def test_postgres_keys_and_scopes_travel_as_literals(pg: tuple[str, str], pg_store: Any) -> None:
-    """The claim's parameters are sent as literals escaped by libpq: quotes, backslashes and
-    statement separators in a key, and any text in a scope, are data."""
+@pytest.mark.parametrize("encoding", ["UTF8", "LATIN1"])
+def test_postgres_keys_and_scopes_travel_as_literals(
+    pg: tuple[str, str], pg_store: Any, encoding: str
+) -> None:
+    """The claim's parameters are data: quotes, backslashes and statement separators in a
+    key, and any text in a scope, whether they go bound in binary (a UTF-8 connection, libpq's
+    path) or as literals escaped by libpq (another client encoding, the cursor's path)."""
     inbox = Inbox(pg_store)
-    order = f"o'; DELETE FROM orders; --\\{uuid.uuid4().hex[:8]}"
+    order = f"o'; DELETE FROM orders; --\\{uuid.uuid4().hex[:8]}-{encoding}"
     scope = "ordérs ' \\ ;"
     with pg_connect(pg) as connection:
+        connection.execute(f"SET client_encoding TO {encoding}")
+        connection.commit()
         for _ in range(2):
             with (
                 connection.transaction(),

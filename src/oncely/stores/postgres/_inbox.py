@@ -1,7 +1,10 @@
 """The transactional inbox on PostgreSQL: `oncely._inbox_store.InboxDriver` over psycopg 3.
 
 A claim is one round trip on the caller's connection, in the caller's transaction: a savepoint
-and one claim statement (prepared once per session), sent as one query. A key never seen (the
+and one claim statement (prepared once per session), sent straight to libpq in its pipeline
+mode with binary parameters, as `_wire` sends the store's statements (``_Piped``), or as one
+query through psycopg where that path does not go (a client encoding other than UTF-8, the
+caller's own pipeline mode). A key never seen (the
 common case) is a single INSERT of the record *already completed* with the outcome of a block
 that records nothing: the transaction hides it until the commit and takes it away with a
 rollback, and a concurrent duplicate's INSERT waits on the unique index for that transaction
@@ -26,8 +29,9 @@ import hashlib
 import weakref
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
+import psycopg.generators
 from psycopg import AsyncClientCursor, AsyncCursor, ClientCursor, Cursor, pq
 from psycopg.rows import tuple_row
 
@@ -36,7 +40,7 @@ from oncely._core.flow import adrive, drive
 from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Status
 from oncely._inbox_store import Begin, Finish, Op, Rollback, Settle
 from oncely.errors import SchemaMissingError
-from oncely.stores.postgres import _sql
+from oncely.stores.postgres import _sql, _wire
 
 __all__ = ["InboxDriver"]
 
@@ -150,7 +154,34 @@ _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary(
 """The claim statements prepared in each connection's session (a reset session, a pooler's
 other server connection, is found out by the error and prepared again)."""
 
-_Flow = Generator[_Script, list[_sql.Reply], Any]
+_Flow = Generator[Any, Any, Any]
+"""Yields a `_Script` (answered by its `_sql.Reply` list), a `_Queue` (no answer) or a
+`_Piped` (answered by a libpq result per step)."""
+
+
+class _Piped(list[tuple[Any, ...]]):
+    """Steps sent to libpq in one round trip (its pipeline mode, one sync): a statement with
+    no parameters ``(sql,)``, a prepare ``(wire, None)``, an execution of a prepared
+    statement ``(wire, values)``; answered by each step's libpq result. The path of a
+    connection whose client encoding is UTF-8 and that is not in pipeline mode itself."""
+
+
+class _Wired:
+    """One statement run by `_wire.run`, binary: answered by one `_sql.Reply` with no rows.
+    Prepared once per session (with the claim), but for a store made with ``prepare=False``
+    (behind a pooler): sent unnamed."""
+
+    __slots__ = ("names", "params", "wire")
+
+    def __init__(self, wire: _wire.Wire, params: Any, names: set[bytes], store: Any) -> None:
+        self.wire, self.params = wire, params
+        self.names = names if store._prepare else None
+
+
+_SEND: Final = psycopg.generators.send
+_FETCH_MANY: Final = psycopg.generators.fetch_many
+_OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+_WRITTEN: Final = b"written"
 
 
 class _Queue(list[tuple[str, Any]]):
@@ -179,12 +210,21 @@ class _Statements:
         self.prepare = text.format(name=self.claim).strip()
         # In the caller's pipeline (no multi-statement query there): the statement itself,
         # bound on the server, each parameter cast to the type PREPARE declares.
-        body = text.split(" AS\n", 1)[1]
+        body = claim_body = text.split(" AS\n", 1)[1].strip()
         for number, kind in enumerate(_CLAIM_TYPES, start=1):
             body = body.replace(f"${number}", f"%(p{number})s::{kind}")
         self.pipelined_claim = body
         self.rewrite = _REWRITE.format(schema=schema)
         self.finish = _FINISH.format(schema=schema)
+        # The libpq path (`_wire`): the claim's body, prepared by the protocol, binary.
+        self.wire_claim = _wire.Wire.of(claim_body, "tt88tbt")
+        self.wire_rewrite = _wire.Wire.of(self.rewrite, "tbt8t")
+        self.wire_finish = _wire.Wire.of(self.finish, "tbitt8")
+        # Prepared together, the first time on a session; the UPDATEs of a store made with
+        # ``prepare=False`` (behind a pooler) go unnamed (`_Wired`), the claim is prepared.
+        self.wires: tuple[_wire.Wire, ...] = (self.wire_claim, self.wire_rewrite, self.wire_finish)
+        if not store._prepare:
+            self.wires = (self.wire_claim,)
 
 
 class _Claim:
@@ -230,6 +270,14 @@ class _Claim:
             str(max(int(op.wait.total_seconds() * 1000), 1)),
         )
         pipelined = _pipelined(self._connection)
+        names = None if pipelined else _wire.prepared_on(self._connection)
+        if names is not None:
+            begin = b""
+            if not self._connection.pgconn.transaction_status:  # IDLE: psycopg would BEGIN
+                start = getattr(self._connection, "_get_tx_start_command", None)
+                begin = start() if start is not None else b""
+            if begin or self._connection.pgconn.transaction_status:
+                return (yield from self._begin_wired(op, params, names, depth, begin))
         prepared = _PREPARED.setdefault(self._connection, set())
         name = self._sql.claim
         while True:
@@ -275,6 +323,65 @@ class _Claim:
             self._reset = _DEPTH.set(depth + 1)
         return answer
 
+    def _begin_wired(
+        self, op: Begin, params: tuple[Any, ...], names: set[bytes], depth: int, begin: bytes
+    ) -> _Flow:
+        """`_begin` on the libpq path: the savepoint, the claim and the block's savepoint,
+        pipelined, binary. The first time on a session, the claim and the two UPDATEs that
+        may follow it are prepared in the same round trip. A connection that has not begun
+        the transaction psycopg would begin (not in autocommit, idle: Django's ``atomic``)
+        begins it with *begin* (psycopg's BEGIN statement for it), in the same round trip."""
+        wire = self._sql.wire_claim
+        values = _wire.encoded(wire, params)
+        savepoint = self._savepoint
+        while True:
+            steps = _Piped([(begin,)] if begin else [])
+            steps.append((f"SAVEPOINT {savepoint}".encode(),))
+            begin = b""  # begun, whatever the claim's fate
+            prepares: list[_wire.Wire] = []
+            if wire.name not in names:
+                prepares = [w for w in self._sql.wires if w.name not in names]
+                steps.extend((each, None) for each in prepares)
+            steps.append((wire, values))
+            if op.nested:
+                steps.append((f"SAVEPOINT {savepoint}_block".encode(),))
+            try:
+                results = yield steps
+            except Exception as exc:
+                translated = _translated(exc)
+                if translated is None:
+                    raise  # the caller's driver error, in the caller's transaction
+                yield self._rollback()  # the claim's failure undone; the transaction usable
+                if type(translated) is _Unprepared and wire.name in names:
+                    # The session was reset: prepare them all again, in this round trip (the
+                    # UPDATEs could not be, later: in the caller's transaction, their failure
+                    # would abort it).
+                    names.difference_update(each.name for each in self._sql.wires)
+                    continue
+                if type(translated) is _Prepared and prepares:
+                    # One of them is (which, the error does not say): a statement still not
+                    # prepared is prepared again when its execution finds it missing.
+                    names.update(each.name for each in prepares)
+                    continue
+                if type(translated) is _Busy:
+                    names.update(each.name for each in prepares)  # only the claim failed
+                    return InProgress(retry_after=_BUSY_HINT)
+                if isinstance(translated, (_Unprepared, _Prepared)):
+                    raise  # not the session's state this driver knew: a driver error
+                raise translated from exc
+            if prepares:
+                names.update(each.name for each in prepares)
+            break
+        result = results[len(steps) - 2 if op.nested else -1]
+        if result.ntuples == 1 and result.get_value(0, 0) == _WRITTEN:
+            self._written, self._result = True, op.result
+            answer: ClaimResult | None = Acquired(1, attempt=1)
+        else:
+            answer = _wire.claim_answer(op.key, result, decided=True)
+        if type(answer) is Acquired:
+            self._reset = _DEPTH.set(depth + 1)
+        return answer
+
     def _execute(self, params: tuple[Any, ...]) -> str:
         """The EXECUTE of the prepared claim with *params* as literals, escaped by libpq for
         this connection (no client-side adaptation machinery: the claim's hot path)."""
@@ -306,7 +413,14 @@ class _Claim:
             ttl = timedelta(milliseconds=_sql.ms(op.ttl))
             params = (status, result, ttl, self._op, stored, op.token)
             script.append((self._sql.finish, params))
-        if _pipelined(self._connection):
+        sent: Any = script
+        pipelined = _pipelined(self._connection)
+        if not pipelined and len(script) == 1 and self._connection.pgconn.transaction_status:
+            names = _wire.prepared_on(self._connection)
+            if names is not None:  # the libpq path: prepared once, binary
+                wire = self._sql.wire_rewrite if self._written else self._sql.wire_finish
+                sent = _Wired(wire, script[0][1], names, store)
+        if pipelined:
             # Queued in the caller's pipeline, sent with its next statements or its commit: no
             # round trip of its own. A record changed under the block fails the statement,
             # and with it the caller's transaction, at the caller's next sync.
@@ -315,7 +429,7 @@ class _Claim:
             yield _Queue(script)
             return None
         try:
-            replies = yield script
+            replies = yield sent
         except Exception:
             with contextlib.suppress(Exception):  # give the caller its transaction back
                 yield self._rollback()
@@ -337,7 +451,13 @@ class _Claim:
             store._stored_key(op.key),
             op.token,
         )
-        replies = yield [(self._sql.finish, params)]
+        pgconn = self._connection.pgconn
+        idle = pgconn.pipeline_status or not pgconn.transaction_status  # psycopg would BEGIN
+        names = None if idle else _wire.prepared_on(self._connection)
+        script: Any = [(self._sql.finish, params)]
+        if names is not None:
+            script = _Wired(self._sql.wire_finish, params, names, store)
+        replies = yield script
         return None if replies[0].rowcount == 1 else LeaseLost()
 
     def _rollback(self) -> _Script:
@@ -395,9 +515,66 @@ def _pipelined(connection: Any) -> bool:
     return bool(connection.pgconn.pipeline_status)
 
 
-def _run(connection: Any, script: _Script) -> list[_sql.Reply]:
+def _send(pgconn: Any, steps: _Piped) -> None:
+    """Queue *steps* in libpq's pipeline mode, and their sync."""
+    pgconn.enter_pipeline_mode()
+    for step in steps:
+        if len(step) == 1:
+            pgconn.send_query_params(step[0], None)
+        elif step[1] is None:
+            wire = step[0]
+            pgconn.send_prepare(wire.name, wire.sql, wire.types)
+        else:
+            wire = step[0]
+            pgconn.send_query_prepared(wire.name, step[1], wire.formats, 1)
+    pgconn.pipeline_sync()
+
+
+def _exchange(pgconn: Any, count: int) -> Generator[Any, Any, list[Any]]:
+    """psycopg's generator that flushes the pipeline and reads back *count* steps' results
+    (the last of each) and the sync's."""
+    yield from _SEND(pgconn)
+    results = []
+    for _ in range(count):
+        results.append((yield from _FETCH_MANY(pgconn))[-1])
+    yield from _FETCH_MANY(pgconn)
+    return results
+
+
+def _piped(pgconn: Any, results: list[Any]) -> list[Any]:
+    """*results* once out of pipeline mode, or the first failed step's error raised."""
+    pgconn.exit_pipeline_mode()
+    for result in results:
+        if result.status not in _OK:
+            _wire.checked([result])  # raises its error
+    return results
+
+
+def _left(pgconn: Any) -> None:
+    """Leave pipeline mode after an interrupted exchange, if libpq lets us (it does not with
+    results not read: the connection is then in no state to be used anyway)."""
+    if pgconn.pipeline_status:
+        with contextlib.suppress(Exception):
+            pgconn.exit_pipeline_mode()
+
+
+def _run(connection: Any, script: Any) -> list[Any]:
     """Send *script* in one round trip; each statement's reply, in order."""
-    if type(script) is _Queue:
+    kind = type(script)
+    if kind is _Wired:
+        wired: Any = script
+        result = _wire.run(connection, wired.wire, wired.params, wired.names)
+        return [_sql.Reply([], result.command_tuples)]
+    if kind is _Piped:
+        pgconn = connection.pgconn
+        try:
+            _send(pgconn, script)
+            results = connection.wait(_exchange(pgconn, len(script)))
+        except BaseException:
+            _left(pgconn)
+            raise
+        return _piped(pgconn, results)
+    if kind is _Queue:
         for sql, params in script:
             Cursor(connection, row_factory=tuple_row).execute(sql, params)
         return []
@@ -429,8 +606,22 @@ def _reply(cursor: Any) -> _sql.Reply:
     return _sql.Reply(rows, cursor.rowcount)
 
 
-async def _arun(connection: Any, script: _Script) -> list[_sql.Reply]:
-    if type(script) is _Queue:
+async def _arun(connection: Any, script: Any) -> list[Any]:
+    kind = type(script)
+    if kind is _Wired:
+        wired: Any = script
+        result = await _wire.arun(connection, wired.wire, wired.params, wired.names)
+        return [_sql.Reply([], result.command_tuples)]
+    if kind is _Piped:
+        pgconn = connection.pgconn
+        try:
+            _send(pgconn, script)
+            results = await connection.wait(_exchange(pgconn, len(script)))
+        except BaseException:
+            _left(pgconn)
+            raise
+        return _piped(pgconn, results)
+    if kind is _Queue:
         for sql, params in script:
             await AsyncCursor(connection, row_factory=tuple_row).execute(sql, params)
         return []

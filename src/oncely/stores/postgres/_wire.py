@@ -47,7 +47,18 @@ else:
     require("psycopg.generators", extra="postgres")
     require("psycopg.errors", extra="postgres")
 
-__all__ = ["KINDS", "Wire", "arun", "claim_answer", "numbered", "prepared_on", "run", "wires"]
+__all__ = [
+    "KINDS",
+    "Wire",
+    "arun",
+    "checked",
+    "claim_answer",
+    "encoded",
+    "numbered",
+    "prepared_on",
+    "run",
+    "wires",
+]
 
 BACKEND: Final = "postgres"
 
@@ -131,6 +142,17 @@ def prepared_on(connection: Any) -> set[bytes] | None:
         utf8 = connection.pgconn.parameter_status(b"client_encoding") == b"UTF8"
         prepared = connection._oncely_prepared = set() if utf8 else None
     return prepared
+
+
+def encoded(wire: Wire, params: Sequence[Any]) -> list[bytes | None]:
+    """*params* in *wire*'s binary formats, for a caller that sends *wire* itself (the inbox,
+    in one pipeline with its savepoint)."""
+    return [None if v is None else f(v) for f, v in zip(wire.encoders, params, strict=True)]
+
+
+def checked(results: list[Any]) -> Any:
+    """The last of *results*, or its error raised as psycopg's exception."""
+    return _checked(results)
 
 
 def _checked(results: list[Any]) -> Any:
