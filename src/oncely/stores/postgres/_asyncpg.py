@@ -11,11 +11,12 @@ so a sequential caller keeps one connection and one server process; at most ``ma
 open per loop, a caller waits ``pool_timeout`` for one. asyncpg's own pool is not used: it
 resets a connection on every release, a round trip per statement.
 
-A batch of one statement runs alone (autocommit: its own transaction, as in pipeline mode). A
-longer batch runs in one explicit transaction, a round trip per statement: asyncpg has no public
-call that pipelines statements and answers each one's rows and row count (``executemany``
-answers neither). The transaction, the key order and the all-or-nothing outcome are the same as
-the psycopg pipeline's (see `_sql.Batch`).
+A batch of one statement runs alone (autocommit: its own transaction, as in pipeline mode), and
+the batch verbs send one statement for the whole batch (`_sql.CLAIM_SET`). A longer batch (a
+key twice in a batch of completions or extends) runs in one explicit transaction, a round trip
+per statement: asyncpg has no public call that pipelines statements and answers each one's rows
+and row count (``executemany`` answers neither). The transaction, the key order and the
+all-or-nothing outcome are the same as the psycopg pipeline's (see `_sql.Batch`).
 
 Sessions that die under a statement are handled as in the psycopg path: a statement marked
 ``resend`` is sent once more on a fresh connection. A cancelled caller's connection is closed

@@ -6,9 +6,9 @@ inserts a new key, or answers a replay, a mismatch or a live lease from a plain 
 needs a decision on a locked row (a lapsed lease, an expired or released record, a lost insert
 race) goes on to the ``oncely_claim`` function that `PostgresStore.migrate` installs (see
 ``schema.sql`` for why that takes a function to be race-free), in a second round trip. The other
-verbs are single ``UPDATE``s. The batch verbs send their statements in pipeline mode: one round
-trip and one transaction per batch (see `_sql.Batch` for why one transaction, and why in key
-order).
+verbs are single ``UPDATE``s. The batch verbs send one statement over arrays of their items
+(`_sql.CLAIM_SET`, `_sql.FINISH_SET`, `_sql.EXTEND_SET`) in pipeline mode: one round trip and
+one transaction per batch (see `_sql.Batch` for why one transaction, and why in key order).
 
 A transition whose session dies under it (a restart, a failover, a proxy cutting the
 connection, perhaps after the commit with the reply lost) is sent once more on a fresh
