@@ -1102,3 +1102,62 @@ def test_sqlite_the_same_key_claimed_inside_its_own_block_is_in_progress(
     connection.execute("COMMIT")
     assert store.get("s|o-1").status is oncely.Status.COMPLETED
     store.close()
+
+
+def _until_busy(connection: Any) -> None:
+    """Wait until *connection* has a statement in flight (libpq's transaction status ACTIVE)."""
+    for _ in range(2000):
+        if connection.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("the other statement never started")
+
+
+@pytest.mark.postgres
+def test_postgres_claim_waits_for_another_threads_statement_on_the_connection(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    # psycopg connections are thread-safe (statements are serialised by the connection's lock):
+    # the inbox's own libpq path must take that lock too, not send beside a statement in flight.
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection, connection.transaction():
+        other = threading.Thread(target=connection.execute, args=("SELECT pg_sleep(0.3)",))
+        other.start()
+        try:
+            _until_busy(connection)
+            with inbox.claim(connection, order, scope="shared") as entry:
+                assert not entry.replayed
+                connection.execute("INSERT INTO orders VALUES (%s, 7)", (order,))
+                entry.complete("done")
+        finally:
+            other.join()
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 7)]
+    assert pg_store.get(f"shared|{order}").status is oncely.Status.COMPLETED
+
+
+@pytest.mark.postgres
+def test_postgres_async_claim_waits_for_another_tasks_statement_on_the_connection(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    inbox = Inbox(pg_store)
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    base, schema = pg
+
+    async def place() -> None:
+        async with await psycopg.AsyncConnection.connect(base) as connection:
+            await connection.execute(f'SET search_path TO "{schema}"')
+            async with connection.transaction():
+                other = asyncio.create_task(connection.execute("SELECT pg_sleep(0.3)"))
+                for _ in range(2000):
+                    if connection.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+                        break
+                    await asyncio.sleep(0.005)
+                async with inbox.aclaim(connection, order, scope="shared") as entry:
+                    assert not entry.replayed
+                    await connection.execute("INSERT INTO orders VALUES (%s, 8)", (order,))
+                    entry.complete("done")
+                await other
+
+    asyncio.run(place())
+    assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 8)]

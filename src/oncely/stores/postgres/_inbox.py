@@ -563,17 +563,20 @@ def _run(connection: Any, script: Any) -> list[Any]:
     kind = type(script)
     if kind is _Wired:
         wired: Any = script
-        result = _wire.run(connection, wired.wire, wired.params, wired.names)
+        # The connection's lock, as psycopg's cursors take it: another thread may share it.
+        with connection.lock:
+            result = _wire.run(connection, wired.wire, wired.params, wired.names)
         return [_sql.Reply([], result.command_tuples)]
     if kind is _Piped:
         pgconn = connection.pgconn
-        try:
-            _send(pgconn, script)
-            results = connection.wait(_exchange(pgconn, len(script)))
-        except BaseException:
-            _left(pgconn)
-            raise
-        return _piped(pgconn, results)
+        with connection.lock:
+            try:
+                _send(pgconn, script)
+                results = connection.wait(_exchange(pgconn, len(script)))
+            except BaseException:
+                _left(pgconn)
+                raise
+            return _piped(pgconn, results)
     if kind is _Queue:
         for sql, params in script:
             Cursor(connection, row_factory=tuple_row).execute(sql, params)
@@ -610,17 +613,19 @@ async def _arun(connection: Any, script: Any) -> list[Any]:
     kind = type(script)
     if kind is _Wired:
         wired: Any = script
-        result = await _wire.arun(connection, wired.wire, wired.params, wired.names)
+        async with connection.lock:  # as in `_run`: another task may share the connection
+            result = await _wire.arun(connection, wired.wire, wired.params, wired.names)
         return [_sql.Reply([], result.command_tuples)]
     if kind is _Piped:
         pgconn = connection.pgconn
-        try:
-            _send(pgconn, script)
-            results = await connection.wait(_exchange(pgconn, len(script)))
-        except BaseException:
-            _left(pgconn)
-            raise
-        return _piped(pgconn, results)
+        async with connection.lock:
+            try:
+                _send(pgconn, script)
+                results = await connection.wait(_exchange(pgconn, len(script)))
+            except BaseException:
+                _left(pgconn)
+                raise
+            return _piped(pgconn, results)
     if kind is _Queue:
         for sql, params in script:
             await AsyncCursor(connection, row_factory=tuple_row).execute(sql, params)
