@@ -76,7 +76,7 @@ from oncely._core.records import (
     Replay,
     Status,
 )
-from oncely._inbox_store import Begin, Finish, Rollback, Settle
+from oncely._inbox_store import Begin, Commit, Finish, Open, Rollback, Settle
 from oncely._log import fields
 from oncely.decorator import (
     _ALL,
@@ -198,6 +198,50 @@ class Inbox:
         """`claim` for an async connection or session: an ``async with`` block."""
         plan = self._plan(key, scope, fingerprint)
         return AsyncInboxEntry(self, plan, connection)
+
+    def transaction(
+        self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
+    ) -> InboxEntry:
+        """Open a transaction on *connection* and claim *key* (within *scope*) in it: a
+        ``with`` block whose writes and record commit together when it ends.
+
+        The fastest form on PostgreSQL: the transaction's BEGIN and the claim go in one round
+        trip, the outcome and the COMMIT in one more. The entry behaves as `claim`'s; the
+        transaction is the inbox's: committed on a clean exit (a replay's too), or with a final
+        error recorded in place of the block's writes; rolled back when the block raises any
+        other exception (which propagates). A COMMIT that fails raises the driver's error.
+
+        .. code-block:: python
+
+            with inbox.transaction(connection, order_id, scope="orders.create") as entry:
+                if entry.replayed:
+                    return entry.result
+                connection.execute("INSERT INTO orders ...")
+                entry.complete({"order_id": order_id})
+
+        Args:
+            connection: A psycopg ``Connection`` in no transaction (autocommit or not), or a
+                ``sqlite3.Connection`` in none (the transaction is ``BEGIN IMMEDIATE``).
+            key: The idempotency key; validated before it touches the database.
+            scope: The operation's name, as for `claim`.
+            fingerprint: What the operation was asked to do, as for `claim`.
+
+        Raises:
+            ConfigurationError: The connection is in a transaction already, in psycopg's
+                pipeline mode, or a SQLAlchemy or Django one: use `claim` in the transaction.
+
+        .. versionadded:: 0.1.0
+        """
+        plan = self._plan(key, scope, fingerprint)
+        perform = _sleeping(self._driver.bind(connection, True))
+        return InboxEntry(self, plan, perform, own=True)
+
+    def atransaction(
+        self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
+    ) -> AsyncInboxEntry:
+        """`transaction` for a psycopg ``AsyncConnection``: an ``async with`` block."""
+        plan = self._plan(key, scope, fingerprint)
+        return AsyncInboxEntry(self, plan, connection, own=True)
 
     def idempotent(
         self,
@@ -486,7 +530,9 @@ def _decorate(
 # -- the flow, once for sync and async ----------------------------------------------------------
 
 
-def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
+def _enter(inbox: Inbox, plan: _Plan, own: bool) -> Flow[Acquired | Replay]:
+    """Claim *plan*'s key (with *own*: in a transaction the claim opens, and that any answer
+    but `Acquired` or `Replay` has ended), waiting or raising as the policy says."""
     policy = inbox.policy
     deadline = time.monotonic() + policy.wait_timeout.total_seconds()
     while True:
@@ -501,6 +547,7 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
             wait,
             bool(policy.final_errors),
             inbox._none,
+            own,
         )
         if isinstance(answer, (Acquired, Replay)):
             return answer
@@ -514,25 +561,26 @@ def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
 
 
 def _exit(
-    inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None
+    inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None, own: bool
 ) -> Flow[None]:
     """Record the block's outcome, as the decorator does: a value, or a final error (which
-    still propagates: whatever recording it raises is chained to it, never masking it)."""
+    still propagates: whatever recording it raises is chained to it, never masking it). With
+    *own*, the transaction the claim opened ends with it: committed, or rolled back."""
     policy = inbox.policy
+    status = Status.COMPLETED
     if error is None and value is None:
-        finish = Finish(plan.key, token, Status.COMPLETED, inbox._none, policy.ttl)
+        payload = inbox._none
     elif error is None:
         try:
             payload = _codec.encode_value(inbox.codec.encode(value))
         except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
             payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-        finish = Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
     elif isinstance(error, policy.final_errors):
-        payload = _codec.encode_error(error)
-        finish = Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
+        status, payload = Status.FAILED, _codec.encode_error(error)
     else:
-        yield Rollback()
+        yield Rollback(end=own)
         return
+    finish = Finish(plan.key, token, status, payload, policy.ttl, error is not None, own)
     try:
         answer = yield finish
         if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
@@ -543,6 +591,12 @@ def _exit(
         _execution.chain(error, exc)
 
 
+def _end(error: BaseException | None) -> Flow[None]:
+    """End the transaction the inbox opened around a block that claimed nothing (a replay, or
+    a disabled inbox's): committed, or rolled back when the block raised."""
+    yield Commit() if error is None else Rollback(end=True)
+
+
 _UNPROTECTED = Acquired(token=0)
 """The claim of an entry under ``ONCELY_DISABLED``: held, never written."""
 
@@ -550,9 +604,10 @@ _UNPROTECTED = Acquired(token=0)
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
-    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any) -> None:
+    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any, own: bool = False) -> None:
         self._inbox = inbox
         self._plan = plan
+        self._own = own
         self._annotation = annotation
         self._acquired: Acquired | None = None
         self._replay: Replay | None = None
@@ -625,30 +680,46 @@ class _EntryState:
             _OPEN.set(_OPEN.get() - {self._mark})
             self._open = False
         if self._acquired is None or self._acquired is _UNPROTECTED:
-            return None  # replayed (nothing was written, the savepoint is gone), or disabled
-        return _exit(self._inbox, self._plan, self._acquired.token, self._value, error)
+            # replayed (nothing was written, the savepoint is gone), or disabled
+            return _end(error) if self._own else None
+        return _exit(self._inbox, self._plan, self._acquired.token, self._value, error, self._own)
+
+    def _enter_flow(self) -> Flow[Any] | None:
+        """The claim's flow, or ``None`` (disabled, the block run unprotected; with a
+        transaction to own, a flow that opens it)."""
+        if self._unprotected():
+            return _open() if self._own else None
+        self._reentered()
+        flow = _enter(self._inbox, self._plan, self._own)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        return flow
 
 
 class InboxEntry(_EntryState):
-    """One claim in the caller's transaction (from `Inbox.claim`): a ``with`` block.
+    """One claim in the caller's transaction (from `Inbox.claim`), or in the transaction the
+    inbox opens (from `Inbox.transaction`): a ``with`` block.
 
     .. versionadded:: 0.1.0
     """
 
     def __init__(
-        self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any], annotation: Any = Any
+        self,
+        inbox: Inbox,
+        plan: _Plan,
+        perform: Callable[[Any], Any],
+        annotation: Any = Any,
+        own: bool = False,
     ) -> None:
-        super().__init__(inbox, plan, annotation)
+        super().__init__(inbox, plan, annotation, own)
         self._perform = perform
 
     def __enter__(self) -> InboxEntry:
-        if self._unprotected():
-            return self
-        self._reentered()
-        flow = _enter(self._inbox, self._plan)
-        if _events.on:
-            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
-        self._entered(drive(flow, self._perform))
+        flow = self._enter_flow()
+        if flow is not None:
+            answer = drive(flow, self._perform)
+            if answer is not None:
+                self._entered(answer)
         return self
 
     def __exit__(
@@ -657,11 +728,16 @@ class InboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        flow = self._exit_flow(exc)
+        try:
+            if flow is not None:
+                drive(flow, self._perform)
+        except BaseException as failed:  # not done: its outcome is not reported as one
+            if _events.on:
+                _observed.exited(self, failed)
+            raise
         if _events.on:
             _observed.exited(self, exc)
-        flow = self._exit_flow(exc)
-        if flow is not None:
-            drive(flow, self._perform)
 
 
 class AsyncInboxEntry(_EntryState):
@@ -670,27 +746,34 @@ class AsyncInboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, connection: Any, annotation: Any = Any) -> None:
-        super().__init__(inbox, plan, annotation)
+    def __init__(
+        self,
+        inbox: Inbox,
+        plan: _Plan,
+        connection: Any,
+        annotation: Any = Any,
+        own: bool = False,
+    ) -> None:
+        super().__init__(inbox, plan, annotation, own)
         self._connection = connection
         self._perform: Callable[[Any], Awaitable[Any]] | None = None
 
     async def _bound(self) -> Callable[[Any], Awaitable[Any]]:
         if self._perform is None:
-            self._perform = functools.partial(
-                _asleep, await self._inbox._driver.abind(self._connection)
-            )
+            bound = await self._inbox._driver.abind(self._connection, self._own)
+            self._perform = functools.partial(_asleep, bound)
         return self._perform
 
     async def __aenter__(self) -> AsyncInboxEntry:
-        if self._unprotected():
+        if _switches.disabled and not self._own:
+            self._unprotected()
             return self
-        self._reentered()
         perform = await self._bound()
-        flow = _enter(self._inbox, self._plan)
-        if _events.on:
-            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
-        self._entered(await adrive(flow, perform))
+        flow = self._enter_flow()
+        if flow is not None:
+            answer = await adrive(flow, perform)
+            if answer is not None:
+                self._entered(answer)
         return self
 
     async def __aexit__(
@@ -699,11 +782,21 @@ class AsyncInboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        flow = self._exit_flow(exc)
+        try:
+            if flow is not None:
+                await adrive(flow, await self._bound())
+        except BaseException as failed:  # not done: its outcome is not reported as one
+            if _events.on:
+                _observed.exited(self, failed)
+            raise
         if _events.on:
             _observed.exited(self, exc)
-        flow = self._exit_flow(exc)
-        if flow is not None:
-            await adrive(flow, await self._bound())
+
+
+def _open() -> Flow[None]:
+    """Open the transaction of a disabled inbox's block, claiming nothing."""
+    yield Open()
 
 
 # -- drivers ------------------------------------------------------------------------------------

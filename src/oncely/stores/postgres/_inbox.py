@@ -37,9 +37,9 @@ from psycopg.rows import tuple_row
 
 from oncely import _txn
 from oncely._core.flow import adrive, drive
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Status
-from oncely._inbox_store import Begin, Finish, Op, Rollback, Settle
-from oncely.errors import SchemaMissingError
+from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Replay, Status
+from oncely._inbox_store import Begin, Commit, Finish, Op, Open, Rollback, Settle
+from oncely.errors import ConfigurationError, OncelyError, SchemaMissingError
 from oncely.stores.postgres import _sql, _wire
 
 __all__ = ["InboxDriver"]
@@ -162,8 +162,9 @@ _Flow = Generator[Any, Any, Any]
 class _Piped(list[tuple[Any, ...]]):
     """Steps sent to libpq in one round trip (its pipeline mode, one sync): a statement with
     no parameters ``(sql,)``, a prepare ``(wire, None)``, an execution of a prepared
-    statement ``(wire, values)``; answered by each step's libpq result. The path of a
-    connection whose client encoding is UTF-8 and that is not in pipeline mode itself."""
+    statement ``(wire, values)`` or of an unnamed one ``(wire, values, False)``; answered by
+    each step's libpq result. The path of a connection whose client encoding is UTF-8 and that
+    is not in pipeline mode itself."""
 
 
 class _Wired:
@@ -220,9 +221,19 @@ class _Statements:
         self.wire_claim = _wire.Wire.of(claim_body, "tt88tbt")
         self.wire_rewrite = _wire.Wire.of(self.rewrite, "tbt8t")
         self.wire_finish = _wire.Wire.of(self.finish, "tbitt8")
+        # Sent with the COMMIT of a transaction the inbox owns: failing when they change no
+        # row, so that the COMMIT, in the same round trip, does not commit the block alone.
+        self.wire_guarded_rewrite = _wire.Wire.of(_guarded(self.rewrite), "tbt8t")
+        self.wire_guarded_finish = _wire.Wire.of(_guarded(self.finish), "tbitt8")
         # Prepared together, the first time on a session; the UPDATEs of a store made with
         # ``prepare=False`` (behind a pooler) go unnamed (`_Wired`), the claim is prepared.
-        self.wires: tuple[_wire.Wire, ...] = (self.wire_claim, self.wire_rewrite, self.wire_finish)
+        self.wires: tuple[_wire.Wire, ...] = (
+            self.wire_claim,
+            self.wire_rewrite,
+            self.wire_finish,
+            self.wire_guarded_rewrite,
+            self.wire_guarded_finish,
+        )
         if not store._prepare:
             self.wires = (self.wire_claim,)
 
@@ -230,11 +241,21 @@ class _Statements:
 class _Claim:
     """One claim's operations on one connection, as scripts (sync and async alike)."""
 
-    __slots__ = ("_connection", "_op", "_reset", "_result", "_savepoint", "_sql", "_written")
+    __slots__ = (
+        "_connection",
+        "_op",
+        "_own",
+        "_reset",
+        "_result",
+        "_savepoint",
+        "_sql",
+        "_written",
+    )
 
-    def __init__(self, statements: _Statements, connection: Any) -> None:
+    def __init__(self, statements: _Statements, connection: Any, own: bool = False) -> None:
         self._sql = statements
         self._connection = connection
+        self._own = own  # the inbox opens and ends the transaction (`Begin.own`)
         self._written = False  # the claim inserted the record, completed with _result
         self._result = b""
         self._op = ""
@@ -253,6 +274,13 @@ class _Claim:
             self._leave()
             yield self._rollback()
             return None
+        if kind is Commit:
+            self._ended()
+            yield _Piped([(b"COMMIT",)])
+            return None
+        if kind is Open:
+            yield _Piped([(self._start(),)])
+            return None
         raise TypeError(f"cannot perform {op!r}")
 
     def _begin(self, op: Begin) -> _Flow:
@@ -269,6 +297,11 @@ class _Claim:
             op.result,
             str(max(int(op.wait.total_seconds() * 1000), 1)),
         )
+        if self._own:
+            names = _wire.prepared_on(self._connection)
+            if names is None:  # refused at bind: the encoding changed since
+                raise ConfigurationError(_OWN_ENCODING)
+            return (yield from self._begin_wired(op, params, names, depth, self._start()))
         pipelined = _pipelined(self._connection)
         names = None if pipelined else _wire.prepared_on(self._connection)
         if names is not None:
@@ -333,11 +366,12 @@ class _Claim:
         begins it with *begin* (psycopg's BEGIN statement for it), in the same round trip."""
         wire = self._sql.wire_claim
         values = _wire.encoded(wire, params)
-        savepoint = self._savepoint
+        savepoint, own = self._savepoint, self._own
         while True:
             steps = _Piped([(begin,)] if begin else [])
-            steps.append((f"SAVEPOINT {savepoint}".encode(),))
-            begin = b""  # begun, whatever the claim's fate
+            if not own:  # an owned transaction is the claim's savepoint: ROLLBACK undoes it
+                steps.append((f"SAVEPOINT {savepoint}".encode(),))
+                begin = b""  # begun, whatever the claim's fate
             prepares: list[_wire.Wire] = []
             if wire.name not in names:
                 prepares = [w for w in self._sql.wires if w.name not in names]
@@ -350,6 +384,9 @@ class _Claim:
             except Exception as exc:
                 translated = _translated(exc)
                 if translated is None:
+                    if own:  # the inbox's transaction: ended, if the connection still can
+                        with contextlib.suppress(Exception):
+                            yield self._rollback()
                     raise  # the caller's driver error, in the caller's transaction
                 yield self._rollback()  # the claim's failure undone; the transaction usable
                 if type(translated) is _Unprepared and wire.name in names:
@@ -380,7 +417,23 @@ class _Claim:
             answer = _wire.claim_answer(op.key, result, decided=True)
         if type(answer) is Acquired:
             self._reset = _DEPTH.set(depth + 1)
+        elif own and type(answer) is not Replay:  # no block runs: the transaction ends here
+            yield self._rollback()
         return answer
+
+    def _start(self) -> bytes:
+        """The BEGIN psycopg would send (with the connection's isolation level, read-only,
+        deferrable), for a transaction the inbox owns."""
+        start = getattr(self._connection, "_get_tx_start_command", None)
+        return start() if start is not None else b"BEGIN"
+
+    def _ended(self) -> None:
+        """Refuse to end an owned transaction that the block ended itself."""
+        if not self._connection.pgconn.transaction_status:  # IDLE
+            raise OncelyError(
+                "the inbox's transaction was ended inside its block (a commit or rollback "
+                "there): the block's writes and the record no longer go together"
+            )
 
     def _execute(self, params: tuple[Any, ...]) -> str:
         """The EXECUTE of the prepared claim with *params* as literals, escaped by libpq for
@@ -400,6 +453,8 @@ class _Claim:
 
     def _finish(self, op: Finish) -> _Flow:
         self._leave()
+        if op.end:
+            return (yield from self._finish_owned(op))
         if self._written and not op.undo_block and op.result == self._result:
             return None  # the claim wrote this very outcome
         store = self._sql.store
@@ -439,6 +494,39 @@ class _Claim:
         yield self._rollback()  # the record changed under the block: undo the block too
         return LeaseLost()
 
+    def _finish_owned(self, op: Finish) -> _Flow:
+        """`_finish` in a transaction the inbox owns: the outcome's UPDATE (guarded: failing
+        when it changes no row) and the COMMIT in one round trip; just the COMMIT when the
+        claim wrote this very outcome. A guard that fails rolls back: `LeaseLost`."""
+        self._ended()
+        steps = _Piped()
+        if op.undo_block:
+            steps.append((f"ROLLBACK TO SAVEPOINT {self._savepoint}_block".encode(),))
+        if not self._written or op.undo_block or op.result != self._result:
+            stored, status, result = self._sql.store._stored_key(op.key), op.status.value, op.result
+            if self._written:
+                wire = self._sql.wire_guarded_rewrite
+                params: tuple[Any, ...] = (status, result, stored, op.token, self._op)
+            else:
+                ttl = timedelta(milliseconds=_sql.ms(op.ttl))
+                wire = self._sql.wire_guarded_finish
+                params = (status, result, ttl, self._op, stored, op.token)
+            values = _wire.encoded(wire, params)
+            prepared = self._sql.store._prepare
+            steps.append((wire, values) if prepared else (wire, values, False))
+        steps.append((b"COMMIT",))
+        try:
+            yield steps
+        except Exception as exc:
+            pgconn = self._connection.pgconn
+            if pgconn.transaction_status in (_INTRANS, _INERROR):  # not ended by the COMMIT
+                with contextlib.suppress(Exception):
+                    yield self._rollback()
+            if _guard_failed(exc):
+                return LeaseLost()
+            raise  # the COMMIT failed (or the connection): nothing done
+        return None
+
     def _settle(self, op: Settle) -> _Flow:
         """Complete a record claimed with a lease elsewhere: no savepoint, one statement."""
         store = self._sql.store
@@ -460,7 +548,9 @@ class _Claim:
         replies = yield script
         return None if replies[0].rowcount == 1 else LeaseLost()
 
-    def _rollback(self) -> _Script:
+    def _rollback(self) -> Any:
+        if self._own:
+            return _Piped([(b"ROLLBACK",)])
         savepoint = self._savepoint
         return [
             (f"ROLLBACK TO SAVEPOINT {savepoint}", None),
@@ -482,23 +572,62 @@ class InboxDriver:
     def __init__(self, store: Any) -> None:
         self._statements = _Statements(store)
 
-    def bind(self, connection: Any) -> Callable[[Op], Any]:
+    def bind(self, connection: Any, own: bool = False) -> Callable[[Op], Any]:
         """See `oncely._inbox_store.InboxDriver.bind`."""
-        raw = _txn.raw_connection(connection, _USER)
-        _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements, raw), functools.partial(_run, raw)
+        if own:
+            raw = _idle(connection, psycopg.Connection)
+        else:
+            raw = _txn.raw_connection(connection, _USER)
+            _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements, raw, own), functools.partial(_run, raw)
         return lambda op: drive(claim.flow(op), run)
 
-    async def abind(self, connection: Any) -> Callable[[Op], Awaitable[Any]]:
+    async def abind(self, connection: Any, own: bool = False) -> Callable[[Op], Awaitable[Any]]:
         """See `oncely._inbox_store.InboxDriver.abind`."""
-        raw = await _txn.araw_connection(connection)
-        _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements, raw), functools.partial(_arun, raw)
+        if own:
+            raw = _idle(connection, psycopg.AsyncConnection)
+        else:
+            raw = await _txn.araw_connection(connection)
+            _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements, raw, own), functools.partial(_arun, raw)
 
         async def perform(op: Op) -> Any:
             return await adrive(claim.flow(op), run)
 
         return perform
+
+
+_OWN_ENCODING = (
+    "Inbox.transaction needs a connection whose client encoding is UTF-8: with another, open "
+    "the transaction yourself and use Inbox.claim in it"
+)
+_INTRANS: Final = 2
+_INERROR: Final = 3
+"""libpq's transaction statuses (``psycopg.pq.TransactionStatus``), as integers."""
+
+
+def _idle(connection: Any, kind: type[Any]) -> Any:
+    """*connection*, a psycopg connection of *kind* in no transaction and not in pipeline
+    mode, for a transaction the inbox owns; or `ConfigurationError` saying to use ``claim``."""
+    hint = "open the transaction yourself and use Inbox.claim in it"
+    if not isinstance(connection, kind):
+        raise ConfigurationError(
+            f"Inbox.transaction opens the transaction itself on a psycopg {kind.__name__}, "
+            f"not a {type(connection).__name__}: {hint}"
+        )
+    pgconn = connection.pgconn
+    if pgconn.transaction_status:  # not IDLE
+        raise ConfigurationError(f"the connection is in a transaction already: {hint}")
+    if pgconn.pipeline_status:
+        raise ConfigurationError(f"the connection is in pipeline mode: {hint}")
+    if _wire.prepared_on(connection) is None:
+        raise ConfigurationError(_OWN_ENCODING)
+    return connection
+
+
+def _guard_failed(exc: BaseException) -> bool:
+    """Whether *exc* is a guarded UPDATE's (`_guarded`) failure: its record was changed."""
+    return getattr(exc, "sqlstate", None) == "22P02" and "oncely: the inbox record" in str(exc)
 
 
 def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
@@ -524,6 +653,9 @@ def _send(pgconn: Any, steps: _Piped) -> None:
         elif step[1] is None:
             wire = step[0]
             pgconn.send_prepare(wire.name, wire.sql, wire.types)
+        elif len(step) == 3:  # unnamed: a store made with ``prepare=False``
+            wire = step[0]
+            pgconn.send_query_params(wire.sql, step[1], wire.types, wire.formats, 1)
         else:
             wire = step[0]
             pgconn.send_query_prepared(wire.name, step[1], wire.formats, 1)
