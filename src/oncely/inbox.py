@@ -32,6 +32,11 @@ How it behaves, seen from one transaction:
   are undone, the error is recorded in the caller's transaction (kept if it commits), and a
   replay raises it again.
 
+`Inbox.transaction` is the form for an operation that is the whole transaction: the inbox opens
+it on an idle connection, claims in it, and ends it with the block (committed, or rolled back
+when the block raises; a final error recorded and committed). On PostgreSQL its BEGIN goes with
+the claim and its COMMIT with the outcome, with no savepoint: the fastest form.
+
 On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
 one query; a new key's record is written complete at once, the transaction hiding it until
 commit); recording a value is one UPDATE more, and a replay or a block that records nothing
