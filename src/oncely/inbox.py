@@ -61,12 +61,10 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _events, _execution, _inbox_store, _observed, _switches, _txn
+from oncely import _events, _execution, _inbox_flow, _inbox_store, _observed, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -75,13 +73,10 @@ from oncely._core.keys import scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.records import (
     Acquired,
-    ClaimResult,
     LeaseLost,
-    Mismatch,
     Replay,
-    Status,
 )
-from oncely._inbox_store import Begin, Commit, Finish, Open, Rollback, Settle
+from oncely._inbox_store import Settle
 from oncely._log import fields
 from oncely.decorator import (
     _ALL,
@@ -95,7 +90,6 @@ from oncely.decorator import (
 )
 from oncely.errors import (
     ConfigurationError,
-    FingerprintMismatchError,
     InProgressError,
     LeaseLostError,
     OncelyError,
@@ -122,8 +116,6 @@ _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
 """The parameters `Inbox.idempotent` looks for the connection in, in this order."""
 
 _USER = "the inbox"
-_BUSY_HINT = timedelta(seconds=1)
-"""`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
 
 class Inbox:
@@ -396,17 +388,11 @@ class Inbox:
         payload = _execution.outcome_of(lease, value, self.codec)
         return Settle(lease.key, lease.token, payload, lease.ttl or self.policy.ttl)
 
-    def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
+    def _plan(self, key: str, scope: str, fingerprint: Any) -> _inbox_flow.Plan:
         if not isinstance(scope, str) or not scope:
             raise ConfigurationError("the inbox needs a scope naming the operation")
         scoped = scope_key(scope, validate_key(key))
-        return _Plan(scoped, "" if fingerprint is None else digest([fingerprint]))
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    key: str
-    fingerprint: str
+        return _inbox_flow.Plan(scoped, "" if fingerprint is None else digest([fingerprint]))
 
 
 def current_transaction() -> Any:
@@ -494,7 +480,7 @@ def _decorate(
     )
     get_connection = connection
 
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Plan, Any]:
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_inbox_flow.Plan, Any]:
         _, key, fingerprint, *_ = plan.invocation(args, kwargs, None)
         arguments = plan.arguments(args, kwargs)
         if isinstance(get_connection, str):
@@ -502,7 +488,7 @@ def _decorate(
         else:
             positional, named = plan.call_arguments(arguments)
             handle = get_connection(*positional, **named)
-        return _Plan(key, fingerprint), handle
+        return _inbox_flow.Plan(key, fingerprint), handle
 
     if _is_async(fn):
 
@@ -532,76 +518,6 @@ def _decorate(
     return wrapper
 
 
-# -- the flow, once for sync and async ----------------------------------------------------------
-
-
-def _enter(inbox: Inbox, plan: _Plan, own: bool) -> Flow[Acquired | Replay]:
-    """Claim *plan*'s key (with *own*: in a transaction the claim opens, and that any answer
-    but `Acquired` or `Replay` has ended), waiting or raising as the policy says."""
-    policy = inbox.policy
-    deadline = time.monotonic() + policy.wait_timeout.total_seconds()
-    while True:
-        wait = timedelta(0)
-        if policy.on_conflict == "wait":
-            wait = timedelta(seconds=max(deadline - time.monotonic(), 0))
-        answer: ClaimResult = yield Begin(
-            plan.key,
-            plan.fingerprint,
-            policy.lease,
-            policy.ttl,
-            wait,
-            bool(policy.final_errors),
-            inbox._none,
-            own,
-        )
-        if isinstance(answer, (Acquired, Replay)):
-            return answer
-        if isinstance(answer, Mismatch):
-            raise FingerprintMismatchError(plan.key)
-        remaining = deadline - time.monotonic()
-        if policy.on_conflict == "raise" or remaining <= 0:
-            raise InProgressError(plan.key, retry_after=min(answer.retry_after, _BUSY_HINT))
-        # A lease held elsewhere (a transaction is waited for inside the claim itself).
-        yield _execution.Sleep(min(answer.retry_after.total_seconds(), 0.05, remaining))
-
-
-def _exit(
-    inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None, own: bool
-) -> Flow[None]:
-    """Record the block's outcome, as the decorator does: a value, or a final error (which
-    still propagates: whatever recording it raises is chained to it, never masking it). With
-    *own*, the transaction the claim opened ends with it: committed, or rolled back."""
-    policy = inbox.policy
-    status = Status.COMPLETED
-    if error is None and value is None:
-        payload = inbox._none
-    elif error is None:
-        try:
-            payload = _codec.encode_value(inbox.codec.encode(value))
-        except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
-            payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-    elif isinstance(error, policy.final_errors):
-        status, payload = Status.FAILED, _codec.encode_error(error)
-    else:
-        yield Rollback(end=own)
-        return
-    finish = Finish(plan.key, token, status, payload, policy.ttl, error is not None, own)
-    try:
-        answer = yield finish
-        if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
-            raise LeaseLostError(plan.key, token=token)
-    except Exception as exc:
-        if error is None:
-            raise
-        _execution.chain(error, exc)
-
-
-def _end(error: BaseException | None) -> Flow[None]:
-    """End the transaction the inbox opened around a block that claimed nothing (a replay, or
-    a disabled inbox's): committed, or rolled back when the block raised."""
-    yield Commit() if error is None else Rollback(end=True)
-
-
 _UNPROTECTED = Acquired(token=0)
 """The claim of an entry under ``ONCELY_DISABLED``: held, never written."""
 
@@ -609,7 +525,9 @@ _UNPROTECTED = Acquired(token=0)
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
-    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any, own: bool = False) -> None:
+    def __init__(
+        self, inbox: Inbox, plan: _inbox_flow.Plan, annotation: Any = Any, own: bool = False
+    ) -> None:
         self._inbox = inbox
         self._plan = plan
         self._own = own
@@ -670,7 +588,7 @@ class _EntryState:
     def _reentered(self) -> None:
         """Raise `InProgressError` if this key's block is running in this context already."""
         if self._mark in _OPEN.get():
-            raise InProgressError(self._plan.key, retry_after=_BUSY_HINT)
+            raise InProgressError(self._plan.key, retry_after=_inbox_flow.BUSY_HINT)
 
     def _entered(self, outcome: Acquired | Replay) -> None:
         if isinstance(outcome, Replay):
@@ -686,16 +604,18 @@ class _EntryState:
             self._open = False
         if self._acquired is None or self._acquired is _UNPROTECTED:
             # replayed (nothing was written, the savepoint is gone), or disabled
-            return _end(error) if self._own else None
-        return _exit(self._inbox, self._plan, self._acquired.token, self._value, error, self._own)
+            return _inbox_flow.end(error) if self._own else None
+        return _inbox_flow.exit_flow(
+            self._inbox, self._plan, self._acquired.token, self._value, error, self._own
+        )
 
     def _enter_flow(self) -> Flow[Any] | None:
         """The claim's flow, or ``None`` (disabled, the block run unprotected; with a
         transaction to own, a flow that opens it)."""
         if self._unprotected():
-            return _open() if self._own else None
+            return _inbox_flow.open_flow() if self._own else None
         self._reentered()
-        flow = _enter(self._inbox, self._plan, self._own)
+        flow = _inbox_flow.enter(self._inbox, self._plan, self._own)
         if _events.on:
             flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
         return flow
@@ -711,7 +631,7 @@ class InboxEntry(_EntryState):
     def __init__(
         self,
         inbox: Inbox,
-        plan: _Plan,
+        plan: _inbox_flow.Plan,
         perform: Callable[[Any], Any],
         annotation: Any = Any,
         own: bool = False,
@@ -754,7 +674,7 @@ class AsyncInboxEntry(_EntryState):
     def __init__(
         self,
         inbox: Inbox,
-        plan: _Plan,
+        plan: _inbox_flow.Plan,
         connection: Any,
         annotation: Any = Any,
         own: bool = False,
@@ -797,11 +717,6 @@ class AsyncInboxEntry(_EntryState):
             raise
         if _events.on:
             _observed.exited(self, exc)
-
-
-def _open() -> Flow[None]:
-    """Open the transaction of a disabled inbox's block, claiming nothing."""
-    yield Open()
 
 
 # -- drivers ------------------------------------------------------------------------------------
