@@ -1058,7 +1058,10 @@ def test_postgres_claim_begins_the_transaction_psycopg_would(
 
 
 @pytest.mark.postgres
-def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str, str]) -> None:
+@FORMS
+def test_postgres_store_without_prepare_sends_the_updates_unnamed(
+    pg: tuple[str, str], form: str
+) -> None:
     """A store made with ``prepare=False`` (behind a pooler): the UPDATE that records the
     block's value is not prepared on the caller's session (the claim is, in its transaction,
     and prepared again when a session does not have it)."""
@@ -1069,7 +1072,7 @@ def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str,
         inbox = Inbox(store)
         with pg_connect(pg) as connection:
             for _ in range(2):
-                with connection.transaction(), inbox.claim(connection, order, scope="np") as entry:
+                with pg_block(form, inbox, connection, order, scope="np") as entry:
                     if not entry.replayed:
                         entry.complete({"order": order})
             assert entry.replayed
@@ -1079,29 +1082,39 @@ def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str,
 
 
 @pytest.mark.postgres
-def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_claim_survives_a_reset_session(
+    pg: tuple[str, str], pg_store: Any, form: str
+) -> None:
     """The claim is prepared once per session: a session reset behind oncely's back (DISCARD
     ALL, a pooler's other server connection) is prepared again, and one prepared by someone
-    else is used as it is, with the caller's transaction intact."""
+    else is used as it is, with the caller's transaction intact (the inbox's, begun again)."""
     inbox = Inbox(pg_store)
     order = f"o-{uuid.uuid4().hex[:8]}"
     with pg_connect(pg) as connection:
-        place_order_pg(inbox, connection, order, 1)
+        place_order_pg(inbox, connection, order, 1, form)
         connection.execute("DEALLOCATE ALL")
         connection.commit()
-        with connection.transaction():
-            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
-            with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+        if form == "transaction":
+            with inbox.transaction(connection, order + "-2", scope="orders.place") as entry:
                 assert not entry.replayed
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
                 entry.complete("after a reset")
+        else:
+            with connection.transaction():
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
+                with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+                    assert not entry.replayed
+                    entry.complete("after a reset")
         with pg_connect(pg) as other:  # a session that has it, unknown to oncely's bookkeeping
             name = inbox._driver._statements.claim  # type: ignore[attr-defined]
             other.execute(inbox._driver._statements.prepare)  # type: ignore[attr-defined]
             assert other.execute(
                 "SELECT count(*) FROM pg_prepared_statements WHERE name = %s", (name,)
             ).fetchone() == (1,)
-            place_order_pg(inbox, other, order + "-3", 3)
-            assert place_order_pg(inbox, other, order + "-3", 3)["order"] == order + "-3"
+            other.commit()
+            place_order_pg(inbox, other, order + "-3", 3, form)
+            assert place_order_pg(inbox, other, order + "-3", 3, form)["order"] == order + "-3"
     assert pg_store.get(f"orders.place|{order}-2").status is oncely.Status.COMPLETED
     ids = [row[0] for row in pg_orders(pg)]
     assert order + "-before" in ids

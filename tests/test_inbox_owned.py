@@ -138,6 +138,15 @@ def test_connections_it_refuses(pg: tuple[str, str], pg_store: Any) -> None:
         assert connection.info.transaction_status == IDLE
 
 
+@pytest.mark.postgres
+def test_a_client_encoding_other_than_utf8_is_refused(pg: tuple[str, str], pg_store: Any) -> None:
+    with pg_connect(pg) as connection:
+        connection.execute("SET client_encoding TO 'LATIN1'")
+        connection.commit()
+        with pytest.raises(oncely.ConfigurationError, match="UTF-8"):
+            Inbox(pg_store).transaction(connection, "k", scope="s")
+
+
 async def _enter_async(inbox: Inbox, connection: Any) -> None:
     async with inbox.atransaction(connection, "k", scope="s"):
         raise AssertionError("never runs")
