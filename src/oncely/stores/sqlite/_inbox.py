@@ -128,7 +128,7 @@ class _Owner(_Performer):
             try:
                 answer = self._claim(op)  # type: ignore[arg-type]
             except BaseException:
-                connection.execute("ROLLBACK")
+                self._rollback()
                 raise
             if isinstance(answer, Acquired):
                 if op.nested:  # type: ignore[union-attr]
@@ -142,23 +142,38 @@ class _Owner(_Performer):
                 connection.execute(f"ROLLBACK TO SAVEPOINT {_BLOCK_SAVEPOINT}")
             try:
                 finished = self._outcome(op)  # type: ignore[arg-type]
+                if isinstance(finished, LeaseLost):
+                    connection.execute("ROLLBACK")
+                else:
+                    self._commit()
             except BaseException:
-                connection.execute("ROLLBACK")
+                self._rollback()
                 raise
-            connection.execute("ROLLBACK" if isinstance(finished, LeaseLost) else "COMMIT")
             return finished
         if kind is Rollback:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
+            self._rollback()
             return None
         if kind is Commit:
             self._ended()
-            connection.execute("COMMIT")
+            self._commit()
             return None
         if kind is Open:
             connection.execute("BEGIN IMMEDIATE")
             return None
         return super().perform(op)  # Settle
+
+    def _commit(self) -> None:
+        """COMMIT; one that fails (a deferred constraint) leaves SQLite's transaction open:
+        rolled back, the error raised."""
+        try:
+            self._connection.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _rollback(self) -> None:
+        if self._connection.in_transaction:
+            self._connection.execute("ROLLBACK")
 
     def _ended(self) -> None:
         if not self._connection.in_transaction:
