@@ -9,6 +9,7 @@ Real PostgreSQL (psycopg sync and async) and SQLite files.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import signal
 import subprocess
 import sys
@@ -395,3 +396,41 @@ def test_sqlite_lease_lost_and_rollback_end_the_transaction(sqlite_path: Path) -
     assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
     assert store.get("s|o-r") is None
     store.close()
+
+
+@pytest.mark.postgres
+def test_a_claim_cancelled_while_it_waits_ends_the_transaction(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    """A task cancelled while its claim waits for the transaction holding the key: the inbox's
+    transaction is not left open on the connection."""
+    inbox = Inbox(pg_store, wait_timeout=20)
+    order = new_order()
+    base, schema = pg
+
+    async def run() -> Any:
+        async with (
+            await psycopg.AsyncConnection.connect(base, autocommit=True) as holder,
+            await psycopg.AsyncConnection.connect(base, autocommit=True) as other,
+        ):
+            for connection in (holder, other):
+                await connection.execute(f'SET search_path TO "{schema}"')
+            async with inbox.atransaction(holder, order, scope="s") as entry:
+                duplicate = _enter_and_hold(inbox, other, order)  # as another worker would:
+                waiting = asyncio.create_task(duplicate, context=contextvars.Context())
+                await asyncio.sleep(0.5)  # the duplicate waits in its claim
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                entry.complete("held")
+            status = other.info.transaction_status
+            await other.execute("SELECT 1")  # usable
+            return status
+
+    assert asyncio.run(run()) == IDLE
+    assert pg_store.get(f"s|{order}").status is oncely.Status.COMPLETED
+
+
+async def _enter_and_hold(inbox: Inbox, connection: Any, key: str) -> None:
+    async with inbox.atransaction(connection, key, scope="s"):
+        raise AssertionError("never runs: cancelled while waiting")

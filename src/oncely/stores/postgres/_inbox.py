@@ -373,6 +373,11 @@ class _Claim:
                 if isinstance(translated, (_Unprepared, _Prepared)):
                     raise  # not the session's state this driver knew: a driver error
                 raise translated from exc
+            except BaseException:  # cancelled, interrupted: the inbox's transaction ended
+                if own:
+                    with contextlib.suppress(Exception):
+                        yield self._rollback()
+                raise
             if prepares:
                 names.update(each.name for each in prepares)
             break
@@ -484,7 +489,7 @@ class _Claim:
         steps.append((b"COMMIT",))
         try:
             yield steps
-        except Exception as exc:
+        except BaseException as exc:  # also cancelled or interrupted: never left open
             pgconn = self._connection.pgconn
             if pgconn.transaction_status in (_INTRANS, _INERROR):  # not ended by the COMMIT
                 with contextlib.suppress(Exception):
