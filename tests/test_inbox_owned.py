@@ -434,3 +434,27 @@ def test_a_claim_cancelled_while_it_waits_ends_the_transaction(
 async def _enter_and_hold(inbox: Inbox, connection: Any, key: str) -> None:
     async with inbox.atransaction(connection, key, scope="s"):
         raise AssertionError("never runs: cancelled while waiting")
+
+
+@pytest.mark.postgres
+def test_claims_inside_the_inbox_transaction(pg: tuple[str, str], pg_store: Any) -> None:
+    """`claim` inside `transaction`'s block is a claim in a transaction the caller (here the
+    inbox) owns: its block's error undoes only that claim; the outer transaction commits."""
+    inbox = Inbox(pg_store, final_errors=(Declined,))
+    outer, inner, failed = new_order(), new_order(), new_order()
+    with pg_connect(pg) as connection:
+        with inbox.transaction(connection, outer, scope="s") as entry:
+            with inbox.claim(connection, inner, scope="s") as nested:
+                nested.complete("inner")
+            with pytest.raises(ValueError), inbox.claim(connection, failed, scope="s"):
+                connection.execute("INSERT INTO orders VALUES (%s, 1)", (failed,))
+                raise ValueError("undone alone")
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (outer,))
+            entry.complete("outer")
+        assert connection.info.transaction_status == IDLE
+    assert pg_store.get(f"s|{outer}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{inner}").status is oncely.Status.COMPLETED
+    assert pg_store.get(f"s|{failed}") is None
+    ids = [row[0] for row in pg_orders(pg)]
+    assert outer in ids
+    assert failed not in ids
