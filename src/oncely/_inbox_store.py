@@ -1,8 +1,9 @@
 """What a store does for the transactional inbox: the interface each SQL backend implements.
 
-`oncely.inbox` holds the flow (when to claim, wait, replay, record an outcome or undo) and the
-public API; it speaks to the database only through the operations below, performed on the
-caller's own connection inside the caller's open transaction. A backend lives in
+`oncely._inbox_flow` holds the flow (when to claim, wait, replay, record an outcome or undo),
+`oncely.inbox` the public API; the flow speaks to the database only through the operations
+below, performed on the caller's own connection inside the caller's open transaction (or one
+the inbox opens: see below). A backend lives in
 ``oncely/stores/<backend>/_inbox.py`` and exposes ``InboxDriver(store)``, an `InboxDriver`. It
 owns its SQL, its driver calls and the mapping of its driver's errors (one place per backend).
 
