@@ -1,16 +1,19 @@
 """The transactional inbox: the record commits or rolls back with the caller's own writes.
 
 Real PostgreSQL (psycopg sync and async, SQLAlchemy) and SQLite (sqlite3) in files; concurrent
-duplicates are separate connections in separate threads, as two workers would be.
+duplicates are separate connections in separate threads, as two workers would be. The behaviours
+of a claim run in both forms (``form``): `Inbox.claim` in the caller's transaction, and
+`Inbox.transaction`, the transaction the inbox owns (its own behaviours: test_inbox_owned.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -78,16 +81,73 @@ def pg_orders(pg: tuple[str, str]) -> list[tuple[str, int]]:
         return connection.execute("SELECT id, amount FROM orders ORDER BY id").fetchall()
 
 
+FORMS = pytest.mark.parametrize("form", ["claim", "transaction"])
+"""A claim in the caller's transaction (`Inbox.claim`), or in the inbox's (`Inbox.transaction`)."""
+
+
+@contextlib.contextmanager
+def pg_block(form: str, inbox: Inbox, connection: Any, key: str, **kwargs: Any) -> Iterator[Any]:
+    """*key* claimed in *form*, on an idle psycopg connection: committed when the block ends
+    (with a final error too: the caller of `claim` commits it, as `transaction` does)."""
+    if form == "transaction":
+        with inbox.transaction(connection, key, **kwargs) as entry:
+            yield entry
+        return
+    final: BaseException | None = None
+    with connection.transaction():
+        try:
+            with inbox.claim(connection, key, **kwargs) as entry:
+                yield entry
+        except inbox.policy.final_errors as exc:
+            final = exc
+    if final is not None:
+        raise final
+
+
+@contextlib.asynccontextmanager
+async def apg_block(
+    form: str, inbox: Inbox, connection: Any, key: str, **kwargs: Any
+) -> AsyncIterator[Any]:
+    """`pg_block` on an async psycopg connection."""
+    if form == "transaction":
+        async with inbox.atransaction(connection, key, **kwargs) as entry:
+            yield entry
+    else:
+        async with connection.transaction(), inbox.aclaim(connection, key, **kwargs) as entry:
+            yield entry
+
+
+@contextlib.contextmanager
+def sqlite_block(
+    form: str, inbox: Inbox, connection: sqlite3.Connection, key: str, **kwargs: Any
+) -> Iterator[Any]:
+    """`pg_block` on sqlite3 (the caller's transaction is BEGIN IMMEDIATE)."""
+    if form == "transaction":
+        with inbox.transaction(connection, key, **kwargs) as entry:
+            yield entry
+        return
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        with inbox.claim(connection, key, **kwargs) as entry:
+            yield entry
+    except inbox.policy.final_errors:
+        connection.execute("COMMIT")  # the outcome, recorded
+        raise
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    connection.execute("COMMIT")
+
+
 # -- PostgreSQL -----------------------------------------------------------------------------------
 
 
-def place_order_pg(inbox: Inbox, connection: Any, order: str, amount: int) -> Any:
-    with (
-        connection.transaction(),
-        inbox.claim(
-            connection, order, scope="orders.place", fingerprint={"amount": amount}
-        ) as entry,
-    ):
+def place_order_pg(
+    inbox: Inbox, connection: Any, order: str, amount: int, form: str = "claim"
+) -> Any:
+    with pg_block(
+        form, inbox, connection, order, scope="orders.place", fingerprint={"amount": amount}
+    ) as entry:
         if entry.replayed:
             return entry.result
         connection.execute("INSERT INTO orders VALUES (%s, %s)", (order, amount))
@@ -96,14 +156,16 @@ def place_order_pg(inbox: Inbox, connection: Any, order: str, amount: int) -> An
 
 
 @pytest.mark.postgres
-def test_postgres_commit_then_replay(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_commit_then_replay(pg: tuple[str, str], pg_store: Any, form: str) -> None:
     inbox = Inbox(pg_store)
     order = f"o-{uuid.uuid4().hex[:8]}"
     with pg_connect(pg) as connection:
-        first = place_order_pg(inbox, connection, order, 500)
-        again = place_order_pg(inbox, connection, order, 500)
+        first = place_order_pg(inbox, connection, order, 500, form)
+        again = place_order_pg(inbox, connection, order, 500, form)
         with pytest.raises(oncely.FingerprintMismatchError):
-            place_order_pg(inbox, connection, order, 900)
+            place_order_pg(inbox, connection, order, 900, form)
+        assert connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert first == again == {"order": order, "token": 1}
     assert [row for row in pg_orders(pg) if row[0] == order] == [(order, 500)]
     record = pg_store.get(f"orders.place|{order}")
@@ -143,9 +205,10 @@ def test_postgres_block_error_rolls_back_to_the_claim(pg: tuple[str, str], pg_st
 
 
 @pytest.mark.postgres
+@FORMS
 @pytest.mark.parametrize("first_commits", [True, False], ids=["commits", "rolls-back"])
 def test_postgres_concurrent_duplicate_waits_then_replays_or_runs(
-    pg: tuple[str, str], pg_store: Any, first_commits: bool
+    pg: tuple[str, str], pg_store: Any, first_commits: bool, form: str
 ) -> None:
     inbox = Inbox(pg_store, wait_timeout=20)
     order = f"o-{uuid.uuid4().hex[:8]}"
@@ -155,10 +218,9 @@ def test_postgres_concurrent_duplicate_waits_then_replays_or_runs(
     def first() -> None:
         with pg_connect(pg) as connection:
             try:
-                with connection.transaction():
-                    with inbox.claim(connection, order, scope="s") as entry:
-                        connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
-                        entry.complete("first")
+                with pg_block(form, inbox, connection, order, scope="s") as entry:
+                    connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+                    entry.complete("first")
                     claimed.set()
                     finish.wait(10)
                     if not first_commits:
@@ -170,8 +232,7 @@ def test_postgres_concurrent_duplicate_waits_then_replays_or_runs(
         claimed.wait(10)
         with (
             pg_connect(pg) as connection,
-            connection.transaction(),
-            inbox.claim(connection, order, scope="s") as entry,
+            pg_block(form, inbox, connection, order, scope="s") as entry,
         ):
             if entry.replayed:
                 outcome["second"] = ("replayed", entry.result)
@@ -197,21 +258,24 @@ def test_postgres_concurrent_duplicate_waits_then_replays_or_runs(
 
 
 @pytest.mark.postgres
-def test_postgres_duplicate_raises_at_once_when_asked(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_duplicate_raises_at_once_when_asked(
+    pg: tuple[str, str], pg_store: Any, form: str
+) -> None:
     inbox = Inbox(pg_store, on_conflict="raise")
     order = f"o-{uuid.uuid4().hex[:8]}"
-    with (
-        pg_connect(pg) as holder,
-        holder.transaction(),
-        inbox.claim(holder, order, scope="s") as entry,
-    ):
+    with pg_connect(pg) as holder, pg_block(form, inbox, holder, order, scope="s") as entry:
         entry.complete("x")
-        with pg_connect(pg) as other, other.transaction():
-            other.execute("SET LOCAL lock_timeout = '4s'")
-            with pytest.raises(oncely.InProgressError) as raised:
-                inbox.claim(other, order, scope="s").__enter__()
+        with pg_connect(pg) as other:
+            other.execute("SET lock_timeout = '4s'")
+            other.commit()
+            with (
+                pytest.raises(oncely.InProgressError) as raised,
+                pg_block(form, inbox, other, order, scope="s"),
+            ):
+                raise AssertionError("never runs")
             assert raised.value.retry_after <= timedelta(seconds=1)
-            # The other transaction is still usable, with its own lock_timeout.
+            # The other connection is still usable, with its own lock_timeout.
             assert other.execute("SHOW lock_timeout").fetchone() == ("4s",)
 
 
@@ -288,18 +352,22 @@ def test_postgres_a_key_claimed_after_a_rollback_is_still_waited_for_with_a_boun
 
 
 @pytest.mark.postgres
-def test_postgres_a_live_lease_elsewhere_is_respected(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_a_live_lease_elsewhere_is_respected(
+    pg: tuple[str, str], pg_store: Any, form: str
+) -> None:
     """A key claimed by the decorator (a lease, committed) is in progress for the inbox."""
     order = f"o-{uuid.uuid4().hex[:8]}"
     claim = pg_store.claim(f"s|{order}", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1))
     assert isinstance(claim, oncely.Acquired)
-    inbox = Inbox(pg_store, on_conflict="raise")
-    with (
-        pg_connect(pg) as connection,
-        connection.transaction(),
-        pytest.raises(oncely.InProgressError),
-    ):
-        inbox.claim(connection, order, scope="s").__enter__()
+    for inbox in (Inbox(pg_store, on_conflict="raise"), Inbox(pg_store, wait_timeout=0.2)):
+        with pg_connect(pg) as connection:
+            with (
+                pytest.raises(oncely.InProgressError),
+                pg_block(form, inbox, connection, order, scope="s"),
+            ):
+                raise AssertionError("never runs")
+            assert connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
 @pytest.mark.postgres
@@ -312,7 +380,8 @@ def test_postgres_needs_a_transaction(pg: tuple[str, str], pg_store: Any) -> Non
 
 
 @pytest.mark.postgres
-def test_postgres_async(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_async(pg: tuple[str, str], pg_store: Any, form: str) -> None:
     inbox = Inbox(pg_store)
     order = f"o-{uuid.uuid4().hex[:8]}"
     base, schema = pg
@@ -320,10 +389,8 @@ def test_postgres_async(pg: tuple[str, str], pg_store: Any) -> None:
     async def place() -> Any:
         async with await psycopg.AsyncConnection.connect(base) as connection:
             await connection.execute(f'SET search_path TO "{schema}"')
-            async with (
-                connection.transaction(),
-                inbox.aclaim(connection, order, scope="s") as entry,
-            ):
+            await connection.commit()
+            async with apg_block(form, inbox, connection, order, scope="s") as entry:
                 if entry.replayed:
                     return entry.result
                 await connection.execute("INSERT INTO orders VALUES (%s, 3)", (order,))
@@ -359,28 +426,26 @@ def test_postgres_sqlalchemy_session(pg: tuple[str, str], pg_store: Any) -> None
 # -- SQLite ---------------------------------------------------------------------------------------
 
 
-def place_order_sqlite(inbox: Inbox, connection: sqlite3.Connection, order: str) -> Any:
-    connection.execute("BEGIN IMMEDIATE")
-    try:
-        with inbox.claim(connection, order, scope="orders.place") as entry:
-            if entry.replayed:
-                result = entry.result
-            else:
-                connection.execute("INSERT INTO orders VALUES (?, 5)", (order,))
-                entry.complete(result := {"order": order})
-    except BaseException:
-        connection.execute("ROLLBACK")
-        raise
-    connection.execute("COMMIT")
+def place_order_sqlite(
+    inbox: Inbox, connection: sqlite3.Connection, order: str, form: str = "claim"
+) -> Any:
+    with sqlite_block(form, inbox, connection, order, scope="orders.place") as entry:
+        if entry.replayed:
+            result = entry.result
+        else:
+            connection.execute("INSERT INTO orders VALUES (?, 5)", (order,))
+            entry.complete(result := {"order": order})
     return result
 
 
-def test_sqlite_commit_then_replay(sqlite_path: Path) -> None:
+@FORMS
+def test_sqlite_commit_then_replay(sqlite_path: Path, form: str) -> None:
     store = oncely.open_store(f"sqlite:///{sqlite_path}")
     inbox = Inbox(store)
     connection = sqlite_connect(sqlite_path)
-    assert place_order_sqlite(inbox, connection, "o-1") == {"order": "o-1"}
-    assert place_order_sqlite(inbox, connection, "o-1") == {"order": "o-1"}
+    assert place_order_sqlite(inbox, connection, "o-1", form) == {"order": "o-1"}
+    assert place_order_sqlite(inbox, connection, "o-1", form) == {"order": "o-1"}
+    assert not connection.in_transaction
     assert connection.execute("SELECT count(*) FROM orders").fetchone() == (1,)
     record = store.get("orders.place|o-1")
     assert record is not None
@@ -402,7 +467,8 @@ def test_sqlite_rollback_leaves_nothing(sqlite_path: Path) -> None:
     store.close()
 
 
-def test_sqlite_concurrent_duplicates_run_once(sqlite_path: Path) -> None:
+@FORMS
+def test_sqlite_concurrent_duplicates_run_once(sqlite_path: Path, form: str) -> None:
     """Eight connections race for one key: the write lock serialises them, one runs."""
     store = oncely.open_store(f"sqlite:///{sqlite_path}")
     inbox = Inbox(store)
@@ -412,7 +478,7 @@ def test_sqlite_concurrent_duplicates_run_once(sqlite_path: Path) -> None:
     def worker() -> None:
         connection = sqlite_connect(sqlite_path)
         barrier.wait()
-        results.append(place_order_sqlite(inbox, connection, "o-3"))
+        results.append(place_order_sqlite(inbox, connection, "o-3", form))
         connection.close()
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
@@ -578,22 +644,36 @@ class Declined(Exception):
 
 
 @pytest.mark.postgres
+@FORMS
 def test_postgres_final_error_is_recorded_without_the_block_writes(
-    pg: tuple[str, str], pg_store: Any
+    pg: tuple[str, str], pg_store: Any, form: str
 ) -> None:
     inbox = Inbox(pg_store, final_errors=(Declined,))
     order = f"o-{uuid.uuid4().hex[:8]}"
     with pg_connect(pg) as connection:
-        with connection.transaction():
-            with pytest.raises(Declined), inbox.claim(connection, order, scope="s"):
-                connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
-                raise Declined("card declined")
-            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-after",))
-        with connection.transaction(), inbox.claim(connection, order, scope="s") as entry:
+        with pytest.raises(Declined), pg_block(form, inbox, connection, order, scope="s"):
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+            raise Declined("card declined")
+        with pg_block(form, inbox, connection, order, scope="s") as entry:
             assert entry.replayed
             with pytest.raises(Declined) as replayed:
                 entry.result  # noqa: B018 - the property raises
     assert replayed.value.reason == "card declined"
+    assert pg_store.get(f"s|{order}").status is oncely.Status.FAILED
+    assert order not in [row[0] for row in pg_orders(pg)]  # the block's writes were undone
+
+
+@pytest.mark.postgres
+def test_postgres_final_error_leaves_the_callers_transaction_going(
+    pg: tuple[str, str], pg_store: Any
+) -> None:
+    inbox = Inbox(pg_store, final_errors=(Declined,))
+    order = f"o-{uuid.uuid4().hex[:8]}"
+    with pg_connect(pg) as connection, connection.transaction():
+        with pytest.raises(Declined), inbox.claim(connection, order, scope="s"):
+            connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
+            raise Declined("card declined")
+        connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-after",))
     assert pg_store.get(f"s|{order}").status is oncely.Status.FAILED
     ids = [row[0] for row in pg_orders(pg)]
     assert order not in ids  # the block's writes were undone
@@ -627,17 +707,25 @@ def test_postgres_final_error_recorded_by_the_decorator_replays_in_the_inbox(
 
 
 @pytest.mark.postgres
+@FORMS
+@pytest.mark.parametrize("existing", [False, True], ids=["new-key", "existing-row"])
 def test_postgres_record_changed_in_the_transaction_is_a_lost_lease(
-    pg: tuple[str, str], pg_store: Any
+    pg: tuple[str, str], pg_store: Any, form: str, existing: bool
 ) -> None:
     """The finish updated no row (the block deleted the record): LeaseLostError, and the block's
-    writes are rolled back to the claim; the caller's transaction stays usable."""
+    writes are rolled back to the claim; the caller's transaction stays usable (the inbox's,
+    rolled back). A key with a row already (released) is claimed in progress, then finished."""
     inbox = Inbox(pg_store)
     order = f"o-{uuid.uuid4().hex[:8]}"
-    with pg_connect(pg) as connection, connection.transaction():
+    if existing:
+        claim = pg_store.claim(
+            f"s|{order}", "", lease=timedelta(seconds=30), ttl=timedelta(hours=1)
+        )
+        pg_store.release(f"s|{order}", claim.token)
+    with pg_connect(pg) as connection:
         with (
             pytest.raises(oncely.LeaseLostError),
-            inbox.claim(connection, order, scope="s") as entry,
+            pg_block(form, inbox, connection, order, scope="s") as entry,
         ):
             connection.execute("INSERT INTO orders VALUES (%s, 1)", (order,))
             connection.execute("DELETE FROM oncely_records WHERE key = %s", (f"s|{order}",))
@@ -646,19 +734,21 @@ def test_postgres_record_changed_in_the_transaction_is_a_lost_lease(
         assert count.fetchone() == (0,)
 
 
-def test_sqlite_final_error_is_recorded_without_the_block_writes(sqlite_path: Path) -> None:
+@FORMS
+def test_sqlite_final_error_is_recorded_without_the_block_writes(
+    sqlite_path: Path, form: str
+) -> None:
     store = oncely.open_store(f"sqlite:///{sqlite_path}")
     inbox = Inbox(store, final_errors=(Declined,))
     connection = sqlite_connect(sqlite_path)
-    connection.execute("BEGIN IMMEDIATE")
-    with pytest.raises(Declined), inbox.claim(connection, "o-f", scope="s"):
+    with pytest.raises(Declined), sqlite_block(form, inbox, connection, "o-f", scope="s"):
         connection.execute("INSERT INTO orders VALUES ('o-f', 1)")
         raise Declined("card declined")
-    connection.execute("COMMIT")
-    connection.execute("BEGIN IMMEDIATE")
-    with inbox.claim(connection, "o-f", scope="s") as entry, pytest.raises(Declined):
+    with (
+        sqlite_block(form, inbox, connection, "o-f", scope="s") as entry,
+        pytest.raises(Declined),
+    ):
         entry.result  # noqa: B018
-    connection.execute("COMMIT")
     assert store.get("s|o-f").status is oncely.Status.FAILED
     assert connection.execute("SELECT count(*) FROM orders").fetchone() == (0,)
     store.close()
@@ -757,19 +847,26 @@ import oncely
 
 store = oncely.open_store("sqlite:///" + sys.argv[1])
 connection = sqlite3.connect(sys.argv[1], isolation_level=None)
-connection.execute("BEGIN IMMEDIATE")
-with oncely.Inbox(store).claim(connection, "o-crash", scope="s") as entry:
+inbox = oncely.Inbox(store)
+if sys.argv[2] == "transaction":
+    block = inbox.transaction(connection, "o-crash", scope="s")
+else:
+    connection.execute("BEGIN IMMEDIATE")
+    block = inbox.claim(connection, "o-crash", scope="s")
+with block as entry:
     connection.execute("INSERT INTO orders VALUES ('o-crash', 1)")
     entry.complete("placed")
     os._exit(9)  # after the writes, before the commit: as a SIGKILL would
 """
 
 
-def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path) -> None:
+@FORMS
+def test_sqlite_process_killed_before_commit_leaves_neither(sqlite_path: Path, form: str) -> None:
     import subprocess
     import sys
 
-    crashed = subprocess.run([sys.executable, "-c", CRASH_SQLITE, str(sqlite_path)], check=False)
+    script = [sys.executable, "-c", CRASH_SQLITE, str(sqlite_path), form]
+    crashed = subprocess.run(script, check=False)
     assert crashed.returncode == 9
     store = oncely.open_store(f"sqlite:///{sqlite_path}")
     assert store.get("s|o-crash") is None
@@ -961,7 +1058,10 @@ def test_postgres_claim_begins_the_transaction_psycopg_would(
 
 
 @pytest.mark.postgres
-def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str, str]) -> None:
+@FORMS
+def test_postgres_store_without_prepare_sends_the_updates_unnamed(
+    pg: tuple[str, str], form: str
+) -> None:
     """A store made with ``prepare=False`` (behind a pooler): the UPDATE that records the
     block's value is not prepared on the caller's session (the claim is, in its transaction,
     and prepared again when a session does not have it)."""
@@ -972,7 +1072,7 @@ def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str,
         inbox = Inbox(store)
         with pg_connect(pg) as connection:
             for _ in range(2):
-                with connection.transaction(), inbox.claim(connection, order, scope="np") as entry:
+                with pg_block(form, inbox, connection, order, scope="np") as entry:
                     if not entry.replayed:
                         entry.complete({"order": order})
             assert entry.replayed
@@ -982,29 +1082,39 @@ def test_postgres_store_without_prepare_sends_the_updates_unnamed(pg: tuple[str,
 
 
 @pytest.mark.postgres
-def test_postgres_claim_survives_a_reset_session(pg: tuple[str, str], pg_store: Any) -> None:
+@FORMS
+def test_postgres_claim_survives_a_reset_session(
+    pg: tuple[str, str], pg_store: Any, form: str
+) -> None:
     """The claim is prepared once per session: a session reset behind oncely's back (DISCARD
     ALL, a pooler's other server connection) is prepared again, and one prepared by someone
-    else is used as it is, with the caller's transaction intact."""
+    else is used as it is, with the caller's transaction intact (the inbox's, begun again)."""
     inbox = Inbox(pg_store)
     order = f"o-{uuid.uuid4().hex[:8]}"
     with pg_connect(pg) as connection:
-        place_order_pg(inbox, connection, order, 1)
+        place_order_pg(inbox, connection, order, 1, form)
         connection.execute("DEALLOCATE ALL")
         connection.commit()
-        with connection.transaction():
-            connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
-            with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+        if form == "transaction":
+            with inbox.transaction(connection, order + "-2", scope="orders.place") as entry:
                 assert not entry.replayed
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
                 entry.complete("after a reset")
+        else:
+            with connection.transaction():
+                connection.execute("INSERT INTO orders VALUES (%s, 2)", (order + "-before",))
+                with inbox.claim(connection, order + "-2", scope="orders.place") as entry:
+                    assert not entry.replayed
+                    entry.complete("after a reset")
         with pg_connect(pg) as other:  # a session that has it, unknown to oncely's bookkeeping
             name = inbox._driver._statements.claim  # type: ignore[attr-defined]
             other.execute(inbox._driver._statements.prepare)  # type: ignore[attr-defined]
             assert other.execute(
                 "SELECT count(*) FROM pg_prepared_statements WHERE name = %s", (name,)
             ).fetchone() == (1,)
-            place_order_pg(inbox, other, order + "-3", 3)
-            assert place_order_pg(inbox, other, order + "-3", 3)["order"] == order + "-3"
+            other.commit()
+            place_order_pg(inbox, other, order + "-3", 3, form)
+            assert place_order_pg(inbox, other, order + "-3", 3, form)["order"] == order + "-3"
     assert pg_store.get(f"orders.place|{order}-2").status is oncely.Status.COMPLETED
     ids = [row[0] for row in pg_orders(pg)]
     assert order + "-before" in ids
@@ -1040,8 +1150,9 @@ def test_postgres_keys_and_scopes_travel_as_literals(
 
 
 @pytest.mark.postgres
+@FORMS
 def test_postgres_the_same_key_claimed_inside_its_own_block_is_in_progress(
-    pg: tuple[str, str], pg_store: Any
+    pg: tuple[str, str], pg_store: Any, form: str
 ) -> None:
     """A block's own key claimed again inside it (a re-entrant handler) is in progress: it never
     replays the provisional record, which would hand out an outcome the block has not made."""
@@ -1049,8 +1160,7 @@ def test_postgres_the_same_key_claimed_inside_its_own_block_is_in_progress(
     order = f"o-{uuid.uuid4().hex[:8]}"
     with (
         pg_connect(pg) as connection,
-        connection.transaction(),
-        inbox.claim(connection, order, scope="s") as entry,
+        pg_block(form, inbox, connection, order, scope="s") as entry,
     ):
         with pytest.raises(oncely.InProgressError), inbox.claim(connection, order, scope="s"):
             raise AssertionError("the nested block never runs")

@@ -32,6 +32,11 @@ How it behaves, seen from one transaction:
   are undone, the error is recorded in the caller's transaction (kept if it commits), and a
   replay raises it again.
 
+`Inbox.transaction` is the form for an operation that is the whole transaction: the inbox opens
+it on an idle connection, claims in it, and ends it with the block (committed, or rolled back
+when the block raises; a final error recorded and committed). On PostgreSQL its BEGIN goes with
+the claim and its COMMIT with the outcome, with no savepoint: the fastest form.
+
 On PostgreSQL a claim is one round trip (the savepoint and the claim, with its bounded wait, in
 one query; a new key's record is written complete at once, the transaction hiding it until
 commit); recording a value is one UPDATE more, and a replay or a block that records nothing
@@ -56,12 +61,10 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from oncely import _events, _execution, _inbox_store, _observed, _switches, _txn
+from oncely import _events, _execution, _inbox_flow, _inbox_store, _observed, _switches, _txn
 from oncely._core import codec as _codec
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.fingerprint import digest
@@ -70,13 +73,10 @@ from oncely._core.keys import scope_key, validate_key
 from oncely._core.policy import UNSET, Duration, Policy, _Unset, derive
 from oncely._core.records import (
     Acquired,
-    ClaimResult,
     LeaseLost,
-    Mismatch,
     Replay,
-    Status,
 )
-from oncely._inbox_store import Begin, Finish, Rollback, Settle
+from oncely._inbox_store import Settle
 from oncely._log import fields
 from oncely.decorator import (
     _ALL,
@@ -90,7 +90,6 @@ from oncely.decorator import (
 )
 from oncely.errors import (
     ConfigurationError,
-    FingerprintMismatchError,
     InProgressError,
     LeaseLostError,
     OncelyError,
@@ -117,8 +116,6 @@ _CONNECTION_NAMES = ("connection", "conn", "session", "cursor")
 """The parameters `Inbox.idempotent` looks for the connection in, in this order."""
 
 _USER = "the inbox"
-_BUSY_HINT = timedelta(seconds=1)
-"""`InProgressError.retry_after` when another transaction holds the key: a short hint."""
 
 
 class Inbox:
@@ -198,6 +195,50 @@ class Inbox:
         """`claim` for an async connection or session: an ``async with`` block."""
         plan = self._plan(key, scope, fingerprint)
         return AsyncInboxEntry(self, plan, connection)
+
+    def transaction(
+        self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
+    ) -> InboxEntry:
+        """Open a transaction on *connection* and claim *key* (within *scope*) in it: a
+        ``with`` block whose writes and record commit together when it ends.
+
+        The fastest form on PostgreSQL: the transaction's BEGIN and the claim go in one round
+        trip, the outcome and the COMMIT in one more. The entry behaves as `claim`'s; the
+        transaction is the inbox's: committed on a clean exit (a replay's too), or with a final
+        error recorded in place of the block's writes; rolled back when the block raises any
+        other exception (which propagates). A COMMIT that fails raises the driver's error.
+
+        .. code-block:: python
+
+            with inbox.transaction(connection, order_id, scope="orders.create") as entry:
+                if entry.replayed:
+                    return entry.result
+                connection.execute("INSERT INTO orders ...")
+                entry.complete({"order_id": order_id})
+
+        Args:
+            connection: A psycopg ``Connection`` in no transaction (autocommit or not), or a
+                ``sqlite3.Connection`` in none (the transaction is ``BEGIN IMMEDIATE``).
+            key: The idempotency key; validated before it touches the database.
+            scope: The operation's name, as for `claim`.
+            fingerprint: What the operation was asked to do, as for `claim`.
+
+        Raises:
+            ConfigurationError: The connection is in a transaction already, in psycopg's
+                pipeline mode, or a SQLAlchemy or Django one: use `claim` in the transaction.
+
+        .. versionadded:: 0.1.0
+        """
+        plan = self._plan(key, scope, fingerprint)
+        perform = _sleeping(self._driver.bind(connection, True))
+        return InboxEntry(self, plan, perform, own=True)
+
+    def atransaction(
+        self, connection: Any, key: str, *, scope: str, fingerprint: Any = None
+    ) -> AsyncInboxEntry:
+        """`transaction` for a psycopg ``AsyncConnection``: an ``async with`` block."""
+        plan = self._plan(key, scope, fingerprint)
+        return AsyncInboxEntry(self, plan, connection, own=True)
 
     def idempotent(
         self,
@@ -347,17 +388,11 @@ class Inbox:
         payload = _execution.outcome_of(lease, value, self.codec)
         return Settle(lease.key, lease.token, payload, lease.ttl or self.policy.ttl)
 
-    def _plan(self, key: str, scope: str, fingerprint: Any) -> _Plan:
+    def _plan(self, key: str, scope: str, fingerprint: Any) -> _inbox_flow.Plan:
         if not isinstance(scope, str) or not scope:
             raise ConfigurationError("the inbox needs a scope naming the operation")
         scoped = scope_key(scope, validate_key(key))
-        return _Plan(scoped, "" if fingerprint is None else digest([fingerprint]))
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    key: str
-    fingerprint: str
+        return _inbox_flow.Plan(scoped, "" if fingerprint is None else digest([fingerprint]))
 
 
 def current_transaction() -> Any:
@@ -445,7 +480,7 @@ def _decorate(
     )
     get_connection = connection
 
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Plan, Any]:
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_inbox_flow.Plan, Any]:
         _, key, fingerprint, *_ = plan.invocation(args, kwargs, None)
         arguments = plan.arguments(args, kwargs)
         if isinstance(get_connection, str):
@@ -453,7 +488,7 @@ def _decorate(
         else:
             positional, named = plan.call_arguments(arguments)
             handle = get_connection(*positional, **named)
-        return _Plan(key, fingerprint), handle
+        return _inbox_flow.Plan(key, fingerprint), handle
 
     if _is_async(fn):
 
@@ -483,66 +518,6 @@ def _decorate(
     return wrapper
 
 
-# -- the flow, once for sync and async ----------------------------------------------------------
-
-
-def _enter(inbox: Inbox, plan: _Plan) -> Flow[Acquired | Replay]:
-    policy = inbox.policy
-    deadline = time.monotonic() + policy.wait_timeout.total_seconds()
-    while True:
-        wait = timedelta(0)
-        if policy.on_conflict == "wait":
-            wait = timedelta(seconds=max(deadline - time.monotonic(), 0))
-        answer: ClaimResult = yield Begin(
-            plan.key,
-            plan.fingerprint,
-            policy.lease,
-            policy.ttl,
-            wait,
-            bool(policy.final_errors),
-            inbox._none,
-        )
-        if isinstance(answer, (Acquired, Replay)):
-            return answer
-        if isinstance(answer, Mismatch):
-            raise FingerprintMismatchError(plan.key)
-        remaining = deadline - time.monotonic()
-        if policy.on_conflict == "raise" or remaining <= 0:
-            raise InProgressError(plan.key, retry_after=min(answer.retry_after, _BUSY_HINT))
-        # A lease held elsewhere (a transaction is waited for inside the claim itself).
-        yield _execution.Sleep(min(answer.retry_after.total_seconds(), 0.05, remaining))
-
-
-def _exit(
-    inbox: Inbox, plan: _Plan, token: int, value: Any, error: BaseException | None
-) -> Flow[None]:
-    """Record the block's outcome, as the decorator does: a value, or a final error (which
-    still propagates: whatever recording it raises is chained to it, never masking it)."""
-    policy = inbox.policy
-    if error is None and value is None:
-        finish = Finish(plan.key, token, Status.COMPLETED, inbox._none, policy.ttl)
-    elif error is None:
-        try:
-            payload = _codec.encode_value(inbox.codec.encode(value))
-        except Exception as exc:  # ran, but cannot be stored: replays fail loudly, never re-run
-            payload = _codec.encode_unavailable(f"{type(exc).__name__}: {exc}")
-        finish = Finish(plan.key, token, Status.COMPLETED, payload, policy.ttl)
-    elif isinstance(error, policy.final_errors):
-        payload = _codec.encode_error(error)
-        finish = Finish(plan.key, token, Status.FAILED, payload, policy.ttl, undo_block=True)
-    else:
-        yield Rollback()
-        return
-    try:
-        answer = yield finish
-        if isinstance(answer, LeaseLost):  # the row is ours until commit: only a foreign writer
-            raise LeaseLostError(plan.key, token=token)
-    except Exception as exc:
-        if error is None:
-            raise
-        _execution.chain(error, exc)
-
-
 _UNPROTECTED = Acquired(token=0)
 """The claim of an entry under ``ONCELY_DISABLED``: held, never written."""
 
@@ -550,9 +525,12 @@ _UNPROTECTED = Acquired(token=0)
 class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
-    def __init__(self, inbox: Inbox, plan: _Plan, annotation: Any = Any) -> None:
+    def __init__(
+        self, inbox: Inbox, plan: _inbox_flow.Plan, annotation: Any = Any, own: bool = False
+    ) -> None:
         self._inbox = inbox
         self._plan = plan
+        self._own = own
         self._annotation = annotation
         self._acquired: Acquired | None = None
         self._replay: Replay | None = None
@@ -610,7 +588,7 @@ class _EntryState:
     def _reentered(self) -> None:
         """Raise `InProgressError` if this key's block is running in this context already."""
         if self._mark in _OPEN.get():
-            raise InProgressError(self._plan.key, retry_after=_BUSY_HINT)
+            raise InProgressError(self._plan.key, retry_after=_inbox_flow.BUSY_HINT)
 
     def _entered(self, outcome: Acquired | Replay) -> None:
         if isinstance(outcome, Replay):
@@ -625,30 +603,48 @@ class _EntryState:
             _OPEN.set(_OPEN.get() - {self._mark})
             self._open = False
         if self._acquired is None or self._acquired is _UNPROTECTED:
-            return None  # replayed (nothing was written, the savepoint is gone), or disabled
-        return _exit(self._inbox, self._plan, self._acquired.token, self._value, error)
+            # replayed (nothing was written, the savepoint is gone), or disabled
+            return _inbox_flow.end(error) if self._own else None
+        return _inbox_flow.exit_flow(
+            self._inbox, self._plan, self._acquired.token, self._value, error, self._own
+        )
+
+    def _enter_flow(self) -> Flow[Any] | None:
+        """The claim's flow, or ``None`` (disabled, the block run unprotected; with a
+        transaction to own, a flow that opens it)."""
+        if self._unprotected():
+            return _inbox_flow.open_flow() if self._own else None
+        self._reentered()
+        flow = _inbox_flow.enter(self._inbox, self._plan, self._own)
+        if _events.on:
+            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
+        return flow
 
 
 class InboxEntry(_EntryState):
-    """One claim in the caller's transaction (from `Inbox.claim`): a ``with`` block.
+    """One claim in the caller's transaction (from `Inbox.claim`), or in the transaction the
+    inbox opens (from `Inbox.transaction`): a ``with`` block.
 
     .. versionadded:: 0.1.0
     """
 
     def __init__(
-        self, inbox: Inbox, plan: _Plan, perform: Callable[[Any], Any], annotation: Any = Any
+        self,
+        inbox: Inbox,
+        plan: _inbox_flow.Plan,
+        perform: Callable[[Any], Any],
+        annotation: Any = Any,
+        own: bool = False,
     ) -> None:
-        super().__init__(inbox, plan, annotation)
+        super().__init__(inbox, plan, annotation, own)
         self._perform = perform
 
     def __enter__(self) -> InboxEntry:
-        if self._unprotected():
-            return self
-        self._reentered()
-        flow = _enter(self._inbox, self._plan)
-        if _events.on:
-            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
-        self._entered(drive(flow, self._perform))
+        flow = self._enter_flow()
+        if flow is not None:
+            answer = drive(flow, self._perform)
+            if answer is not None:
+                self._entered(answer)
         return self
 
     def __exit__(
@@ -657,11 +653,16 @@ class InboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        flow = self._exit_flow(exc)
+        try:
+            if flow is not None:
+                drive(flow, self._perform)
+        except BaseException as failed:  # not done: its outcome is not reported as one
+            if _events.on:
+                _observed.exited(self, failed)
+            raise
         if _events.on:
             _observed.exited(self, exc)
-        flow = self._exit_flow(exc)
-        if flow is not None:
-            drive(flow, self._perform)
 
 
 class AsyncInboxEntry(_EntryState):
@@ -670,27 +671,34 @@ class AsyncInboxEntry(_EntryState):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, inbox: Inbox, plan: _Plan, connection: Any, annotation: Any = Any) -> None:
-        super().__init__(inbox, plan, annotation)
+    def __init__(
+        self,
+        inbox: Inbox,
+        plan: _inbox_flow.Plan,
+        connection: Any,
+        annotation: Any = Any,
+        own: bool = False,
+    ) -> None:
+        super().__init__(inbox, plan, annotation, own)
         self._connection = connection
         self._perform: Callable[[Any], Awaitable[Any]] | None = None
 
     async def _bound(self) -> Callable[[Any], Awaitable[Any]]:
         if self._perform is None:
-            self._perform = functools.partial(
-                _asleep, await self._inbox._driver.abind(self._connection)
-            )
+            bound = await self._inbox._driver.abind(self._connection, self._own)
+            self._perform = functools.partial(_asleep, bound)
         return self._perform
 
     async def __aenter__(self) -> AsyncInboxEntry:
-        if self._unprotected():
+        if _switches.disabled and not self._own:
+            self._unprotected()
             return self
-        self._reentered()
         perform = await self._bound()
-        flow = _enter(self._inbox, self._plan)
-        if _events.on:
-            flow = _observed.entering(self, flow, "inbox", self._plan.key, self._inbox.store)
-        self._entered(await adrive(flow, perform))
+        flow = self._enter_flow()
+        if flow is not None:
+            answer = await adrive(flow, perform)
+            if answer is not None:
+                self._entered(answer)
         return self
 
     async def __aexit__(
@@ -699,11 +707,16 @@ class AsyncInboxEntry(_EntryState):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        flow = self._exit_flow(exc)
+        try:
+            if flow is not None:
+                await adrive(flow, await self._bound())
+        except BaseException as failed:  # not done: its outcome is not reported as one
+            if _events.on:
+                _observed.exited(self, failed)
+            raise
         if _events.on:
             _observed.exited(self, exc)
-        flow = self._exit_flow(exc)
-        if flow is not None:
-            await adrive(flow, await self._bound())
 
 
 # -- drivers ------------------------------------------------------------------------------------

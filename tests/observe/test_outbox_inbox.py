@@ -86,3 +86,35 @@ def test_outbox_links_the_relays_send_to_the_writers_trace(sinks: Sinks, tmp_pat
     assert sinks.prom("oncely_outbox_pending") == 0
     connection.close()
     store.close()
+
+
+def test_inbox_transaction_whose_commit_fails_is_not_reported_done(
+    sinks: Sinks, tmp_path: Path
+) -> None:
+    """`Inbox.transaction`: the COMMIT fails (a deferred foreign key): the driver's error
+    propagates, the transaction is rolled back, and the operation is reported as failed."""
+    import pytest
+
+    path = tmp_path / "app.db"
+    store = oncely.open_store(f"sqlite:///{path}")
+    inbox = oncely.Inbox(store)
+    connection = connect(path)
+    connection.execute("PRAGMA foreign_keys = ON")
+    connection.execute("CREATE TABLE customers (id TEXT PRIMARY KEY)")
+    connection.execute(
+        "CREATE TABLE orders (id TEXT PRIMARY KEY, customer TEXT REFERENCES customers (id) "
+        "DEFERRABLE INITIALLY DEFERRED)"
+    )
+    for value in ({"order": 1}, None):
+        with (
+            pytest.raises(sqlite3.IntegrityError),
+            inbox.transaction(connection, "o-1", scope="orders.place") as entry,
+        ):
+            connection.execute("INSERT INTO orders VALUES ('o-1', 'nobody')")
+            entry.complete(value)
+        assert not connection.in_transaction
+    assert store.get("orders.place|o-1") is None
+    operations = sinks.operations(surface="inbox")
+    assert [event.error for event in operations] == ["IntegrityError", "IntegrityError"]
+    connection.close()
+    store.close()

@@ -2,16 +2,19 @@
 
 A claim is one round trip on the caller's connection, in the caller's transaction: a savepoint
 and one claim statement (prepared once per session), sent straight to libpq in its pipeline
-mode with binary parameters, as `_wire` sends the store's statements (``_Piped``), or as one
-query through psycopg where that path does not go (a client encoding other than UTF-8, the
-caller's own pipeline mode). A key never seen (the
-common case) is a single INSERT of the record *already completed* with the outcome of a block
-that records nothing: the transaction hides it until the commit and takes it away with a
-rollback, and a concurrent duplicate's INSERT waits on the unique index for that transaction
-to end. So a block that records ``None`` costs nothing more, one that records a value one
-UPDATE, and a replay nothing after its claim. Only a key that already has a row (an expired
-record, a released one, a lease held elsewhere) goes through ``oncely_claim`` and an
-in-progress record that the block's outcome then settles.
+mode with binary parameters, as `_wire` sends the store's statements (``_inbox_io.Piped``), or
+as one query through psycopg where that path does not go (a client encoding other than UTF-8,
+the caller's own pipeline mode). A key never seen (the common case) is a single INSERT of the
+record *already completed* with the outcome of a block that records nothing: the transaction
+hides it until the commit and takes it away with a rollback, and a concurrent duplicate's
+INSERT waits on the unique index for that transaction to end. So a block that records ``None``
+costs nothing more, one that records a value one UPDATE, and a replay nothing after its claim.
+Only a key that already has a row (an expired record, a released one, a lease held elsewhere)
+goes through ``oncely_claim`` and an in-progress record that the block's outcome then settles.
+
+A transaction the inbox owns (``Begin.own``) is begun in the claim's round trip, with no
+savepoint (ROLLBACK undoes the claim), and committed in the outcome's: the UPDATE guarded
+(`_guarded`), so that a record changed under the block fails the COMMIT sent with it.
 
 The savepoints are named by how deeply inbox claims are nested in this context, and the ones
 no longer needed are left to the commit: releasing them would cost a round trip, and a later
@@ -32,14 +35,14 @@ from datetime import timedelta
 from typing import Any, Final
 
 import psycopg.generators
-from psycopg import AsyncClientCursor, AsyncCursor, ClientCursor, Cursor, pq
-from psycopg.rows import tuple_row
+from psycopg import pq
 
 from oncely import _txn
 from oncely._core.flow import adrive, drive
-from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Status
-from oncely._inbox_store import Begin, Finish, Op, Rollback, Settle
-from oncely.errors import SchemaMissingError
+from oncely._core.records import Acquired, ClaimResult, InProgress, LeaseLost, Replay, Status
+from oncely._inbox_store import Begin, Commit, Finish, Op, Open, Rollback, Settle
+from oncely.errors import ConfigurationError, OncelyError, SchemaMissingError
+from oncely.stores.postgres import _inbox_io as _io
 from oncely.stores.postgres import _sql, _wire
 
 __all__ = ["InboxDriver"]
@@ -141,51 +144,16 @@ class _Prepared(Exception):
     server connection, or before this process knew of the connection)."""
 
 
-_Script = list[tuple[str, Any]]
-"""Statements and their parameters (a tuple, or ``None``), sent as one query: one round trip.
-A single statement is bound on the server (and prepared by psycopg after a few uses); several
-are bound on the client and sent together (the simple query protocol), which costs far less
-client time than pipeline mode."""
-
-_TUPLES_OK = 2
-"""``psycopg.pq.ExecStatus.TUPLES_OK``: the result has rows to fetch."""
-
 _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 """The claim statements prepared in each connection's session (a reset session, a pooler's
 other server connection, is found out by the error and prepared again)."""
 
 _Flow = Generator[Any, Any, Any]
-"""Yields a `_Script` (answered by its `_sql.Reply` list), a `_Queue` (no answer) or a
-`_Piped` (answered by a libpq result per step)."""
+"""Yields an `_inbox_io.Script` (answered by its `_sql.Reply` list), an `_inbox_io.Queue` (no
+answer) or an `_inbox_io.Piped` (answered by a libpq result per step)."""
 
 
-class _Piped(list[tuple[Any, ...]]):
-    """Steps sent to libpq in one round trip (its pipeline mode, one sync): a statement with
-    no parameters ``(sql,)``, a prepare ``(wire, None)``, an execution of a prepared
-    statement ``(wire, values)``; answered by each step's libpq result. The path of a
-    connection whose client encoding is UTF-8 and that is not in pipeline mode itself."""
-
-
-class _Wired:
-    """One statement run by `_wire.run`, binary: answered by one `_sql.Reply` with no rows.
-    Prepared once per session (with the claim), but for a store made with ``prepare=False``
-    (behind a pooler): sent unnamed."""
-
-    __slots__ = ("names", "params", "wire")
-
-    def __init__(self, wire: _wire.Wire, params: Any, names: set[bytes], store: Any) -> None:
-        self.wire, self.params = wire, params
-        self.names = names if store._prepare else None
-
-
-_SEND: Final = psycopg.generators.send
-_FETCH_MANY: Final = psycopg.generators.fetch_many
-_OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 _WRITTEN: Final = b"written"
-
-
-class _Queue(list[tuple[str, Any]]):
-    """A script queued in the caller's pipeline, answered when the caller syncs: no replies."""
 
 
 def _guarded(update: str) -> str:
@@ -220,9 +188,19 @@ class _Statements:
         self.wire_claim = _wire.Wire.of(claim_body, "tt88tbt")
         self.wire_rewrite = _wire.Wire.of(self.rewrite, "tbt8t")
         self.wire_finish = _wire.Wire.of(self.finish, "tbitt8")
+        # Sent with the COMMIT of a transaction the inbox owns: failing when they change no
+        # row, so that the COMMIT, in the same round trip, does not commit the block alone.
+        self.wire_guarded_rewrite = _wire.Wire.of(_guarded(self.rewrite), "tbt8t")
+        self.wire_guarded_finish = _wire.Wire.of(_guarded(self.finish), "tbitt8")
         # Prepared together, the first time on a session; the UPDATEs of a store made with
-        # ``prepare=False`` (behind a pooler) go unnamed (`_Wired`), the claim is prepared.
-        self.wires: tuple[_wire.Wire, ...] = (self.wire_claim, self.wire_rewrite, self.wire_finish)
+        # ``prepare=False`` (behind a pooler) go unnamed (`Wired`), the claim is prepared.
+        self.wires: tuple[_wire.Wire, ...] = (
+            self.wire_claim,
+            self.wire_rewrite,
+            self.wire_finish,
+            self.wire_guarded_rewrite,
+            self.wire_guarded_finish,
+        )
         if not store._prepare:
             self.wires = (self.wire_claim,)
 
@@ -230,11 +208,21 @@ class _Statements:
 class _Claim:
     """One claim's operations on one connection, as scripts (sync and async alike)."""
 
-    __slots__ = ("_connection", "_op", "_reset", "_result", "_savepoint", "_sql", "_written")
+    __slots__ = (
+        "_connection",
+        "_op",
+        "_own",
+        "_reset",
+        "_result",
+        "_savepoint",
+        "_sql",
+        "_written",
+    )
 
-    def __init__(self, statements: _Statements, connection: Any) -> None:
+    def __init__(self, statements: _Statements, connection: Any, own: bool = False) -> None:
         self._sql = statements
         self._connection = connection
+        self._own = own  # the inbox opens and ends the transaction (`Begin.own`)
         self._written = False  # the claim inserted the record, completed with _result
         self._result = b""
         self._op = ""
@@ -253,6 +241,13 @@ class _Claim:
             self._leave()
             yield self._rollback()
             return None
+        if kind is Commit:
+            self._ended()
+            yield _io.Piped([(b"COMMIT",)])
+            return None
+        if kind is Open:
+            yield _io.Piped([(self._start(),)])
+            return None
         raise TypeError(f"cannot perform {op!r}")
 
     def _begin(self, op: Begin) -> _Flow:
@@ -269,7 +264,12 @@ class _Claim:
             op.result,
             str(max(int(op.wait.total_seconds() * 1000), 1)),
         )
-        pipelined = _pipelined(self._connection)
+        if self._own:
+            names = _wire.prepared_on(self._connection)
+            if names is None:  # refused at bind: the encoding changed since
+                raise ConfigurationError(_OWN_ENCODING)
+            return (yield from self._begin_wired(op, params, names, depth, self._start()))
+        pipelined = _io.pipelined(self._connection)
         names = None if pipelined else _wire.prepared_on(self._connection)
         if names is not None:
             begin = b""
@@ -281,7 +281,7 @@ class _Claim:
         prepared = _PREPARED.setdefault(self._connection, set())
         name = self._sql.claim
         while True:
-            script: _Script = [(f"SAVEPOINT {savepoint}", None)]
+            script: _io.Script = [(f"SAVEPOINT {savepoint}", None)]
             if pipelined:  # the statement itself: EXECUTE takes no parameters bound there
                 named = {f"p{number}": value for number, value in enumerate(params, start=1)}
                 script.append((self._sql.pipelined_claim, named))
@@ -333,11 +333,12 @@ class _Claim:
         begins it with *begin* (psycopg's BEGIN statement for it), in the same round trip."""
         wire = self._sql.wire_claim
         values = _wire.encoded(wire, params)
-        savepoint = self._savepoint
+        savepoint, own = self._savepoint, self._own
         while True:
-            steps = _Piped([(begin,)] if begin else [])
-            steps.append((f"SAVEPOINT {savepoint}".encode(),))
-            begin = b""  # begun, whatever the claim's fate
+            steps = _io.Piped([(begin,)] if begin else [])
+            if not own:  # an owned transaction is the claim's savepoint: ROLLBACK undoes it
+                steps.append((f"SAVEPOINT {savepoint}".encode(),))
+                begin = b""  # begun, whatever the claim's fate
             prepares: list[_wire.Wire] = []
             if wire.name not in names:
                 prepares = [w for w in self._sql.wires if w.name not in names]
@@ -350,6 +351,9 @@ class _Claim:
             except Exception as exc:
                 translated = _translated(exc)
                 if translated is None:
+                    if own:  # the inbox's transaction: ended, if the connection still can
+                        with contextlib.suppress(Exception):
+                            yield self._rollback()
                     raise  # the caller's driver error, in the caller's transaction
                 yield self._rollback()  # the claim's failure undone; the transaction usable
                 if type(translated) is _Unprepared and wire.name in names:
@@ -369,6 +373,11 @@ class _Claim:
                 if isinstance(translated, (_Unprepared, _Prepared)):
                     raise  # not the session's state this driver knew: a driver error
                 raise translated from exc
+            except BaseException:  # cancelled, interrupted: the inbox's transaction ended
+                if own:
+                    with contextlib.suppress(Exception):
+                        yield self._rollback()
+                raise
             if prepares:
                 names.update(each.name for each in prepares)
             break
@@ -380,7 +389,23 @@ class _Claim:
             answer = _wire.claim_answer(op.key, result, decided=True)
         if type(answer) is Acquired:
             self._reset = _DEPTH.set(depth + 1)
+        elif own and type(answer) is not Replay:  # no block runs: the transaction ends here
+            yield self._rollback()
         return answer
+
+    def _start(self) -> bytes:
+        """The BEGIN psycopg would send (with the connection's isolation level, read-only,
+        deferrable), for a transaction the inbox owns."""
+        start = getattr(self._connection, "_get_tx_start_command", None)
+        return start() if start is not None else b"BEGIN"
+
+    def _ended(self) -> None:
+        """Refuse to end an owned transaction that the block ended itself."""
+        if not self._connection.pgconn.transaction_status:  # IDLE
+            raise OncelyError(
+                "the inbox's transaction was ended inside its block (a commit or rollback "
+                "there): the block's writes and the record no longer go together"
+            )
 
     def _execute(self, params: tuple[Any, ...]) -> str:
         """The EXECUTE of the prepared claim with *params* as literals, escaped by libpq for
@@ -400,10 +425,12 @@ class _Claim:
 
     def _finish(self, op: Finish) -> _Flow:
         self._leave()
+        if op.end:
+            return (yield from self._finish_owned(op))
         if self._written and not op.undo_block and op.result == self._result:
             return None  # the claim wrote this very outcome
         store = self._sql.store
-        script: _Script = []
+        script: _io.Script = []
         if op.undo_block:
             script.append((f"ROLLBACK TO SAVEPOINT {self._savepoint}_block", None))
         stored, status, result = store._stored_key(op.key), op.status.value, bytes(op.result)
@@ -414,19 +441,19 @@ class _Claim:
             params = (status, result, ttl, self._op, stored, op.token)
             script.append((self._sql.finish, params))
         sent: Any = script
-        pipelined = _pipelined(self._connection)
+        pipelined = _io.pipelined(self._connection)
         if not pipelined and len(script) == 1 and self._connection.pgconn.transaction_status:
             names = _wire.prepared_on(self._connection)
             if names is not None:  # the libpq path: prepared once, binary
                 wire = self._sql.wire_rewrite if self._written else self._sql.wire_finish
-                sent = _Wired(wire, script[0][1], names, store)
+                sent = _io.Wired(wire, script[0][1], names, store)
         if pipelined:
             # Queued in the caller's pipeline, sent with its next statements or its commit: no
             # round trip of its own. A record changed under the block fails the statement,
             # and with it the caller's transaction, at the caller's next sync.
             sql, params = script[-1]
             script[-1] = (_guarded(sql), params)
-            yield _Queue(script)
+            yield _io.Queue(script)
             return None
         try:
             replies = yield sent
@@ -438,6 +465,39 @@ class _Claim:
             return None
         yield self._rollback()  # the record changed under the block: undo the block too
         return LeaseLost()
+
+    def _finish_owned(self, op: Finish) -> _Flow:
+        """`_finish` in a transaction the inbox owns: the outcome's UPDATE (guarded: failing
+        when it changes no row) and the COMMIT in one round trip; just the COMMIT when the
+        claim wrote this very outcome. A guard that fails rolls back: `LeaseLost`."""
+        self._ended()
+        steps = _io.Piped()
+        if op.undo_block:
+            steps.append((f"ROLLBACK TO SAVEPOINT {self._savepoint}_block".encode(),))
+        if not self._written or op.undo_block or op.result != self._result:
+            stored, status, result = self._sql.store._stored_key(op.key), op.status.value, op.result
+            if self._written:
+                wire = self._sql.wire_guarded_rewrite
+                params: tuple[Any, ...] = (status, result, stored, op.token, self._op)
+            else:
+                ttl = timedelta(milliseconds=_sql.ms(op.ttl))
+                wire = self._sql.wire_guarded_finish
+                params = (status, result, ttl, self._op, stored, op.token)
+            values = _wire.encoded(wire, params)
+            prepared = self._sql.store._prepare
+            steps.append((wire, values) if prepared else (wire, values, False))
+        steps.append((b"COMMIT",))
+        try:
+            yield steps
+        except BaseException as exc:  # also cancelled or interrupted: never left open
+            pgconn = self._connection.pgconn
+            if pgconn.transaction_status in (_INTRANS, _INERROR):  # not ended by the COMMIT
+                with contextlib.suppress(Exception):
+                    yield self._rollback()
+            if _guard_failed(exc):
+                return LeaseLost()
+            raise  # the COMMIT failed (or the connection): nothing done
+        return None
 
     def _settle(self, op: Settle) -> _Flow:
         """Complete a record claimed with a lease elsewhere: no savepoint, one statement."""
@@ -456,11 +516,13 @@ class _Claim:
         names = None if idle else _wire.prepared_on(self._connection)
         script: Any = [(self._sql.finish, params)]
         if names is not None:
-            script = _Wired(self._sql.wire_finish, params, names, store)
+            script = _io.Wired(self._sql.wire_finish, params, names, store)
         replies = yield script
         return None if replies[0].rowcount == 1 else LeaseLost()
 
-    def _rollback(self) -> _Script:
+    def _rollback(self) -> Any:
+        if self._own:
+            return _io.Piped([(b"ROLLBACK",)])
         savepoint = self._savepoint
         return [
             (f"ROLLBACK TO SAVEPOINT {savepoint}", None),
@@ -482,18 +544,24 @@ class InboxDriver:
     def __init__(self, store: Any) -> None:
         self._statements = _Statements(store)
 
-    def bind(self, connection: Any) -> Callable[[Op], Any]:
+    def bind(self, connection: Any, own: bool = False) -> Callable[[Op], Any]:
         """See `oncely._inbox_store.InboxDriver.bind`."""
-        raw = _txn.raw_connection(connection, _USER)
-        _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements, raw), functools.partial(_run, raw)
+        if own:
+            raw = _idle(connection, psycopg.Connection)
+        else:
+            raw = _txn.raw_connection(connection, _USER)
+            _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements, raw, own), functools.partial(_io.run, raw)
         return lambda op: drive(claim.flow(op), run)
 
-    async def abind(self, connection: Any) -> Callable[[Op], Awaitable[Any]]:
+    async def abind(self, connection: Any, own: bool = False) -> Callable[[Op], Awaitable[Any]]:
         """See `oncely._inbox_store.InboxDriver.abind`."""
-        raw = await _txn.araw_connection(connection)
-        _txn.check_psycopg_transaction(raw, _USER)
-        claim, run = _Claim(self._statements, raw), functools.partial(_arun, raw)
+        if own:
+            raw = _idle(connection, psycopg.AsyncConnection)
+        else:
+            raw = await _txn.araw_connection(connection)
+            _txn.check_psycopg_transaction(raw, _USER)
+        claim, run = _Claim(self._statements, raw, own), functools.partial(_io.arun, raw)
 
         async def perform(op: Op) -> Any:
             return await adrive(claim.flow(op), run)
@@ -501,155 +569,34 @@ class InboxDriver:
         return perform
 
 
-def _query(script: _Script) -> tuple[str, tuple[Any, ...] | None]:
-    """*script* as one query of several statements, with all their parameters."""
-    params: tuple[Any, ...] = ()
-    for _, each in script:
-        if each is not None:
-            params += each
-    return "; ".join(sql for sql, _ in script), params or None
+_OWN_ENCODING = (
+    "Inbox.transaction needs a connection whose client encoding is UTF-8: with another, open "
+    "the transaction yourself and use Inbox.claim in it"
+)
+_INTRANS: Final = 2
+_INERROR: Final = 3
+"""libpq's transaction statuses (``psycopg.pq.TransactionStatus``), as integers."""
 
 
-def _pipelined(connection: Any) -> bool:
-    """Whether the caller's connection is in pipeline mode (no multi-statement query there)."""
-    return bool(connection.pgconn.pipeline_status)
-
-
-def _send(pgconn: Any, steps: _Piped) -> None:
-    """Queue *steps* in libpq's pipeline mode, and their sync."""
-    pgconn.enter_pipeline_mode()
-    for step in steps:
-        if len(step) == 1:
-            pgconn.send_query_params(step[0], None)
-        elif step[1] is None:
-            wire = step[0]
-            pgconn.send_prepare(wire.name, wire.sql, wire.types)
-        else:
-            wire = step[0]
-            pgconn.send_query_prepared(wire.name, step[1], wire.formats, 1)
-    pgconn.pipeline_sync()
-
-
-def _exchange(pgconn: Any, count: int) -> Generator[Any, Any, list[Any]]:
-    """psycopg's generator that flushes the pipeline and reads back *count* steps' results
-    (the last of each) and the sync's."""
-    yield from _SEND(pgconn)
-    results = []
-    for _ in range(count):
-        results.append((yield from _FETCH_MANY(pgconn))[-1])
-    yield from _FETCH_MANY(pgconn)
-    return results
-
-
-def _piped(pgconn: Any, results: list[Any]) -> list[Any]:
-    """*results* once out of pipeline mode, or the first failed step's error raised."""
-    pgconn.exit_pipeline_mode()
-    for result in results:
-        if result.status not in _OK:
-            _wire.checked([result])  # raises its error
-    return results
-
-
-def _left(pgconn: Any) -> None:
-    """Leave pipeline mode after an interrupted exchange, if libpq lets us (it does not with
-    results not read: the connection is then in no state to be used anyway)."""
+def _idle(connection: Any, kind: type[Any]) -> Any:
+    """*connection*, a psycopg connection of *kind* in no transaction and not in pipeline
+    mode, for a transaction the inbox owns; or `ConfigurationError` saying to use ``claim``."""
+    hint = "open the transaction yourself and use Inbox.claim in it"
+    if not isinstance(connection, kind):
+        raise ConfigurationError(
+            f"Inbox.transaction opens the transaction itself on a psycopg {kind.__name__}, "
+            f"not a {type(connection).__name__}: {hint}"
+        )
+    pgconn = connection.pgconn
+    if pgconn.transaction_status:  # not IDLE
+        raise ConfigurationError(f"the connection is in a transaction already: {hint}")
     if pgconn.pipeline_status:
-        with contextlib.suppress(Exception):
-            pgconn.exit_pipeline_mode()
+        raise ConfigurationError(f"the connection is in pipeline mode: {hint}")
+    if _wire.prepared_on(connection) is None:
+        raise ConfigurationError(_OWN_ENCODING)
+    return connection
 
 
-def _run(connection: Any, script: Any) -> list[Any]:
-    """Send *script* in one round trip; each statement's reply, in order."""
-    kind = type(script)
-    if kind is _Wired:
-        wired: Any = script
-        # The connection's lock, as psycopg's cursors take it: another thread may share it.
-        with connection.lock:
-            result = _wire.run(connection, wired.wire, wired.params, wired.names)
-        return [_sql.Reply([], result.command_tuples)]
-    if kind is _Piped:
-        pgconn = connection.pgconn
-        with connection.lock:
-            try:
-                _send(pgconn, script)
-                results = connection.wait(_exchange(pgconn, len(script)))
-            except BaseException:
-                _left(pgconn)
-                raise
-            return _piped(pgconn, results)
-    if kind is _Queue:
-        for sql, params in script:
-            Cursor(connection, row_factory=tuple_row).execute(sql, params)
-        return []
-    if _pipelined(connection):
-        cursors = [Cursor(connection, row_factory=tuple_row) for _ in script]
-        with connection.pipeline():  # nested in the caller's: synced on leaving
-            for each, (sql, params) in zip(cursors, script, strict=True):
-                each.execute(sql, params)
-        return [_reply(each) for each in cursors]
-    if len(script) == 1:
-        # Server-side binding whatever the connection's cursor factory (Django's binds on the
-        # client): the statement is prepared after a few uses.
-        cursor: Any = Cursor(connection, row_factory=tuple_row)
-        cursor.execute(*script[0])
-    else:
-        cursor = ClientCursor(connection, row_factory=tuple_row)
-        cursor.execute(*_query(script))
-    replies = []
-    while True:
-        replies.append(_reply(cursor))
-        if not cursor.nextset():
-            return replies
-
-
-def _reply(cursor: Any) -> _sql.Reply:
-    # The result's status, not ``description``: that builds a Column per field on each read.
-    result = cursor.pgresult
-    rows = cursor.fetchall() if result is not None and result.status == _TUPLES_OK else []
-    return _sql.Reply(rows, cursor.rowcount)
-
-
-async def _arun(connection: Any, script: Any) -> list[Any]:
-    kind = type(script)
-    if kind is _Wired:
-        wired: Any = script
-        async with connection.lock:  # as in `_run`: another task may share the connection
-            result = await _wire.arun(connection, wired.wire, wired.params, wired.names)
-        return [_sql.Reply([], result.command_tuples)]
-    if kind is _Piped:
-        pgconn = connection.pgconn
-        async with connection.lock:
-            try:
-                _send(pgconn, script)
-                results = await connection.wait(_exchange(pgconn, len(script)))
-            except BaseException:
-                _left(pgconn)
-                raise
-            return _piped(pgconn, results)
-    if kind is _Queue:
-        for sql, params in script:
-            await AsyncCursor(connection, row_factory=tuple_row).execute(sql, params)
-        return []
-    if _pipelined(connection):
-        cursors = [AsyncCursor(connection, row_factory=tuple_row) for _ in script]
-        async with connection.pipeline():
-            for each, (sql, params) in zip(cursors, script, strict=True):
-                await each.execute(sql, params)
-        return [await _areply(each) for each in cursors]
-    if len(script) == 1:
-        cursor: Any = AsyncCursor(connection, row_factory=tuple_row)
-        await cursor.execute(*script[0])
-    else:
-        cursor = AsyncClientCursor(connection, row_factory=tuple_row)
-        await cursor.execute(*_query(script))
-    replies = []
-    while True:
-        replies.append(await _areply(cursor))
-        if not cursor.nextset():
-            return replies
-
-
-async def _areply(cursor: Any) -> _sql.Reply:
-    result = cursor.pgresult
-    rows = await cursor.fetchall() if result is not None and result.status == _TUPLES_OK else []
-    return _sql.Reply(rows, cursor.rowcount)
+def _guard_failed(exc: BaseException) -> bool:
+    """Whether *exc* is a guarded UPDATE's (`_guarded`) failure: its record was changed."""
+    return getattr(exc, "sqlstate", None) == "22P02" and "oncely: the inbox record" in str(exc)
