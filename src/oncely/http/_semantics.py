@@ -737,27 +737,31 @@ def _encode(
     body: bytes,
     reason: bytes,
     policy: HttpPolicy | None = None,
+    prefix: bytes = b"",
 ) -> bytes:
     """`encode_snapshot`; with a *policy*, of the `storable_headers` of *headers* only (filtered
-    as they are written: this runs on every stored response)."""
+    as they are written: this runs on every stored response), behind *prefix* (the stored
+    outcome's frame: the snapshot is joined once, not copied again to be framed)."""
     if not 100 <= status <= 999:
         raise ValueError(f"status {status} is out of range")
     if len(reason) > 255:
         reason = b""
     dropped = () if policy is None else policy.dropped_headers
-    parts = [b"", reason]  # the head first, once the headers kept are counted
+    parts = [prefix, b"", reason]  # the head second, once the headers kept are counted
     count = 0
+    name_length, value_length = _NAME.pack, _VALUE.pack
     for name, value in headers:
         if dropped:
             lowered = name.lower()
             if lowered in dropped:
                 if lowered == b"connection" and policy is not None:  # it names more to drop
-                    return _encode(status, storable_headers(headers, policy), body, reason)
+                    kept = storable_headers(headers, policy)
+                    return _encode(status, kept, body, reason, None, prefix)
                 continue
-        parts += (_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value)
+        parts += (name_length(len(name)), name, value_length(len(value)), value)
         count += 1
     parts += (_BODY.pack(len(body)), body)
-    parts[0] = _HEAD.pack(_MAGIC, _VERSION, status, len(reason), count)
+    parts[1] = _HEAD.pack(_MAGIC, _VERSION, status, len(reason), count)
     return b"".join(parts)
 
 
@@ -870,6 +874,8 @@ class ResponseCapture:
         elif self.keep:
             self.chunks.append(bytes(chunk))
 
-    def snapshot(self, policy: HttpPolicy) -> bytes:
-        """The stored form of the captured response (headers filtered for storage)."""
-        return _encode(self.status, self.headers, b"".join(self.chunks), self.reason, policy)
+    def snapshot(self, policy: HttpPolicy, prefix: bytes = b"") -> bytes:
+        """The stored form of the captured response (headers filtered for storage), behind
+        *prefix*."""
+        body = b"".join(self.chunks)
+        return _encode(self.status, self.headers, body, self.reason, policy, prefix)

@@ -120,10 +120,10 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
-        if _switches.off(scope["method"], scope.get("path", "")):
-            return await self.app(scope, receive, send)
         method: str = scope["method"]
         path: str = scope.get("path", "")
+        if _switches.disabled and _switches.off(method, path):
+            return await self.app(scope, receive, send)
         policy, route = self.routes.select(method, path, self._resolve(scope))
         scope, parked = _parking(policy, route, scope)  # a route that claims in a dependency
         if not policy.covers(method):
