@@ -321,6 +321,28 @@ class TestFinish:
         assert stored.body == b"abcd"
         assert stored.headers == ((b"content-type", b"text/plain"),)  # no set-cookie
 
+    @pytest.mark.parametrize(
+        "extra",
+        [(), ((b"connection", b"x-hop"), (b"x-hop", b"1"), (b"x-kept", b"2"))],
+        ids=["plain", "connection"],
+    )
+    def test_the_stored_outcome_is_the_framed_snapshot_byte_for_byte(
+        self, extra: tuple[tuple[bytes, bytes], ...]
+    ) -> None:
+        # The snapshot is written behind the outcome's frame in one join: the same bytes as
+        # framing the snapshot afterwards, on both encoding paths (with and without Connection).
+        capture = ResponseCapture(POLICY.max_response_bytes)
+        headers = [(b"content-type", b"text/plain"), (b"set-cookie", b"s=1"), *extra]
+        capture.start(201, headers, POLICY)
+        capture.add(b"ab")
+        capture.add(b"cd")
+        expected = codec.encode_value(
+            _semantics.encode_snapshot(
+                Response(201, _semantics.storable_headers(headers, POLICY), b"abcd")
+            )
+        )
+        assert _flow.stored_outcome(self.lease(), capture, POLICY) == expected
+
     @pytest.mark.parametrize("status", [401, 403, 408, 409, 422, 423, 425, 429, 500, 502, 503, 504])
     def test_refusals_and_5xx_are_not_stored_and_the_lease_is_released(self, status: int) -> None:
         script = Script(release=None)

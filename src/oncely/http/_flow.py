@@ -73,6 +73,9 @@ __all__ = [
 
 logger = get_logger("oncely.http")
 
+_VALUE_FRAME: Final = _codec.encode_value(b"")
+"""What `_codec.encode_value` puts before the bytes it frames."""
+
 
 class _PassThrough(enum.Enum):
     PASS_THROUGH = "PASS_THROUGH"
@@ -244,7 +247,7 @@ def stored_outcome(
             extra=fields(key=lease.key, token=lease.token, outcome="not_stored"),
         )
         return _codec.encode_unavailable(reason)
-    return _codec.encode_value(capture.snapshot(policy))
+    return capture.snapshot(policy, _VALUE_FRAME)  # `_codec.encode_value` of the snapshot
 
 
 async def afinish(

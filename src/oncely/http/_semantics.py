@@ -77,6 +77,7 @@ __all__ = [
     "ResponseCapture",
     "corrupt",
     "decide",
+    "decide_key",
     "agiven",
     "decode_snapshot",
     "default_fingerprint",
@@ -109,11 +110,17 @@ __all__ = [
 # -- requests -----------------------------------------------------------------------------------
 
 
-def _read_headers(headers: Iterable[Header]) -> tuple[bytes | None, bytes | None, list[bytes]]:
+ReadHeaders = tuple[bytes | None, bytes | None, list[bytes]]
+"""`_read_headers`' answer: the first ``Authorization`` and ``Content-Type`` values and every
+``Cookie`` value."""
+
+
+def _read_headers(headers: Iterable[Header]) -> ReadHeaders:
     """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
-    *headers*, in one pass (names as `HttpRequest.header` compares them)."""
+    *headers*, in one pass (names as `HttpRequest.header` compares them; the ASGI middleware's
+    own pass over the headers reads them as this does)."""
     authorization = content_type = None
-    cookies = []
+    cookies: list[bytes] = []
     for name, value in headers:
         if name == b"authorization":
             if authorization is None:
@@ -315,6 +322,11 @@ def decide(method: str, key_values: Sequence[bytes], policy: HttpPolicy) -> str 
     """
     if not policy.covers(method):
         return None
+    return decide_key(key_values, policy)
+
+
+def decide_key(key_values: Sequence[bytes], policy: HttpPolicy) -> str | Response | None:
+    """`decide` for a method *policy* is known to cover (the ASGI middleware has checked it)."""
     try:
         key = read_key(key_values)
     except InvalidKeyError as exc:
@@ -376,12 +388,28 @@ def plan_parts(
     key: str,
     policy: HttpPolicy,
     given: str | None = None,
+    read: ReadHeaders | None = None,
 ) -> Plan | Response:
     """`plan` of the `HttpRequest` these parts make, which only a custom scope or fingerprint
-    callable needs to see built (the ASGI middleware's path: one object less per request)."""
+    callable needs to see built (the ASGI middleware's path: one object less per request).
+
+    *read* is ``_read_headers(headers)`` when the caller has already read them (the ASGI
+    middleware reads them in its own pass over the headers)."""
     if policy.scope is default_scope and policy.fingerprint is default_fingerprint:
+        authorization, content_type, cookies = read or _read_headers(headers)
         return _default_plan(
-            method, path, route, query_string, headers, body, principal, key, policy, given
+            method,
+            path,
+            route,
+            query_string,
+            authorization,
+            content_type,
+            cookies,
+            body,
+            principal,
+            key,
+            policy,
+            given,
         )
     request = HttpRequest(method, path, route, query_string, tuple(headers), body, principal)
     return plan(request, key, policy, given)
@@ -392,15 +420,16 @@ def _default_plan(
     path: str,
     route: str,
     query_string: bytes,
-    headers: Iterable[Header],
+    authorization: bytes | None,
+    content_type: bytes | None,
+    cookies: list[bytes],
     body: bytes,
     principal: str | None,
     key: str,
     policy: HttpPolicy,
     given: str | None,
 ) -> Plan | Response:
-    # The usual policy: the headers all read in one pass.
-    authorization, content_type, cookies = _read_headers(headers)
+    # The usual policy, on the headers `_read_headers` read.
     owner = owner_of(principal, given, authorization, cookies, policy)
     if owner is None:
         return principal_required(policy)
@@ -667,11 +696,9 @@ def replayed(snapshot: bytes, policy: HttpPolicy) -> Response:
     Raises:
         ValueError: *snapshot* is not a response snapshot (a foreign or damaged record).
     """
-    response = decode_snapshot(snapshot)
     if policy.replay_header is None:
-        return response
-    marker = _marker(policy.replay_header)
-    return Response(response.status, (*response.headers, marker), response.body, response.reason)
+        return decode_snapshot(snapshot)
+    return _decode(snapshot, _marker(policy.replay_header))  # one Response, the marker last
 
 
 @functools.lru_cache(maxsize=32)
@@ -710,27 +737,31 @@ def _encode(
     body: bytes,
     reason: bytes,
     policy: HttpPolicy | None = None,
+    prefix: bytes = b"",
 ) -> bytes:
     """`encode_snapshot`; with a *policy*, of the `storable_headers` of *headers* only (filtered
-    as they are written: this runs on every stored response)."""
+    as they are written: this runs on every stored response), behind *prefix* (the stored
+    outcome's frame: the snapshot is joined once, not copied again to be framed)."""
     if not 100 <= status <= 999:
         raise ValueError(f"status {status} is out of range")
     if len(reason) > 255:
         reason = b""
     dropped = () if policy is None else policy.dropped_headers
-    parts = [b"", reason]  # the head first, once the headers kept are counted
+    parts = [prefix, b"", reason]  # the head second, once the headers kept are counted
     count = 0
+    name_length, value_length = _NAME.pack, _VALUE.pack
     for name, value in headers:
         if dropped:
             lowered = name.lower()
             if lowered in dropped:
                 if lowered == b"connection" and policy is not None:  # it names more to drop
-                    return _encode(status, storable_headers(headers, policy), body, reason)
+                    kept = storable_headers(headers, policy)
+                    return _encode(status, kept, body, reason, None, prefix)
                 continue
-        parts += (_NAME.pack(len(name)), name, _VALUE.pack(len(value)), value)
+        parts += (name_length(len(name)), name, value_length(len(value)), value)
         count += 1
     parts += (_BODY.pack(len(body)), body)
-    parts[0] = _HEAD.pack(_MAGIC, _VERSION, status, len(reason), count)
+    parts[1] = _HEAD.pack(_MAGIC, _VERSION, status, len(reason), count)
     return b"".join(parts)
 
 
@@ -740,6 +771,11 @@ def decode_snapshot(data: bytes) -> Response:
     Raises:
         ValueError: *data* is not a snapshot of a known version, or is truncated or padded.
     """
+    return _decode(data, None)
+
+
+def _decode(data: bytes, marker: Header | None) -> Response:
+    """`decode_snapshot`, with *marker* (if any) after the stored headers."""
     data = bytes(data)
     size = len(data)
     if size < _HEAD.size:
@@ -751,7 +787,7 @@ def decode_snapshot(data: bytes) -> Response:
         raise ValueError(f"the stored response has unknown format version {version}")
     offset = _HEAD.size + reason_length
     reason = data[_HEAD.size : offset]
-    headers = []
+    headers: list[Header] = []
     # Each field is its length, then its bytes. A length read past the end raises
     # struct.error; a field cut short leaves the offset past the end, for the check below.
     name_length, value_length = _NAME.unpack_from, _VALUE.unpack_from
@@ -774,6 +810,8 @@ def decode_snapshot(data: bytes) -> Response:
             if offset < size
             else "the stored response is truncated"
         )
+    if marker is not None:
+        headers.append(marker)
     return Response(status, tuple(headers), body, reason)
 
 
@@ -836,6 +874,8 @@ class ResponseCapture:
         elif self.keep:
             self.chunks.append(bytes(chunk))
 
-    def snapshot(self, policy: HttpPolicy) -> bytes:
-        """The stored form of the captured response (headers filtered for storage)."""
-        return _encode(self.status, self.headers, b"".join(self.chunks), self.reason, policy)
+    def snapshot(self, policy: HttpPolicy, prefix: bytes = b"") -> bytes:
+        """The stored form of the captured response (headers filtered for storage), behind
+        *prefix*."""
+        body = b"".join(self.chunks)
+        return _encode(self.status, self.headers, body, self.reason, policy, prefix)

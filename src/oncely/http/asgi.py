@@ -120,26 +120,41 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] in _semantics.SAFE_METHODS:
             await self.app(scope, receive, send)
             return
-        if _switches.off(scope["method"], scope.get("path", "")):
-            return await self.app(scope, receive, send)
         method: str = scope["method"]
         path: str = scope.get("path", "")
+        if _switches.disabled and _switches.off(method, path):
+            return await self.app(scope, receive, send)
         policy, route = self.routes.select(method, path, self._resolve(scope))
         scope, parked = _parking(policy, route, scope)  # a route that claims in a dependency
         if not policy.covers(method):
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers") or ()
-        name = policy.header_name
+        wanted = policy.header_name
         keys: list[bytes] = []
         length: bytes | None = None
-        for key, value in headers:  # one pass: the key header(s) and the first Content-Length
-            key = key.lower()
-            if key == name:
+        authorization: bytes | None = None
+        content_type: bytes | None = None
+        cookies: list[bytes] = []
+        # One pass: the key header(s), the first Content-Length, and what the plan reads (as
+        # `_semantics._read_headers` reads them: Authorization and Content-Type by their
+        # names as sent, Cookie by any case).
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered == wanted:
                 keys.append(value)
-            if key == b"content-length" and length is None:
-                length = value
-        decision = _semantics.decide(method, keys, policy)
+            if lowered == b"content-length":
+                if length is None:
+                    length = value
+            elif name == b"authorization":
+                if authorization is None:
+                    authorization = value
+            elif name == b"content-type":
+                if content_type is None:
+                    content_type = value
+            elif lowered == b"cookie":
+                cookies.append(value)
+        decision = _semantics.decide_key(keys, policy)
         if decision is None:
             await self.app(scope, receive, send)
             return
@@ -179,8 +194,9 @@ class IdempotencyMiddleware:
         if policy.principal is not None:  # the request is built only for it to see
             request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
             given = await _semantics.agiven(policy, request)
+        read = (authorization, content_type, cookies)
         plan = _semantics.plan_parts(
-            method, path, route, query, headers, body, principal, decision, policy, given
+            method, path, route, query, headers, body, principal, decision, policy, given, read
         )
         if isinstance(plan, Response):
             await _send_response(send, plan)
