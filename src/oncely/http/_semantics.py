@@ -78,6 +78,7 @@ __all__ = [
     "corrupt",
     "decide",
     "decide_key",
+    "scan_headers",
     "agiven",
     "decode_snapshot",
     "default_fingerprint",
@@ -114,23 +115,40 @@ ReadHeaders = tuple[bytes | None, bytes | None, list[bytes]]
 """`_read_headers`' answer: the first ``Authorization`` and ``Content-Type`` values and every
 ``Cookie`` value."""
 
+ScannedHeaders = tuple[list[bytes], bytes | None, ReadHeaders]
+"""`scan_headers`' answer: the key header's values, the first ``Content-Length``, and
+`_read_headers`' answer."""
 
-def _read_headers(headers: Iterable[Header]) -> ReadHeaders:
-    """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
-    *headers*, in one pass (names as `HttpRequest.header` compares them; the ASGI middleware's
-    own pass over the headers reads them as this does)."""
-    authorization = content_type = None
+
+def scan_headers(headers: Iterable[Header], key_name: bytes) -> ScannedHeaders:
+    """Every value of the header *key_name* (a lowercase name, matched in any case), the first
+    ``Content-Length``, and what `_read_headers` reads, in one pass over *headers* (the ASGI
+    middleware's: the one place both are read)."""
+    keys: list[bytes] = []
+    length = authorization = content_type = None
     cookies: list[bytes] = []
     for name, value in headers:
-        if name == b"authorization":
+        lowered = name.lower()
+        if lowered == key_name:
+            keys.append(value)
+        if lowered == b"content-length":
+            if length is None:
+                length = value
+        elif name == b"authorization":
             if authorization is None:
                 authorization = value
         elif name == b"content-type":
             if content_type is None:
                 content_type = value
-        elif name.lower() == b"cookie":
+        elif lowered == b"cookie":
             cookies.append(value)
-    return authorization, content_type, cookies
+    return keys, length, (authorization, content_type, cookies)
+
+
+def _read_headers(headers: Iterable[Header]) -> ReadHeaders:
+    """The first ``Authorization`` and ``Content-Type`` values and every ``Cookie`` value of
+    *headers*, in one pass (names as `HttpRequest.header` compares them)."""
+    return scan_headers(headers, b"")[2]
 
 
 ANONYMOUS: Final = "-"

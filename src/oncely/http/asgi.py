@@ -130,30 +130,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers") or ()
-        wanted = policy.header_name
-        keys: list[bytes] = []
-        length: bytes | None = None
-        authorization: bytes | None = None
-        content_type: bytes | None = None
-        cookies: list[bytes] = []
-        # One pass: the key header(s), the first Content-Length, and what the plan reads (as
-        # `_semantics._read_headers` reads them: Authorization and Content-Type by their
-        # names as sent, Cookie by any case).
-        for name, value in headers:
-            lowered = name.lower()
-            if lowered == wanted:
-                keys.append(value)
-            if lowered == b"content-length":
-                if length is None:
-                    length = value
-            elif name == b"authorization":
-                if authorization is None:
-                    authorization = value
-            elif name == b"content-type":
-                if content_type is None:
-                    content_type = value
-            elif lowered == b"cookie":
-                cookies.append(value)
+        keys, length, read = _semantics.scan_headers(headers, policy.header_name)
         decision = _semantics.decide_key(keys, policy)
         if decision is None:
             await self.app(scope, receive, send)
@@ -194,7 +171,6 @@ class IdempotencyMiddleware:
         if policy.principal is not None:  # the request is built only for it to see
             request = HttpRequest(method, path, route, query, tuple(headers), body, principal)
             given = await _semantics.agiven(policy, request)
-        read = (authorization, content_type, cookies)
         plan = _semantics.plan_parts(
             method, path, route, query, headers, body, principal, decision, policy, given, read
         )
