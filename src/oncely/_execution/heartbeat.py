@@ -192,6 +192,9 @@ class _HeartbeatScheduler:
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
         self._timer_running = False
+        self._wakes_at = -math.inf
+        """When the timer thread wakes by itself: a beat due earlier wakes it (`start`). Minus
+        infinity while it is awake (it reads the heap before it sleeps again): lock held."""
         self._stopped = 0  # beats in the heap whose lease was stopped (about: no lock)
         self._workers = 0
         self._idle = 0
@@ -220,7 +223,9 @@ class _HeartbeatScheduler:
                 ]
                 heapq.heapify(self._timers)
                 self._stopped = 0
-            if self._at(now + interval, beating):
+            when = now + interval
+            self._at(when, beating)
+            if when < self._wakes_at:  # else the timer finds it when it wakes (most calls)
                 self._timer_wakeup.notify()
         return beating
 
@@ -239,12 +244,10 @@ class _HeartbeatScheduler:
         with self._lock:
             return not self._ready and self._idle == self._workers
 
-    def _at(self, when: float, item: _Beating | _Extend) -> bool:
-        """Schedule *item*; return whether it is the next one due."""
+    def _at(self, when: float, item: _Beating | _Extend) -> None:
+        """Schedule *item* (lock held)."""
         self._sequence += 1
-        entry = (when, self._sequence, item)
-        heapq.heappush(self._timers, entry)
-        return self._timers[0] is entry
+        heapq.heappush(self._timers, (when, self._sequence, item))
 
     def _run_timers(self) -> None:
         try:
@@ -267,7 +270,13 @@ class _HeartbeatScheduler:
                         ):
                             heapq.heappop(self._timers)
                             break
-                    self._timer_wakeup.wait(self._timers[0][0] - now if self._timers else None)
+                    if self._timers:
+                        self._wakes_at = self._timers[0][0]
+                        self._timer_wakeup.wait(self._wakes_at - now)
+                    else:
+                        self._wakes_at = math.inf
+                        self._timer_wakeup.wait()
+                    self._wakes_at = -math.inf
                 if isinstance(item, _Beating):
                     self._beat(item, due, now)
                     continue
