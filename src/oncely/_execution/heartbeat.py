@@ -48,12 +48,14 @@ _MAX_IN_FLIGHT = 2
 
 
 def _interval(lease: Lease) -> float:
-    return _beat_interval(lease.lease)
+    return _beat_times(lease.lease)[0]
 
 
 @functools.lru_cache(maxsize=256)  # a program uses a handful of leases
-def _beat_interval(lease: timedelta) -> float:
-    return max(lease.total_seconds() / 3, 0.001)
+def _beat_times(lease: timedelta) -> tuple[float, float]:
+    """The beat interval of a lease this long, and its length in seconds."""
+    seconds = lease.total_seconds()
+    return max(seconds / 3, 0.001), seconds
 
 
 def _beat_timeout(interval: float, expires: float, now: float) -> float:
@@ -204,8 +206,8 @@ class _HeartbeatScheduler:
         """Start the heartbeat of *lease* (its ``heartbeat`` is set before the first beat can
         be due, and returned)."""
         now = time.monotonic()
-        interval = _interval(lease)
-        beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
+        interval, seconds = _beat_times(lease.lease)
+        beating = _Beating(lease, store, interval, now + seconds)
         earlier, lease.heartbeat = lease.heartbeat, beating
         if type(earlier) is _Beating:  # started again without a stop: one heartbeat per lease
             earlier.active = False
