@@ -459,7 +459,7 @@ def test_a_beat_due_before_the_timer_wakes_still_wakes_it() -> None:
     time."""
     store = MemoryStore()
     long = store.claim("long", "", lease=timedelta(seconds=60), ttl=timedelta(seconds=60))
-    short = store.claim("short", "", lease=timedelta(seconds=0.3), ttl=timedelta(seconds=60))
+    short = store.claim("short", "", lease=timedelta(seconds=1), ttl=timedelta(seconds=60))
     assert isinstance(long, Acquired)
     assert isinstance(short, Acquired)
     scheduler = heartbeat._HeartbeatScheduler()
@@ -467,10 +467,10 @@ def test_a_beat_due_before_the_timer_wakes_still_wakes_it() -> None:
     slow.heartbeat = scheduler.start(store, slow)
     eventually(lambda: scheduler._timer_running)
     time.sleep(0.05)  # the timer thread is asleep until the long lease's beat
-    quick = Lease("short", short.token, timedelta(seconds=0.3))
+    quick = Lease("short", short.token, timedelta(seconds=1))
     quick.heartbeat = scheduler.start(store, quick)
     try:
-        time.sleep(0.6)  # two of its lease: expired unless extended
+        time.sleep(2.5)  # two and a half of its lease: expired unless extended
         assert isinstance(
             store.claim("short", "", lease=timedelta(1), ttl=timedelta(1)), InProgress
         )
