@@ -373,3 +373,24 @@ def test_value_body_is_the_body_decode_outcome_finds() -> None:
             continue
         assert value_body(data) == (outcome.body if outcome.kind == "value" else None)
     assert value_body(encode_unavailable("no")) is None
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [b'{"a":1}', b' {"a": 1} ', b"[1,2]\n", b'"x"', b"null", b'{"$t":"tuple","v":[1]}', b"\t7"],
+)
+def test_decode_reads_what_json_reads(stored: bytes) -> None:
+    """The scanner alone reads a value that is the whole text; around spaces, `json` does."""
+    expected = json.loads(stored)
+    if isinstance(expected, dict) and "$t" in expected:
+        expected = (1,)
+    assert JSONCodec().decode(stored, Any) == expected
+
+
+@pytest.mark.parametrize("stored", [b"", b" ", b'{"a":1}x', b"{bad", b"[1,", b'{"a":1} 2'])
+def test_decode_refuses_what_json_refuses_with_its_error(stored: bytes) -> None:
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.JSONDecoder().decode(stored.decode())
+    with pytest.raises(json.JSONDecodeError) as raised:
+        JSONCodec().decode(stored, Any)
+    assert str(raised.value) == str(expected.value)

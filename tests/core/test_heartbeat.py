@@ -17,6 +17,7 @@ import pytest
 
 import oncely
 from oncely import (
+    Acquired,
     Guard,
     InProgress,
     LeaseLost,
@@ -26,6 +27,7 @@ from oncely import (
     StoreUnavailableError,
 )
 from oncely._execution import heartbeat
+from oncely._execution.lease import Lease
 from oncely.stores.memory import MemoryStore
 from oncely.stores.redis import RedisStore
 from tests._helpers import eventually
@@ -419,3 +421,59 @@ def test_heartbeats_of_ended_calls_do_not_pile_up() -> None:
         return len(heartbeat._STARTS.by_loop[asyncio.get_running_loop()].due)
 
     assert asyncio.run(many()) < calls * 3 / 4
+
+
+class _CountedCondition:
+    """A condition whose ``notify`` calls are counted (the timer thread's wake-ups)."""
+
+    def __init__(self, inner: threading.Condition) -> None:
+        self.inner = inner
+        self.notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        self.inner.notify(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_sequential_calls_do_not_wake_the_timer_thread() -> None:
+    """A call's beat is due a lease's third after it starts, after every beat already in the
+    heap: the timer thread, asleep until the first of those, has no reason to wake (even when
+    the stopped beats were compacted away, the heap left empty), so a sequential caller pays
+    no thread wake-up, only the first call does."""
+    scheduler = heartbeat._HeartbeatScheduler()
+    counted = _CountedCondition(scheduler._timer_wakeup)
+    scheduler._timer_wakeup = counted  # type: ignore[assignment]
+    store = MemoryStore()
+    for index in range(6 * heartbeat._COMPACT_AT):
+        lease = Lease(f"k{index}", 1, timedelta(seconds=30))
+        lease.heartbeat = scheduler.start(store, lease)
+        scheduler.stop(lease)
+    assert counted.notified <= 1
+
+
+def test_a_beat_due_before_the_timer_wakes_still_wakes_it() -> None:
+    """A short lease started while the timer sleeps until a long lease's beat is extended on
+    time."""
+    store = MemoryStore()
+    long = store.claim("long", "", lease=timedelta(seconds=60), ttl=timedelta(seconds=60))
+    short = store.claim("short", "", lease=timedelta(seconds=1), ttl=timedelta(seconds=60))
+    assert isinstance(long, Acquired)
+    assert isinstance(short, Acquired)
+    scheduler = heartbeat._HeartbeatScheduler()
+    slow = Lease("long", long.token, timedelta(seconds=60))
+    slow.heartbeat = scheduler.start(store, slow)
+    eventually(lambda: scheduler._timer_running)
+    time.sleep(0.05)  # the timer thread is asleep until the long lease's beat
+    quick = Lease("short", short.token, timedelta(seconds=1))
+    quick.heartbeat = scheduler.start(store, quick)
+    try:
+        time.sleep(2.5)  # two and a half of its lease: expired unless extended
+        assert isinstance(
+            store.claim("short", "", lease=timedelta(1), ttl=timedelta(1)), InProgress
+        )
+    finally:
+        scheduler.stop(quick)
+        scheduler.stop(slow)

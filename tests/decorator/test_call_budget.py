@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,11 @@ from oncely import _switches
 
 BUDGET = {"sync new": 60, "sync replay": 40, "async new": 60, "async replay": 40}
 """The issue's targets (measured at 50, 33, 52 and 34 when this was written)."""
+
+PINNED = {"sync new": 37, "sync replay": 25, "async new": 43, "async replay": 28}
+"""What a call makes now on CPython 3.11 (the standard library's own calls, json's and
+asyncio's, differ between versions), well within the targets: a change that adds a call to the
+hot path raises these on purpose (say why in its commit), never by accident."""
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +52,18 @@ def test_a_decorated_call_stays_within_its_call_budget() -> None:
         what: f"{counted[what][0]} calls, budget {budget}"
         for what, budget in BUDGET.items()
         if counted[what][0] > budget
+    }
+    assert not over, over
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="pinned on CPython 3.11")
+@pytest.mark.usefixtures("fast_path")
+def test_a_decorated_call_makes_no_more_calls_than_pinned() -> None:
+    counted = hotpath.calls_per_call()
+    over = {
+        what: f"{counted[what][0]} calls, pinned at {pinned}"
+        for what, pinned in PINNED.items()
+        if counted[what][0] > pinned
     }
     assert not over, over
 

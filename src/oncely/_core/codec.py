@@ -14,6 +14,7 @@ import datetime
 import decimal
 import enum
 import json
+import json.scanner
 import math
 import sys
 import types
@@ -74,7 +75,10 @@ class JSONCodec:
     def decode(self, data: bytes, annotation: Any) -> Any:
         """Parse *data*, rebuilding tagged values; *annotation* rebuilds untagged older records."""
         # Every tag spells "$t": without it the document is plain JSON, parsed at C speed.
-        value = _LOADS(data.decode()) if b'"$t"' in data else _PLAIN_LOADS(data.decode())
+        # (``find``, not ``in``: bytes' ``in`` first tries its operand as an int, and formats
+        # the error it then drops.)
+        text = data.decode()
+        value = _PLAIN_LOADS(text) if data.find(b'"$t"') < 0 else _LOADS(text)
         if annotation is Any or annotation is None or _as_parsed(annotation):
             return value  # what `_rebuild` would return: nothing in it to rebuild
         return _rebuild(value, annotation)  # records written before the values carried types
@@ -358,8 +362,29 @@ def _untagged(data: dict[str, Any]) -> Any:
         raise ValueError(f"the stored {kind} cannot be rebuilt: {exc}") from exc
 
 
-_LOADS = json.JSONDecoder(object_hook=_untagged).decode
-_PLAIN_LOADS = json.JSONDecoder().decode
+def _loads(decoder: json.JSONDecoder) -> Callable[[str], Any]:
+    """``decoder.decode``, by its C scanner alone for a text that is exactly one JSON value
+    (what `JSONCodec.encode` writes): ``decode`` itself is Python around that scanner, with a
+    regular expression on each side. Any other text (whitespace around the value, extra data,
+    nothing to parse) goes through ``decode``, which reads it or raises its own error; a
+    malformed value raises the scanner's error, which is also the one ``decode`` raises."""
+    make_scanner = getattr(json.scanner, "c_make_scanner", None)
+    if make_scanner is None:
+        return decoder.decode
+    scan = make_scanner(decoder)
+
+    def loads(text: str) -> Any:
+        try:
+            value, end = scan(text, 0)
+        except StopIteration:  # no value at 0: a leading space, or no JSON at all
+            return decoder.decode(text)
+        return value if end == len(text) else decoder.decode(text)
+
+    return loads
+
+
+_LOADS = _loads(json.JSONDecoder(object_hook=_untagged))
+_PLAIN_LOADS = _loads(json.JSONDecoder())
 
 
 def _check_annotation(annotation: Any, seen: set[int]) -> None:

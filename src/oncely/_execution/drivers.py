@@ -109,12 +109,13 @@ def _astore_call(op: StoreCall, store: AsyncStore) -> Awaitable[Any]:
     return call  # type: ignore[no-any-return]
 
 
-async def aclaim(
+def aclaim(
     store: AsyncStore, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
-) -> ClaimResult:
+) -> Awaitable[ClaimResult]:
     """``store.aclaim(...)``, whose lease is given back if the caller is cancelled meanwhile
-    (see `given_back_if_cancelled`)."""
+    (see `given_back_if_cancelled`): to await. The store's own awaitable when it gives its
+    lease back itself (no coroutine of this function's around it)."""
     call = store.aclaim(key, fingerprint, lease=lease, ttl=ttl)
     if guards_itself(store):
-        return await call  # no claim in flight, or the store gives its lease back itself
-    return await given_back_if_cancelled(call, store, key)
+        return call  # no claim in flight, or the store gives its lease back itself
+    return given_back_if_cancelled(call, store, key)

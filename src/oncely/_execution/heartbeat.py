@@ -48,12 +48,14 @@ _MAX_IN_FLIGHT = 2
 
 
 def _interval(lease: Lease) -> float:
-    return _beat_interval(lease.lease)
+    return _beat_times(lease.lease)[0]
 
 
 @functools.lru_cache(maxsize=256)  # a program uses a handful of leases
-def _beat_interval(lease: timedelta) -> float:
-    return max(lease.total_seconds() / 3, 0.001)
+def _beat_times(lease: timedelta) -> tuple[float, float]:
+    """The beat interval of a lease this long, and its length in seconds."""
+    seconds = lease.total_seconds()
+    return max(seconds / 3, 0.001), seconds
 
 
 def _beat_timeout(interval: float, expires: float, now: float) -> float:
@@ -192,6 +194,9 @@ class _HeartbeatScheduler:
         self._timers: list[tuple[float, int, _Beating | _Extend]] = []
         self._ready: deque[_Extend] = deque()
         self._timer_running = False
+        self._wakes_at = -math.inf
+        """When the timer thread wakes by itself: a beat due earlier wakes it (`start`). Minus
+        infinity while it is awake (it reads the heap before it sleeps again): lock held."""
         self._stopped = 0  # beats in the heap whose lease was stopped (about: no lock)
         self._workers = 0
         self._idle = 0
@@ -201,8 +206,8 @@ class _HeartbeatScheduler:
         """Start the heartbeat of *lease* (its ``heartbeat`` is set before the first beat can
         be due, and returned)."""
         now = time.monotonic()
-        interval = _interval(lease)
-        beating = _Beating(lease, store, interval, now + lease.lease.total_seconds())
+        interval, seconds = _beat_times(lease.lease)
+        beating = _Beating(lease, store, interval, now + seconds)
         earlier, lease.heartbeat = lease.heartbeat, beating
         if type(earlier) is _Beating:  # started again without a stop: one heartbeat per lease
             earlier.active = False
@@ -220,7 +225,9 @@ class _HeartbeatScheduler:
                 ]
                 heapq.heapify(self._timers)
                 self._stopped = 0
-            if self._at(now + interval, beating):
+            when = now + interval
+            self._at(when, beating)
+            if when < self._wakes_at:  # else the timer finds it when it wakes (most calls)
                 self._timer_wakeup.notify()
         return beating
 
@@ -239,12 +246,10 @@ class _HeartbeatScheduler:
         with self._lock:
             return not self._ready and self._idle == self._workers
 
-    def _at(self, when: float, item: _Beating | _Extend) -> bool:
-        """Schedule *item*; return whether it is the next one due."""
+    def _at(self, when: float, item: _Beating | _Extend) -> None:
+        """Schedule *item* (lock held)."""
         self._sequence += 1
-        entry = (when, self._sequence, item)
-        heapq.heappush(self._timers, entry)
-        return self._timers[0] is entry
+        heapq.heappush(self._timers, (when, self._sequence, item))
 
     def _run_timers(self) -> None:
         try:
@@ -267,7 +272,13 @@ class _HeartbeatScheduler:
                         ):
                             heapq.heappop(self._timers)
                             break
-                    self._timer_wakeup.wait(self._timers[0][0] - now if self._timers else None)
+                    if self._timers:
+                        self._wakes_at = self._timers[0][0]
+                        self._timer_wakeup.wait(self._wakes_at - now)
+                    else:
+                        self._wakes_at = math.inf
+                        self._timer_wakeup.wait()
+                    self._wakes_at = -math.inf
                 if isinstance(item, _Beating):
                     self._beat(item, due, now)
                     continue
