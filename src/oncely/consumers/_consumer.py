@@ -49,6 +49,7 @@ from oncely._core.keys import name_key, scope_key, validate_key
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, Mismatch, Replay
 from oncely._log import fields, get_logger
+from oncely.consumers._abatch import abatched
 from oncely.consumers._batch import (
     batched,
     blocked_verdict,
@@ -497,7 +498,18 @@ class IdempotentConsumer:
                 await _execution.arun(self._release(lease), coalescing)
             return self._verdict(verdict)
         assert lease is not None
-        if policy.heartbeat:
+        return await self._arun_acquired(coalescing, lease, handler)
+
+    async def _arun_acquired(
+        self,
+        coalescing: CoalescingStore,
+        lease: _execution.Lease,
+        handler: Callable[[], Awaitable[Any]],
+    ) -> Verdict:
+        """`flow` from the lease on, written out (see `_agrouped`): the handler runs under
+        *lease*, its outcome recorded through *coalescing*; the verdict, counted."""
+        key = lease.key
+        if self._policy.heartbeat:
             await _execution.aperform(_execution.StartHeartbeat(lease), coalescing)
         try:
             value = await _execution.ainvoke_under(lease, handler)
@@ -562,6 +574,13 @@ class IdempotentConsumer:
     async def aprocess_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Awaitable[Any]]
     ) -> list[Verdict]:
-        """Async `process_batch`: *handler* returns an awaitable."""
+        """Async `process_batch`: *handler* returns an awaitable.
+
+        With a store that has the batch verbs, `batch_flow` written out (`abatched`): the same
+        claims, runs and completions, without a flow's generators and operations per delivery.
+        `batch_flow` stays the reference (``ONCELY_REFERENCE_FLOWS`` makes this take it).
+        """
         store = _require(self.store, AsyncStore)
+        if self.batches and not (_switches.disabled or _switches.reference_flows or _events.on):
+            return await abatched(self, deliveries, handler)
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)
