@@ -17,6 +17,7 @@ import pytest
 
 from oncely import ClaimResult, LeaseLost, Record, Status, Store, StoreUnavailableError
 from oncely._core.flow import Flow
+from oncely._core.keys import scope_key
 from oncely.consumers import (
     Action,
     ConsumerPolicy,
@@ -286,6 +287,17 @@ def test_key_falls_back_to_the_broker_message_id(store: Store) -> None:
     """Without a key header, the broker's message id (stable across redeliveries) is the key."""
     consumer = consumer_for(store)
     assert consumer.key_for(Delivery(b"{}", {}, message_id="orders/0/17")) == "orders|orders/0/17"
+
+
+@pytest.mark.parametrize("scope", ["orders", "a|b", "s" * 65, "billing.handlers.on_order"])
+def test_keys_are_scoped_as_scope_key_says(store: Store, scope: str) -> None:
+    """The scope's prefix is made once per scope: every key is `scope_key(scope, key)`, long
+    or odd scopes (digested) too, and a scope assigned later takes effect."""
+    consumer = IdempotentConsumer(store, scope=scope, policy=POLICY)
+    delivery = Delivery(b"{}", {"Idempotency-Key": "abc"})
+    assert consumer.key_for(delivery) == scope_key(scope, "abc")
+    consumer.scope = "other"
+    assert consumer.key_for(delivery) == "other|abc"
 
 
 @pytest.mark.parametrize(

@@ -819,6 +819,31 @@ def test_a_copy_of_a_running_delivery_waits_for_it_and_is_a_duplicate(
     assert verdicts[1].result == "done"
 
 
+@pytest.mark.usefixtures("grouped_path")
+def test_copies_of_a_running_delivery_all_wait_for_it(store: BatchingStore) -> None:
+    """Two copies arriving while the first runs wait for that one run (the first copy to wait
+    makes what they wait on): both are its duplicates, and nothing is left marked running."""
+    consumer = IdempotentConsumer(store, scope="orders", policy=POLICY)
+    ran: list[int] = []
+
+    async def main() -> list[Verdict]:
+        async def handler() -> str:
+            ran.append(1)
+            await asyncio.sleep(0.05)
+            return "done"
+
+        first = asyncio.ensure_future(consumer.aprocess(deliveries("a")[0], handler))
+        await asyncio.sleep(0.01)  # the first copy runs its handler
+        copies = [consumer.aprocess(deliveries("a")[0], handler) for _ in range(2)]
+        verdicts = [await first, *await asyncio.gather(*copies)]
+        assert not consumer._async_calls[2]  # no key left running
+        return verdicts
+
+    verdicts = asyncio.run(main())
+    assert ran == [1]
+    assert [v.reason for v in verdicts] == [Reason.PROCESSED, Reason.DUPLICATE, Reason.DUPLICATE]
+
+
 def test_a_copy_waits_for_a_running_delivery_no_longer_than_retry_delay(
     store: BatchingStore,
 ) -> None:

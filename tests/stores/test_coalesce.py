@@ -212,6 +212,43 @@ def test_a_cancelled_caller_does_not_disturb_the_others() -> None:
     assert store.get("k2") is None
 
 
+def test_callers_of_a_batch_in_flight_are_answered_and_forgotten() -> None:
+    """Each caller of a batch gets its answer; one cancelled while the batch is in flight is
+    cancelled once its claim answered, and the lease it took is given back; nothing is kept
+    for any caller afterwards."""
+    gate, sent = asyncio.Event(), asyncio.Event()
+
+    class Gated(CountingStore):
+        async def aclaim_many(self, requests: Any, **options: Any) -> list[Any]:
+            sent.set()
+            await gate.wait()
+            return await super().aclaim_many(requests, **options)
+
+    store = Gated()
+    view = CoalescingStore(store, max_in_flight=1, singles=False)
+
+    async def main() -> list[Any]:
+        tasks = [
+            asyncio.ensure_future(view.aclaim(f"k{i}", "fp", lease=LEASE, ttl=TTL))
+            for i in range(3)
+        ]
+        await sent.wait()  # the batch is in flight
+        tasks[1].cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        answers = await asyncio.gather(*tasks, return_exceptions=True)
+        state = view._claims._loops[asyncio.get_running_loop()]
+        assert not state.callers  # forgotten
+        return answers
+
+    first, cancelled, last = asyncio.run(main())
+    assert first == last == Acquired(1, recovered=False, attempt=1)
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert store.batches == [("claim", 3)]
+    record = store.get("k1")
+    assert record is None or record.status is not Status.IN_PROGRESS  # given back
+
+
 def test_other_verbs_pass_through() -> None:
     store = CountingStore()
     view = CoalescingStore(store)

@@ -41,14 +41,13 @@ def blocked_verdict(consumer: Running, key: str | None) -> Verdict:
     return Verdict(Action.RETRY, Reason.BLOCKED, key, consumer._retry_delay())
 
 
-def batched(
-    consumer: Running,
-    deliveries: Sequence[Delivery],
-    ordered: bool,
-    held: MutableMapping[str, _execution.Lease],
-) -> Flow[list[Verdict]]:
-    verdicts: list[Verdict | None] = [None] * len(deliveries)
-    firsts: dict[str, int] = {}  # key -> index of its first copy in the batch
+def sorted_out(
+    consumer: Running, deliveries: Sequence[Delivery], verdicts: list[Verdict | None]
+) -> tuple[dict[str, int], dict[int, list[int]], dict[str, str]]:
+    """The keys of a batch to claim: key -> index of its first copy, first copy's index -> its
+    other copies' indexes, key -> fingerprint. A delivery without a usable key, or a copy with
+    another payload than its first, gets its verdict in *verdicts* (dead-lettered) now."""
+    firsts: dict[str, int] = {}
     copies: dict[int, list[int]] = {}
     prints: dict[str, str] = {}
     for index, delivery in enumerate(deliveries):
@@ -72,6 +71,17 @@ def batched(
                 copies[firsts[key]].append(index)
             continue
         firsts[key], prints[key], copies[index] = index, fingerprint, []
+    return firsts, copies, prints
+
+
+def batched(
+    consumer: Running,
+    deliveries: Sequence[Delivery],
+    ordered: bool,
+    held: MutableMapping[str, _execution.Lease],
+) -> Flow[list[Verdict]]:
+    verdicts: list[Verdict | None] = [None] * len(deliveries)
+    firsts, copies, prints = sorted_out(consumer, deliveries, verdicts)
     policy = consumer._policy
     if firsts:
         leases: list[tuple[int, _execution.Lease]] = []
@@ -129,6 +139,14 @@ def batched(
             yield from _claim_and_run(
                 consumer, deliveries, claims, prints, leases, verdicts, ordered, held
             )
+    return copies_decided(consumer, copies, verdicts)
+
+
+def copies_decided(
+    consumer: Running, copies: dict[int, list[int]], verdicts: list[Verdict | None]
+) -> list[Verdict]:
+    """Every verdict of the batch, once its first copies are decided: the other copies of a
+    key acked as duplicates of its first copy's run, or redelivered when it was not acked."""
     for first, others in copies.items():
         outcome = verdicts[first]
         assert outcome is not None
@@ -146,7 +164,7 @@ def batched(
                 )
             verdicts[index] = consumer._verdict(copy)
     settled = [verdict for verdict in verdicts if verdict is not None]
-    assert len(settled) == len(deliveries)
+    assert len(settled) == len(verdicts)
     return settled
 
 

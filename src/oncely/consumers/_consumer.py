@@ -49,6 +49,7 @@ from oncely._core.keys import name_key, scope_key, validate_key
 from oncely._core.protocols import AsyncStore, BatchStore, SyncStore
 from oncely._core.records import Acquired, InProgress, Mismatch, Replay
 from oncely._log import fields, get_logger
+from oncely.consumers._abatch import abatched
 from oncely.consumers._batch import (
     batched,
     blocked_verdict,
@@ -139,6 +140,7 @@ class IdempotentConsumer:
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # (loop, grouped store, running keys): see _grouped
         self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
+        self._scoped = (scope, scope_key(scope, ""))  # scope_key(scope, k) is prefix + k
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -158,7 +160,10 @@ class IdempotentConsumer:
         else:
             named = name_key(self.key(delivery))  # a UUID or an int names a message too
             raw = from_header(named) if isinstance(named, (str, bytes)) else validate_key(named)
-        return scope_key(self.scope, raw)
+        scoped = self._scoped
+        if scoped[0] is not self.scope:  # the scope's stored prefix, once per scope
+            scoped = self._scoped = (self.scope, scope_key(self.scope, ""))
+        return scoped[1] + raw
 
     def fingerprint_for(self, delivery: Delivery) -> str:
         """Return the digest of what *delivery* asks for (empty when unchecked)."""
@@ -452,19 +457,22 @@ class IdempotentConsumer:
             fingerprint = self.fingerprint_for(delivery)
         except Exception as exc:
             return self._verdict(self._unusable(exc))
-        first = running.get(key)
-        if first is not None:
+        if key in running:
             # A copy of a delivery this consumer is running: claimed now, it would be retried
             # after retry_delay. It waits for that run (as long at most), then claims: mostly
             # a completed duplicate then, acked at once. The store decides, as ever.
+            first = running[key]
+            if first is None:  # the first copy to wait makes the run's future
+                first = running[key] = asyncio.get_running_loop().create_future()
             await asyncio.wait((first,), timeout=self.policy.retry_delay.total_seconds())
             return await self._agrouped(coalescing, key, fingerprint, handler)
-        mine = running[key] = asyncio.get_running_loop().create_future()
+        running[key] = None  # no future unless a copy waits for this run: most never do
         try:
             return await self._agrouped(coalescing, key, fingerprint, handler)
         finally:
-            del running[key]
-            mine.set_result(None)
+            mine = running.pop(key)
+            if mine is not None:
+                mine.set_result(None)
 
     async def _agrouped(
         self,
@@ -490,7 +498,18 @@ class IdempotentConsumer:
                 await _execution.arun(self._release(lease), coalescing)
             return self._verdict(verdict)
         assert lease is not None
-        if policy.heartbeat:
+        return await self._arun_acquired(coalescing, lease, handler)
+
+    async def _arun_acquired(
+        self,
+        coalescing: CoalescingStore,
+        lease: _execution.Lease,
+        handler: Callable[[], Awaitable[Any]],
+    ) -> Verdict:
+        """`flow` from the lease on, written out (see `_agrouped`): the handler runs under
+        *lease*, its outcome recorded through *coalescing*; the verdict, counted."""
+        key = lease.key
+        if self._policy.heartbeat:
             await _execution.aperform(_execution.StartHeartbeat(lease), coalescing)
         try:
             value = await _execution.ainvoke_under(lease, handler)
@@ -513,11 +532,14 @@ class IdempotentConsumer:
         outcome = await acomplete(self, lease, payload, coalescing)
         return self._verdict(settled_verdict(self, lease, value, outcome))
 
-    def _grouped(self) -> tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None]]]:
+    def _grouped(
+        self,
+    ) -> tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]]:
         """What `aprocess` uses on this event loop, checked once per loop: the loop, the
         store's calls grouped (``None`` without the batch verbs or `ConsumerPolicy.coalesce`;
         one `CoalescingStore` per consumer: it keeps its state per loop), and the keys of the
-        deliveries being processed here."""
+        deliveries being processed here (each with the future its copies wait for, made by the
+        first copy that waits)."""
         store = _require(self.store, AsyncStore)
         previous = self._async_calls
         if previous is not None:
@@ -526,7 +548,7 @@ class IdempotentConsumer:
             coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
         else:
             coalescing = None
-        grouped: tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None]]] = (
+        grouped: tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]] = (
             asyncio.get_running_loop(),
             coalescing,
             {},
@@ -552,6 +574,13 @@ class IdempotentConsumer:
     async def aprocess_batch(
         self, deliveries: Sequence[Delivery], handler: Callable[[Any], Awaitable[Any]]
     ) -> list[Verdict]:
-        """Async `process_batch`: *handler* returns an awaitable."""
+        """Async `process_batch`: *handler* returns an awaitable.
+
+        With a store that has the batch verbs, `batch_flow` written out (`abatched`): the same
+        claims, runs and completions, without a flow's generators and operations per delivery.
+        `batch_flow` stays the reference (``ONCELY_REFERENCE_FLOWS`` makes this take it).
+        """
         store = _require(self.store, AsyncStore)
+        if self.batches and not (_switches.disabled or _switches.reference_flows or _events.on):
+            return await abatched(self, deliveries, handler)
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)

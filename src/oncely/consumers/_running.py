@@ -3,6 +3,7 @@ written down so that they need not import it: the consumer imports them, never t
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -38,3 +39,6 @@ class Running(Protocol):
         self, lease: _execution.Lease, verdict: Verdict, exc: Exception
     ) -> Flow[None]: ...
     def _release(self, lease: _execution.Lease) -> Flow[None]: ...
+    async def _arun_acquired(
+        self, coalescing: Any, lease: _execution.Lease, handler: Callable[[], Awaitable[Any]]
+    ) -> Verdict: ...

@@ -56,7 +56,7 @@ from oncely._core.protocols import AsyncStore
 from oncely._deps import require
 from oncely._log import fields, get_logger
 from oncely.consumers._consumer import IdempotentConsumer
-from oncely.consumers._drivers import ano_broker, arun_with, mark_coroutine_function
+from oncely.consumers._drivers import mark_coroutine_function
 from oncely.consumers._keys import default_scope
 from oncely.consumers._verdicts import (
     KEY_HEADERS,
@@ -235,9 +235,8 @@ class IdempotentHandler:
         if not isinstance(store, AsyncStore):
             raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
         deliveries = [self._delivery(msg) for msg in msgs]
-        flow = self.consumer.batch_flow(deliveries)
         async with self._progress(msgs):  # one beat for the batch, not a timer per message
-            verdicts = await arun_with(flow, store, self.handler, ano_broker)
+            verdicts = await self.consumer.aprocess_batch(deliveries, self.handler)
         # Acks are buffered publishes: no task each.
         return [
             await self._settle(msg, verdict) for msg, verdict in zip(msgs, verdicts, strict=True)

@@ -228,6 +228,23 @@ def _settle(batch: list[tuple[Any, Any]], answers: list[Any]) -> None:
             future.set_result(answer)
 
 
+def _tell_callers(batch: _Waiting, callers: dict[asyncio.Future[Any], asyncio.Future[Any]]) -> None:
+    """Answer the callers still waiting for the items of *batch* as their answers say (each
+    answer done by now, see `Coalescer._send`)."""
+    for _, answer in batch:
+        caller = callers.pop(answer, None)
+        if caller is None or caller.done():
+            continue
+        if not answer.done() or answer.cancelled():
+            caller.cancel()
+            continue
+        error = answer.exception()
+        if error is not None:
+            caller.set_exception(error)
+        else:
+            caller.set_result(answer.result())
+
+
 SPARE_WINDOW = 0.02
 """Seconds over which the event loop's thread's CPU time is measured, to tell whether it has
 CPU to spare (see `Coalescer`'s *burst*)."""
@@ -238,12 +255,15 @@ spare."""
 
 
 class _LoopState:
-    __slots__ = ("cpu", "in_flight", "sampled", "spare", "starting", "waiting")
+    __slots__ = ("callers", "cpu", "in_flight", "sampled", "spare", "starting", "waiting")
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.starting = False  # a call's task is created, its batch not taken yet
         self.waiting: dict[tuple[Any, ...], _Waiting] = {}  # by the call's options
+        # A waiting item's answer -> the future its caller awaits, answered with it: what
+        # `asyncio.shield` would do, without its callbacks and the loop turn they take.
+        self.callers: dict[asyncio.Future[Any], asyncio.Future[Any]] = {}
         self.spare = True  # the loop's thread had CPU to spare over its last window
         self.sampled = time.monotonic()
         self.cpu = time.thread_time()
@@ -321,7 +341,18 @@ class Coalescer(_Batching):
         else:
             answer = loop.create_future()
             state.waiting.setdefault(tuple(sorted(options.items())), []).append((item, answer))
+            caller = state.callers[answer] = loop.create_future()
             self._send_waiting(loop, state)
+            try:
+                return await caller
+            except asyncio.CancelledError:
+                state.callers.pop(answer, None)
+                if not answer.cancelled():  # the caller was, not the call
+                    settling = self._abandoned(loop, state, item, answer)
+                    if settling is not None:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await shielded(settling)
+                raise
         try:
             return await asyncio.shield(answer)
         except asyncio.CancelledError:
@@ -425,6 +456,7 @@ class Coalescer(_Batching):
         else:
             _settle(batch, answers)
         finally:
+            _tell_callers(batch, state.callers)
             state.in_flight -= 1
             self._send_waiting(loop, state)
 
