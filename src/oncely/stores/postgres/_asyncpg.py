@@ -331,7 +331,8 @@ class Driver:
                 await entry.finaliser.__anext__()  # from now on the loop tracks it
             sends_left = _RESENDS if op.resend else 0
             while True:
-                connection = await entry.get()
+                # An idle connection without a coroutine of `get`'s: the path of nearly every call.
+                connection = entry.idle.pop() if entry.idle else await entry.get()
                 reusable = False
                 try:
                     if type(op) is _sql.Statement:
@@ -379,9 +380,11 @@ class Driver:
             # The schema changed under the prepared statement (a migration): prepare it again.
             prepared.pop(text, None)
             return await self._run(connection, op)
+        if rows:  # a statement's tag counts the rows it returned (``SELECT 1``, ``UPDATE 1``…)
+            return _sql.Reply(rows, len(rows))
         status: str = statement.get_statusmsg()
         count = status.rpartition(" ")[2]
-        return _sql.Reply(rows, int(count) if count.isdigit() else len(rows))
+        return _sql.Reply(rows, int(count) if count.isdigit() else 0)
 
     async def _run_batch(self, connection: _Connection, batch: _sql.Batch) -> list[_sql.Reply]:
         statements = batch.statements

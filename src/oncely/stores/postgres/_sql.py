@@ -840,16 +840,18 @@ def decode_record(key: str, row: Sequence[Any]) -> Record:
         known = _STATUSES.get(status)
         if known is None:
             raise ValueError(f"{status!r} is not a valid Status")
+        # `_epoch_ms` inline: a frame less per timestamp, on every replay of the cursor's and
+        # asyncpg's paths.
         return Record(
             key=key,
             status=known,
             fingerprint=fingerprint,
             token=token,
             attempt=attempt,
-            lease_expires_at_ms=_epoch_ms(lease_end),
-            expires_at_ms=_epoch_ms(expires),
-            created_at_ms=_epoch_ms(created),
-            updated_at_ms=_epoch_ms(updated),
+            lease_expires_at_ms=(lease_end - _EPOCH) // _ONE_MS,
+            expires_at_ms=(expires - _EPOCH) // _ONE_MS,
+            created_at_ms=(created - _EPOCH) // _ONE_MS,
+            updated_at_ms=(updated - _EPOCH) // _ONE_MS,
             result=result,
         )
     except (TypeError, ValueError) as exc:
