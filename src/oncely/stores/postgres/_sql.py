@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from importlib import resources
@@ -723,7 +723,15 @@ def extend_many(
     """Move the end of the lease each ``(stored, key, token)`` holds to *lease* from now, in
     one round trip (preparation included), answered in order: one statement (`EXTEND_SET`) when
     the keys are distinct, else a `Batch` of `EXTEND`s. The store sends every extend this way,
-    alone or grouped."""
+    alone or grouped.
+
+    A lease named twice (a heartbeat's two beats in flight, grouped) is extended once, and both
+    answered by it: extending it twice at once moves it to the same end. So a group stays one
+    statement, which the asyncpg driver runs in one round trip where it runs a `Batch` in a
+    round trip per statement (plus its transaction's two)."""
+    unique = list(dict.fromkeys(items))
+    if len(unique) < len(items):
+        return _each_answered(extend_many(queries, unique, lease), unique, items)
     if len(items) > 1 and _distinct(items):
         return _extend_set(queries, items, lease)
     return _batch(
@@ -733,6 +741,16 @@ def extend_many(
         ],
         lambda key, reply: held(reply),
     )
+
+
+def _each_answered(
+    flow: Flow[list[_T]], unique: Sequence[Hashable], items: Sequence[Hashable]
+) -> Flow[list[_T]]:
+    """*flow*'s answers for the distinct *unique*, given to each of *items* (the same ones,
+    some of them twice)."""
+    answers = yield from flow
+    answer = dict(zip(unique, answers, strict=True))
+    return [answer[item] for item in items]
 
 
 def _extend_set(
