@@ -373,13 +373,11 @@ class Driver:
 
     async def warm(self, connection: _Connection) -> None:
         """Prepare the ``warm`` statements on *connection*, which just opened: their first run
-        on it is then one round trip, as every later one, where it would be two, or more (asyncpg
-        looks a ``bigint[]``'s type up on each connection before it prepares the first statement
-        using it: `EXTEND_SET`'s preparation is eight round trips with asyncpg 0.32). A
-        heartbeat's extend has a deadline, its lease's end: under a latency of a quarter lease,
-        grouped extends that paid for this queued behind others and arrived after it. A
-        statement the server refuses (the schema missing, or older than this code) is left to
-        be prepared, and refused, when it runs."""
+        on it is then one round trip, as every later one, not two. A heartbeat's extend has a
+        deadline, its lease's end: under a latency of a quarter lease, grouped extends that
+        paid for their preparation queued behind others and arrived after it. A statement the
+        server refuses (the schema missing, or older than this code) is left to be prepared,
+        and refused, when it runs."""
         prepared = connection._oncely_prepared
         for text in self.warmed:
             try:

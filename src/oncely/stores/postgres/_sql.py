@@ -262,7 +262,7 @@ two items of one key go as a `Batch` of `COMPLETE`s instead (`finish_many`)."""
 
 EXTEND_SET: Final = """
 WITH p AS (
-    SELECT * FROM unnest((SELECT %(keys)s::text[]), (SELECT %(tokens)s::bigint[]))
+    SELECT * FROM unnest((SELECT %(keys)s::text[]), (SELECT %(tokens)s::text[]::bigint[]))
            WITH ORDINALITY AS p(key, token, n)
 )
 UPDATE {schema}.oncely_records AS r
@@ -278,9 +278,11 @@ UPDATE {schema}.oncely_records AS r
    AND r.expires_at > statement_timestamp()
 RETURNING p.n
 """
-"""Parameters: keys, tokens (arrays; the keys distinct), lease. `EXTEND` for every item in one
-statement: the number (from 1) of each item extended; any other lost its lease. Only for
-distinct keys, as `FINISH_SET`."""
+"""Parameters: keys, tokens (arrays of text; the keys distinct), lease. `EXTEND` for every item
+in one statement: the number (from 1) of each item extended; any other lost its lease. Only
+for distinct keys, as `FINISH_SET`. The tokens come as text: asyncpg looks a ``bigint[]``'s type
+up on each connection before it first prepares a statement taking one (seven round trips and
+some 13 ms of the server's time), and a heartbeat's grouped extend must not wait for that."""
 
 COMPLETE: Final = """
 UPDATE {schema}.oncely_records
@@ -759,7 +761,7 @@ def _extend_set(
     order = _in_key_order(items)
     params = {
         "keys": [items[index][0] for index in order],
-        "tokens": [items[index][2] for index in order],
+        "tokens": [str(items[index][2]) for index in order],  # see EXTEND_SET
         "lease": _interval(lease),
     }
     statement = Statement(queries.extend_set, params, resend=True)
