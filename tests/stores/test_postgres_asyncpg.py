@@ -142,7 +142,8 @@ def counted(base_url: str, schema: str, counter: _ProtocolCounter) -> Iterator[P
 
 def test_each_verb_is_one_round_trip(counted: PostgresStore, counter: _ProtocolCounter) -> None:
     """claim, extend, complete, replay and release: one round trip each once the connection has
-    prepared the statement (asyncpg prepares in a round trip of its own, once)."""
+    prepared the statement (asyncpg prepares in a round trip of its own, once; a heartbeat's
+    extends as the connection opens)."""
 
     async def cost(call: Any) -> tuple[Any, int, int]:
         # asyncpg ends a preparation's round trip with a Flush (H), an execution's with a Sync.
@@ -153,8 +154,10 @@ def test_each_verb_is_one_round_trip(counted: PostgresStore, counter: _ProtocolC
 
     async def main() -> None:
         store = counted
-        assert (await cost(store.aclaim("warm-1", "fp", lease=LEASE, ttl=TTL)))[1:] == (2, 1)
-        await store.aextend("warm-1", 1, lease=LEASE)
+        # The connection prepares a heartbeat's two extends as it opens, then the claim, each
+        # in a round trip of its own (no type lookups: their arrays are of text).
+        assert (await cost(store.aclaim("warm-1", "fp", lease=LEASE, ttl=TTL)))[1:] == (4, 3)
+        assert await cost(store.aextend("warm-1", 1, lease=LEASE)) == (None, 1, 0)
         await store.acomplete("warm-1", 1, b"r", ttl=TTL)
         await store.aclaim("warm-2", "fp", lease=LEASE, ttl=TTL)
         await store.arelease("warm-2", 1)
@@ -176,6 +179,37 @@ def test_each_verb_is_one_round_trip(counted: PostgresStore, counter: _ProtocolC
         await store.aclose()
 
     asyncio.run(main())
+
+
+def test_heartbeats_extends_are_one_round_trip_from_a_connections_first(
+    counted: PostgresStore, counter: _ProtocolCounter
+) -> None:
+    """Concurrent heartbeats over connections that never extended, a lease's two beats among
+    them: three calls of the loop's grouped extends, one round trip each and no preparation.
+    (Under the campaign's ``latency`` fault, a round trip a quarter of the lease, the beats that
+    queued behind the first two lost their leases: each first extend on a connection took a
+    round trip to prepare, and a batch naming a lease twice ran one round trip per extend.)"""
+    keys = [f"k{index}" for index in range(4)]
+
+    async def main() -> tuple[list[Any], str]:
+        store = counted
+        # Four claims at once open four connections, each of which prepares only the claim.
+        claims = await asyncio.gather(
+            *(store.aclaim(key, "fp", lease=LEASE, ttl=TTL) for key in keys)
+        )
+        leases = [(key, claim.token) for key, claim in zip(keys, claims, strict=True)]
+        mark = len(counter.sent)
+        answers = await asyncio.gather(
+            *(store.aextend(key, token, lease=LEASE) for key, token in leases + leases)
+        )
+        sent = counter.sent_since(mark)
+        await store.aclose()
+        return answers, sent
+
+    answers, sent = asyncio.run(main())
+    assert answers == [None] * 8
+    # Two extends alone, then the six that queued behind them in one statement.
+    assert (sum(sent.count(end) for end in "SHQ"), sent.count("P")) == (3, 0), sent
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -4,7 +4,8 @@ The store's flows (`_sql`) stay the one source of statements and decoding: this 
 runs their `Statement`s and `Batch`es, with ``%s`` and ``%(name)s`` numbered as asyncpg's ``$n``
 once per statement text (`numbered`). Each connection prepares a statement the first time it
 runs it and keeps it (`_Connection`), so a statement is then one round trip (Bind, Execute,
-Sync), its reply decoded by asyncpg's C codecs.
+Sync), its reply decoded by asyncpg's C codecs; it prepares a heartbeat's extends as it opens
+(`Driver.warm`), so that no beat waits for a preparation.
 
 Connections: each event loop has its own (`_LoopConnections`), handed out last in first out,
 so a sequential caller keeps one connection and one server process; at most ``max_size`` are
@@ -31,7 +32,7 @@ import collections
 import contextlib
 import functools
 import re
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from oncely._deps import require
@@ -203,6 +204,11 @@ class _LoopConnections:
             connection.terminate()
             self.size -= 1
             raise _Closed
+        try:
+            await self.driver.warm(connection)
+        except BaseException:
+            self._discard(connection)
+            raise
         return connection
 
     def put(self, connection: _Connection, reusable: bool) -> None:
@@ -286,6 +292,8 @@ class Driver:
         prepare: Prepare statements on the server (else each runs unnamed: two round trips).
         where: ``host:port/dbname``, for messages.
         schema: The store's schema, for messages.
+        warm: Statements each connection prepares as it opens (with ``prepare``): those a
+            deadline rides on, whose first run must not wait for their preparation.
     """
 
     def __init__(
@@ -297,6 +305,7 @@ class Driver:
         prepare: bool,
         where: str,
         schema: str,
+        warm: Sequence[str] = (),
     ) -> None:
         self.options = options
         self.max_size = max_size
@@ -304,6 +313,7 @@ class Driver:
         self.prepare = prepare
         self.where = where
         self.schema = schema
+        self.warmed = [numbered(sql)[0] for sql in warm] if prepare else []
         self.loops: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}
         self.closed = False
 
@@ -360,6 +370,20 @@ class Driver:
             if translated is None:
                 raise
             raise translated from exc
+
+    async def warm(self, connection: _Connection) -> None:
+        """Prepare the ``warm`` statements on *connection*, which just opened: their first run
+        on it is then one round trip, as every later one, not two. A heartbeat's extend has a
+        deadline, its lease's end: under a latency of a quarter lease, grouped extends that
+        paid for their preparation queued behind others and arrived after it. A statement the
+        server refuses (the schema missing, or older than this code) is left to be prepared,
+        and refused, when it runs."""
+        prepared = connection._oncely_prepared
+        for text in self.warmed:
+            try:
+                prepared[text] = await connection.prepare(text)
+            except asyncpg.PostgresError:
+                return
 
     async def _run(self, connection: _Connection, op: _sql.Statement) -> _sql.Reply:
         params = op.params

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from importlib import resources
@@ -262,7 +262,7 @@ two items of one key go as a `Batch` of `COMPLETE`s instead (`finish_many`)."""
 
 EXTEND_SET: Final = """
 WITH p AS (
-    SELECT * FROM unnest((SELECT %(keys)s::text[]), (SELECT %(tokens)s::bigint[]))
+    SELECT * FROM unnest((SELECT %(keys)s::text[]), (SELECT %(tokens)s::text[]::bigint[]))
            WITH ORDINALITY AS p(key, token, n)
 )
 UPDATE {schema}.oncely_records AS r
@@ -278,9 +278,11 @@ UPDATE {schema}.oncely_records AS r
    AND r.expires_at > statement_timestamp()
 RETURNING p.n
 """
-"""Parameters: keys, tokens (arrays; the keys distinct), lease. `EXTEND` for every item in one
-statement: the number (from 1) of each item extended; any other lost its lease. Only for
-distinct keys, as `FINISH_SET`."""
+"""Parameters: keys, tokens (arrays of text; the keys distinct), lease. `EXTEND` for every item
+in one statement: the number (from 1) of each item extended; any other lost its lease. Only
+for distinct keys, as `FINISH_SET`. The tokens come as text: asyncpg looks a ``bigint[]``'s type
+up on each connection before it first prepares a statement taking one (seven round trips and
+some 13 ms of the server's time), and a heartbeat's grouped extend must not wait for that."""
 
 COMPLETE: Final = """
 UPDATE {schema}.oncely_records
@@ -723,7 +725,15 @@ def extend_many(
     """Move the end of the lease each ``(stored, key, token)`` holds to *lease* from now, in
     one round trip (preparation included), answered in order: one statement (`EXTEND_SET`) when
     the keys are distinct, else a `Batch` of `EXTEND`s. The store sends every extend this way,
-    alone or grouped."""
+    alone or grouped.
+
+    A lease named twice (a heartbeat's two beats in flight, grouped) is extended once, and both
+    answered by it: extending it twice at once moves it to the same end. So a group stays one
+    statement, which the asyncpg driver runs in one round trip where it runs a `Batch` in a
+    round trip per statement (plus its transaction's two)."""
+    unique = list(dict.fromkeys(items))
+    if len(unique) < len(items):
+        return _each_answered(extend_many(queries, unique, lease), unique, items)
     if len(items) > 1 and _distinct(items):
         return _extend_set(queries, items, lease)
     return _batch(
@@ -735,13 +745,23 @@ def extend_many(
     )
 
 
+def _each_answered(
+    flow: Flow[list[_T]], unique: Sequence[Hashable], items: Sequence[Hashable]
+) -> Flow[list[_T]]:
+    """*flow*'s answers for the distinct *unique*, given to each of *items* (the same ones,
+    some of them twice)."""
+    answers = yield from flow
+    answer = dict(zip(unique, answers, strict=True))
+    return [answer[item] for item in items]
+
+
 def _extend_set(
     queries: Queries, items: Sequence[tuple[str, str, int]], lease: timedelta
 ) -> Flow[list[LeaseLost | StoreError | None]]:
     order = _in_key_order(items)
     params = {
         "keys": [items[index][0] for index in order],
-        "tokens": [items[index][2] for index in order],
+        "tokens": [str(items[index][2]) for index in order],  # see EXTEND_SET
         "lease": _interval(lease),
     }
     statement = Statement(queries.extend_set, params, resend=True)

@@ -952,6 +952,8 @@ def _driver(
         prepare=store._prepare,
         where=store._where,
         schema=store.schema,
+        # A heartbeat's extends: alone, and grouped (`_sql.extend_many`).
+        warm=(store._queries.extend, store._queries.extend_set),
     )
 
 
