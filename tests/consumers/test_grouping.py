@@ -92,3 +92,35 @@ def test_a_claim_cancelled_in_flight_is_released_before_its_caller_goes_on() -> 
     record = asyncio.run(main())
     assert record is not None
     assert record.status is Status.RELEASED
+
+
+def test_batches_share_one_grouped_store_until_the_store_is_replaced() -> None:
+    """A consumer groups the calls of every batch (and delivery) through one `CoalescingStore`,
+    made once per store, on every event loop; a store put in its place gets a new one, and
+    the next batches' calls go to it alone."""
+    from oncely.consumers import Delivery, IdempotentConsumer
+
+    first, second = BatchingStore(), BatchingStore()
+    consumer = IdempotentConsumer(first, scope="grouped")
+
+    async def handler(raw: Any) -> None:
+        pass
+
+    def batch(*keys: str) -> list[Any]:
+        deliveries = [Delivery(b"{}", {"Idempotency-Key": key}) for key in keys]
+        return asyncio.run(consumer.aprocess_batch(deliveries, handler))
+
+    grouped = consumer._calls_to(first)
+    assert [v.reason for v in batch("a", "b")] == [v.reason for v in batch("c", "d")]
+    assert consumer._calls_to(first) is grouped
+    assert grouped.store is first
+    assert grouped._completions._loops  # the batches' completions went through it
+    assert first.calls.count("complete_many") == 2  # one per batch, on two loops
+
+    consumer.store = second
+    verdicts = batch("a", "e")
+    assert consumer._calls_to(second) is not grouped
+    assert consumer._calls_to(second).store is second
+    assert [v.reason.value for v in verdicts] == ["processed", "processed"]
+    assert first.calls.count("complete_many") == 2
+    assert second.calls.count("complete_many") == 1

@@ -140,6 +140,7 @@ class IdempotentConsumer:
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # (loop, grouped store, running keys): see _grouped
         self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
+        self._coalescing: CoalescingStore | None = None  # see _calls_to
         self._scoped = (scope, scope_key(scope, ""))  # scope_key(scope, k) is prefix + k
 
     # -- pieces ----------------------------------------------------------------------------
@@ -537,23 +538,26 @@ class IdempotentConsumer:
     ) -> tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]]:
         """What `aprocess` uses on this event loop, checked once per loop: the loop, the
         store's calls grouped (``None`` without the batch verbs or `ConsumerPolicy.coalesce`;
-        one `CoalescingStore` per consumer: it keeps its state per loop), and the keys of the
+        the consumer's `CoalescingStore`, see `_calls_to`), and the keys of the
         deliveries being processed here (each with the future its copies wait for, made by the
         first copy that waits)."""
         store = _require(self.store, AsyncStore)
-        previous = self._async_calls
-        if previous is not None:
-            coalescing = previous[1]
-        elif self.policy.coalesce and self.batches:
-            coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
-        else:
-            coalescing = None
+        coalescing = self._calls_to(store) if self.policy.coalesce and self.batches else None
         grouped: tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]] = (
             asyncio.get_running_loop(),
             coalescing,
             {},
         )
         self._async_calls = grouped
+        return grouped
+
+    def _calls_to(self, store: Any) -> CoalescingStore:
+        """The `CoalescingStore` that groups this consumer's calls to *store*: made once per
+        store (it inspects the store's verbs) and shared by every delivery and batch (it keeps
+        its state per event loop); another one once the store is replaced."""
+        grouped = self._coalescing
+        if grouped is None or grouped.store is not store:
+            grouped = self._coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
         return grouped
 
     def process_batch(
