@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from oncely import Status
+from oncely import AsyncStore, BatchStore, Status, SyncStore
+from oncely.consumers import Delivery, IdempotentConsumer
+from oncely.errors import ConfigurationError
 from oncely.stores._coalesce import CoalescingStore
 from tests.consumers._batching import BatchingStore
 
@@ -98,8 +100,6 @@ def test_batches_share_one_grouped_store_until_the_store_is_replaced() -> None:
     """A consumer groups the calls of every batch (and delivery) through one `CoalescingStore`,
     made once per store, on every event loop; a store put in its place gets a new one, and
     the next batches' calls go to it alone."""
-    from oncely.consumers import Delivery, IdempotentConsumer
-
     first, second = BatchingStore(), BatchingStore()
     consumer = IdempotentConsumer(first, scope="grouped")
 
@@ -124,3 +124,24 @@ def test_batches_share_one_grouped_store_until_the_store_is_replaced() -> None:
     assert [v.reason.value for v in verdicts] == ["processed", "processed"]
     assert first.calls.count("complete_many") == 2
     assert second.calls.count("complete_many") == 1
+
+
+def test_what_the_store_is_is_checked_once_per_store() -> None:
+    """Whether the store is an `AsyncStore` (`BatchStore`...) is asked of each store once, not
+    for every batch; a store put in the consumer's place is asked again, and one of the wrong
+    kind is refused as ever."""
+
+    class _Sync:
+        """Not a store of any kind."""
+
+    store = BatchingStore()
+    consumer = IdempotentConsumer(store, scope="kinds")
+    assert consumer.batches
+    assert consumer._required(AsyncStore) is store
+    assert consumer._kinds == (store, {BatchStore: True, AsyncStore: True})
+    consumer.store = _Sync()  # type: ignore[assignment]
+    assert not consumer.batches
+    with pytest.raises(ConfigurationError, match="_Sync is not an AsyncStore"):
+        consumer._required(AsyncStore)
+    with pytest.raises(ConfigurationError, match="_Sync is not a SyncStore"):
+        consumer._required(SyncStore)

@@ -77,7 +77,8 @@ async def ano_broker(op: BrokerOp) -> Any:
 
 def _require(store: Any, kind: type[Any]) -> Any:
     if not isinstance(store, kind):
-        raise ConfigurationError(f"{type(store).__name__} is not a {kind.__name__}")
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise ConfigurationError(f"{type(store).__name__} is not {article} {kind.__name__}")
     return store
 
 

@@ -231,9 +231,7 @@ class IdempotentHandler:
         Returns:
             One verdict per message, in order.
         """
-        store = self.consumer.store
-        if not isinstance(store, AsyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        self.consumer._required(AsyncStore)  # raises before the first beat
         deliveries = [self._delivery(msg) for msg in msgs]
         async with self._progress(msgs):  # one beat for the batch, not a timer per message
             verdicts = await self.consumer.aprocess_batch(deliveries, self.handler)
