@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from oncely import Status
+from oncely import AsyncStore, BatchStore, Status, SyncStore
+from oncely.consumers import Delivery, IdempotentConsumer
+from oncely.errors import ConfigurationError
 from oncely.stores._coalesce import CoalescingStore
 from tests.consumers._batching import BatchingStore
 
@@ -92,3 +94,54 @@ def test_a_claim_cancelled_in_flight_is_released_before_its_caller_goes_on() -> 
     record = asyncio.run(main())
     assert record is not None
     assert record.status is Status.RELEASED
+
+
+def test_batches_share_one_grouped_store_until_the_store_is_replaced() -> None:
+    """A consumer groups the calls of every batch (and delivery) through one `CoalescingStore`,
+    made once per store, on every event loop; a store put in its place gets a new one, and
+    the next batches' calls go to it alone."""
+    first, second = BatchingStore(), BatchingStore()
+    consumer = IdempotentConsumer(first, scope="grouped")
+
+    async def handler(raw: Any) -> None:
+        pass
+
+    def batch(*keys: str) -> list[Any]:
+        deliveries = [Delivery(b"{}", {"Idempotency-Key": key}) for key in keys]
+        return asyncio.run(consumer.aprocess_batch(deliveries, handler))
+
+    grouped = consumer._calls_to(first)
+    assert [v.reason for v in batch("a", "b")] == [v.reason for v in batch("c", "d")]
+    assert consumer._calls_to(first) is grouped
+    assert grouped.store is first
+    assert grouped._completions._loops  # the batches' completions went through it
+    assert first.calls.count("complete_many") == 2  # one per batch, on two loops
+
+    consumer.store = second
+    verdicts = batch("a", "e")
+    assert consumer._calls_to(second) is not grouped
+    assert consumer._calls_to(second).store is second
+    assert [v.reason.value for v in verdicts] == ["processed", "processed"]
+    assert first.calls.count("complete_many") == 2
+    assert second.calls.count("complete_many") == 1
+
+
+def test_what_the_store_is_is_checked_once_per_store() -> None:
+    """Whether the store is an `AsyncStore` (`BatchStore`...) is asked of each store once, not
+    for every batch; a store put in the consumer's place is asked again, and one of the wrong
+    kind is refused as ever."""
+
+    class _Sync:
+        """Not a store of any kind."""
+
+    store = BatchingStore()
+    consumer = IdempotentConsumer(store, scope="kinds")
+    assert consumer.batches
+    assert consumer._required(AsyncStore) is store
+    assert consumer._kinds == (store, {BatchStore: True, AsyncStore: True})
+    consumer.store = _Sync()  # type: ignore[assignment]
+    assert not consumer.batches
+    with pytest.raises(ConfigurationError, match="_Sync is not an AsyncStore"):
+        consumer._required(AsyncStore)
+    with pytest.raises(ConfigurationError, match="_Sync is not a SyncStore"):
+        consumer._required(SyncStore)

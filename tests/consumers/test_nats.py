@@ -389,6 +389,32 @@ def test_message_id_is_what_the_metadata_says(reply: str) -> None:
     assert consumer._delivery(msg).message_id == expected
 
 
+def test_ack_subject_is_parsed_only_when_the_key_may_need_the_id() -> None:
+    """A message whose key header is there is keyed by it: its ack subject is not parsed for an
+    id nothing reads. Without the header, in another case, or with a key (fingerprint) callable,
+    which may read it, the id is made; the keys are the same either way."""
+    reply = "$JS.ACK.orders.c.1.7.9.1700000000000000000.0"
+
+    async def handler(msg: Msg) -> None:
+        pass
+
+    def delivery(headers: dict[str, str] | None, **options: Any) -> Delivery:
+        msg = Msg(_client=None, subject="s", reply=reply, data=b"{}", headers=headers)  # type: ignore[arg-type]
+        return IdempotentHandler(handler, MemoryStore(), group="g", **options)._delivery(msg)
+
+    stamped = stamp("k-1")
+    assert delivery(stamped).message_id is None
+    assert delivery(stamped, key="content").message_id is None
+    assert delivery(None).message_id == "orders:7"
+    assert delivery({"idempotency-key": "k-1"}).message_id == "orders:7"
+    assert delivery(stamped, key=lambda d: d.message_id).message_id == "orders:7"
+    assert delivery(stamped, fingerprint=lambda d: d.message_id).message_id == "orders:7"
+    consumer = IdempotentHandler(handler, MemoryStore(), group="g").consumer
+    assert consumer.key_for(delivery(stamped)) == consumer.key_for(
+        Delivery(b"{}", stamped, "orders:7")
+    )
+
+
 def test_message_without_a_key_header_is_keyed_by_its_stream_sequence(
     store: RedisStore, ledger: Ledger, name: str
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely.errors import CorruptRecordError, StoreUnavailableError
-from oncely.stores._coalesce import CoalescingStore, SyncCompletions
+from oncely.stores._coalesce import CoalescingStore, SyncCompletions, _group
 from oncely.stores.memory import MemoryStore
 from tests._proxy import Proxy
 from tests.conftest import service_url
@@ -592,3 +592,20 @@ def test_a_batch_of_claims_applied_with_its_reply_lost_is_acquired_on_postgres()
         direct.close()
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"ttl": TTL},
+        {"lease": TTL, "ttl": TTL},
+        {"ttl": TTL, "lease": TTL},
+        {"ttl": TTL, "lease": TTL, "a": 1},
+    ],
+)
+def test_calls_are_grouped_by_their_options_sorted_by_name(options: dict[str, Any]) -> None:
+    """A call's group is its options sorted by name, whatever their order (the short cuts for
+    none, one and two options included): calls with the same options go in one batch."""
+    assert _group(options) == tuple(sorted(options.items()))
+    assert _group(dict(reversed(options.items()))) == _group(options)

@@ -2,7 +2,8 @@
 (`oncely.consumers._batch.batched`) for it, without a flow's generators and operations per
 delivery. The batch's keys are claimed in chunks sent at once (`CLAIM_CHUNK`), each acquired
 delivery runs as a task of its own (`IdempotentConsumer._arun_acquired`, the tail of the
-grouped per-delivery path) and is completed through one `CoalescingStore` as it returns.
+grouped per-delivery path) and is completed through the consumer's `CoalescingStore` (made once
+per store, see `IdempotentConsumer._calls_to`) as it returns.
 
 `batch_flow` driven by `arun_with` stays the reference: ``ONCELY_REFERENCE_FLOWS`` makes
 `IdempotentConsumer.aprocess_batch` take it, and the batch tests hold both to the same
@@ -36,7 +37,7 @@ async def abatched(
     verdicts: list[Verdict | None] = [None] * len(deliveries)
     firsts, copies, prints = sorted_out(consumer, deliveries, verdicts)
     if firsts:
-        coalescing = CoalescingStore(consumer.store, max_in_flight=1, singles=False)
+        coalescing = consumer._calls_to(consumer.store)
         claims = list(firsts.items())
         await _all(
             [

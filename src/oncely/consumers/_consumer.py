@@ -140,6 +140,8 @@ class IdempotentConsumer:
         self._policy = self.policy.as_policy()
         self._async_calls: Any = None  # (loop, grouped store, running keys): see _grouped
         self._takes_ops: bool | None = None  # whether claim_many takes call ids, once known
+        self._coalescing: CoalescingStore | None = None  # see _calls_to
+        self._kinds: tuple[Any, dict[type[Any], bool]] = (None, {})  # see _is
         self._scoped = (scope, scope_key(scope, ""))  # scope_key(scope, k) is prefix + k
 
     # -- pieces ----------------------------------------------------------------------------
@@ -253,7 +255,22 @@ class IdempotentConsumer:
     @property
     def batches(self) -> bool:
         """Whether the store is a `oncely.BatchStore`: then a batch is claimed in one call."""
-        return isinstance(self.store, BatchStore)
+        return self._is(BatchStore)
+
+    def _is(self, kind: type[Any]) -> bool:
+        """Whether the store is a *kind* (a store protocol), checked once per store: a
+        protocol's isinstance looks each of its members up, tens of µs for every batch."""
+        known = self._kinds
+        if known[0] is not self.store:
+            known = self._kinds = (self.store, {})
+        answer = known[1].get(kind)
+        if answer is None:
+            answer = known[1][kind] = isinstance(self.store, kind)
+        return answer
+
+    def _required(self, kind: type[Any]) -> Any:
+        """The store, a *kind* (see `_is`); else `ConfigurationError`."""
+        return self.store if self._is(kind) else _require(self.store, kind)
 
     def batch_flow(
         self,
@@ -430,7 +447,7 @@ class IdempotentConsumer:
         """
         if _events.on and not _observed.consuming():
             return _observed.process(self, delivery, handler)  # type: ignore[no-any-return]
-        store = _require(self.store, SyncStore)
+        store = self._required(SyncStore)
         return _execution.run(self.flow(delivery), store, handler)
 
     async def aprocess(self, delivery: Delivery, handler: Callable[[], Awaitable[Any]]) -> Verdict:
@@ -537,23 +554,26 @@ class IdempotentConsumer:
     ) -> tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]]:
         """What `aprocess` uses on this event loop, checked once per loop: the loop, the
         store's calls grouped (``None`` without the batch verbs or `ConsumerPolicy.coalesce`;
-        one `CoalescingStore` per consumer: it keeps its state per loop), and the keys of the
+        the consumer's `CoalescingStore`, see `_calls_to`), and the keys of the
         deliveries being processed here (each with the future its copies wait for, made by the
         first copy that waits)."""
-        store = _require(self.store, AsyncStore)
-        previous = self._async_calls
-        if previous is not None:
-            coalescing = previous[1]
-        elif self.policy.coalesce and self.batches:
-            coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
-        else:
-            coalescing = None
+        store = self._required(AsyncStore)
+        coalescing = self._calls_to(store) if self.policy.coalesce and self.batches else None
         grouped: tuple[Any, CoalescingStore | None, dict[str, asyncio.Future[None] | None]] = (
             asyncio.get_running_loop(),
             coalescing,
             {},
         )
         self._async_calls = grouped
+        return grouped
+
+    def _calls_to(self, store: Any) -> CoalescingStore:
+        """The `CoalescingStore` that groups this consumer's calls to *store*: made once per
+        store (it inspects the store's verbs) and shared by every delivery and batch (it keeps
+        its state per event loop); another one once the store is replaced."""
+        grouped = self._coalescing
+        if grouped is None or grouped.store is not store:
+            grouped = self._coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
         return grouped
 
     def process_batch(
@@ -568,7 +588,7 @@ class IdempotentConsumer:
         Returns:
             One `Verdict` per delivery, in order.
         """
-        store = _require(self.store, SyncStore)
+        store = self._required(SyncStore)
         return run_with(self.batch_flow(deliveries), store, handler, no_broker)
 
     async def aprocess_batch(
@@ -580,7 +600,7 @@ class IdempotentConsumer:
         claims, runs and completions, without a flow's generators and operations per delivery.
         `batch_flow` stays the reference (``ONCELY_REFERENCE_FLOWS`` makes this take it).
         """
-        store = _require(self.store, AsyncStore)
+        store = self._required(AsyncStore)
         if self.batches and not (_switches.disabled or _switches.reference_flows or _events.on):
             return await abatched(self, deliveries, handler)
         return await arun_with(self.batch_flow(deliveries), store, handler, ano_broker)

@@ -77,7 +77,8 @@ async def ano_broker(op: BrokerOp) -> Any:
 
 def _require(store: Any, kind: type[Any]) -> Any:
     if not isinstance(store, kind):
-        raise ConfigurationError(f"{type(store).__name__} is not a {kind.__name__}")
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise ConfigurationError(f"{type(store).__name__} is not {article} {kind.__name__}")
     return store
 
 
@@ -143,22 +144,16 @@ async def arun_with(
     broker: Callable[[BrokerOp], Awaitable[Any]],
 ) -> T:
     """Async `run_with`: the flows of a `Parallel` run as concurrent tasks; completions go
-    through one `CoalescingStore` (group commit) as their handlers return."""
+    through their consumer's `CoalescingStore` (group commit, made once per store: see
+    `IdempotentConsumer._calls_to`) as their handlers return."""
 
-    coalescing: CoalescingStore | None = None
     settling: list[asyncio.Future[Any]] = []
     pruned = 0  # the length of *settling* when its landed completions were last dropped
     claimed: dict[str, Slot] = {}  # keys claimed by the flows of this run, see Share
     sharing = 0  # Parallel ops of several flows running now: their flows may share keys
 
-    def coalesced() -> CoalescingStore:
-        nonlocal coalescing
-        if coalescing is None:
-            coalescing = CoalescingStore(store, max_in_flight=1, singles=False)
-        return coalescing
-
     async def settle_here(op: Settle) -> asyncio.Future[Any]:
-        grouped = coalesced()
+        grouped: CoalescingStore = op.consumer._calls_to(store)
         try:
             outcome = await acomplete(op.consumer, op.lease, op.payload, grouped)
         except asyncio.CancelledError:
@@ -197,7 +192,7 @@ async def arun_with(
             if kind is SettleHere:
                 return await settle_here(op.settle)
             if kind is Settle:
-                sent = acomplete(op.consumer, op.lease, op.payload, coalesced())
+                sent = acomplete(op.consumer, op.lease, op.payload, op.consumer._calls_to(store))
                 handle = asyncio.ensure_future(sent)
                 settling.append(handle)
                 nonlocal pruned

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from oncely._core.fingerprint import (
@@ -57,6 +57,21 @@ def _header_key(delivery: Delivery, headers: tuple[str, ...]) -> str:
         f"the message has none of the headers {', '.join(headers)} and no message id: "
         "stamp a key on it (oncely.consumers.producer) or configure key="
     )
+
+
+def reads_message_id(
+    key: Any, key_headers: tuple[str, ...], fingerprint: Any, headers: Mapping[str, Any]
+) -> bool:
+    """Whether a delivery with *headers* may need its message id, with this *key*, *key_headers*
+    and *fingerprint* (a consumer's): a callable may read it, and a header key falls back to it
+    when no key header has a value. An adapter whose message id costs a parse (NATS: the ack
+    subject's) makes it only then. A key header in another case than *key_headers* answers
+    yes: `_header_key` finds it, the id is made all the same."""
+    if callable(key) or callable(fingerprint):
+        return True
+    if key == "content":
+        return False
+    return not any(headers.get(name) is not None for name in key_headers)
 
 
 def default_scope(handler: Callable[..., Any], group: str | None) -> str:

@@ -12,6 +12,7 @@ from oncely._core.codec import Codec
 from oncely._core.flow import Flow
 from oncely._core.policy import Policy
 from oncely.consumers._verdicts import ConsumerPolicy, Delivery, Verdict
+from oncely.stores._coalesce import CoalescingStore
 
 __all__ = ["Running"]
 
@@ -39,6 +40,7 @@ class Running(Protocol):
         self, lease: _execution.Lease, verdict: Verdict, exc: Exception
     ) -> Flow[None]: ...
     def _release(self, lease: _execution.Lease) -> Flow[None]: ...
+    def _calls_to(self, store: Any) -> CoalescingStore: ...
     async def _arun_acquired(
         self, coalescing: Any, lease: _execution.Lease, handler: Callable[[], Awaitable[Any]]
     ) -> Verdict: ...

@@ -519,9 +519,7 @@ class IdempotentKafkaConsumer(_KafkaFlows):
             logger.warning("resuming %s failed: %s", partitions, exc)
 
     def _run(self, flow: Flow[Any]) -> Any:
-        store = self.consumer.store
-        if not isinstance(store, SyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not a SyncStore")
+        store: SyncStore = self.consumer._required(SyncStore)
         return run_with(flow, store, self.handler, self._perform)
 
     def _coordinates(self, record: Any) -> tuple[str, int, int]:
@@ -759,9 +757,7 @@ class AsyncIdempotentKafkaConsumer(_KafkaFlows):
             self._idle.set()
 
     async def _arun(self, flow: Flow[Any]) -> Any:
-        store = self.consumer.store
-        if not isinstance(store, AsyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        store: AsyncStore = self.consumer._required(AsyncStore)
         return await arun_with(flow, store, self.handler, self._perform)
 
     def _resume(self, partitions: Collection[Partition]) -> None:

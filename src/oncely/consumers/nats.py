@@ -57,7 +57,7 @@ from oncely._deps import require
 from oncely._log import fields, get_logger
 from oncely.consumers._consumer import IdempotentConsumer
 from oncely.consumers._drivers import mark_coroutine_function
-from oncely.consumers._keys import default_scope
+from oncely.consumers._keys import default_scope, reads_message_id
 from oncely.consumers._verdicts import (
     KEY_HEADERS,
     Action,
@@ -231,9 +231,7 @@ class IdempotentHandler:
         Returns:
             One verdict per message, in order.
         """
-        store = self.consumer.store
-        if not isinstance(store, AsyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        self.consumer._required(AsyncStore)  # raises before the first beat
         deliveries = [self._delivery(msg) for msg in msgs]
         async with self._progress(msgs):  # one beat for the batch, not a timer per message
             verdicts = await self.consumer.aprocess_batch(deliveries, self.handler)
@@ -243,7 +241,11 @@ class IdempotentHandler:
         ]
 
     def _delivery(self, msg: Msg) -> Delivery:
-        return Delivery(msg.data, dict(msg.headers or {}), _message_id(msg), raw=msg)
+        headers = dict(msg.headers or {})
+        consumer = self.consumer
+        if reads_message_id(consumer.key, consumer.key_headers, consumer.fingerprint, headers):
+            return Delivery(msg.data, headers, _message_id(msg), raw=msg)
+        return Delivery(msg.data, headers, None, raw=msg)  # the key is in a header: no parse
 
     def _last_delivery(self, msg: Msg) -> bool:
         if self.max_deliver is None:

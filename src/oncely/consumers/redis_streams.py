@@ -282,9 +282,7 @@ class RedisStreamConsumer:
         return getattr(self.client, op.method)(*op.args, **op.kwargs)
 
     def _sync(self, flow: Flow[Any]) -> Any:
-        store = self.consumer.store
-        if not isinstance(store, SyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not a SyncStore")
+        store: SyncStore = self.consumer._required(SyncStore)
         return run_with(flow, store, self.handler, self._perform)
 
     def create_group(self) -> bool:
@@ -315,9 +313,7 @@ class RedisStreamConsumer:
         return await getattr(self.client, op.method)(*op.args, **op.kwargs)
 
     async def _async(self, flow: Flow[Any]) -> Any:
-        store = self.consumer.store
-        if not isinstance(store, AsyncStore):
-            raise ConfigurationError(f"{type(store).__name__} is not an AsyncStore")
+        store: AsyncStore = self.consumer._required(AsyncStore)
         return await arun_with(flow, store, self.handler, self._aperform)
 
     async def acreate_group(self) -> bool:

@@ -101,6 +101,18 @@ class _Get:
     key: str
 
 
+def _group(options: dict[str, Any]) -> tuple[Any, ...]:
+    """The group of a call with *options* (its batch goes with those of the same group): its
+    options sorted by name; none, one or two (a claim's) without a sort (the same group)."""
+    items = tuple(options.items())
+    if len(items) < 2:
+        return items
+    if len(items) == 2:
+        first, second = items
+        return items if first[0] < second[0] else (second, first)
+    return tuple(sorted(items))
+
+
 def _take(
     waiting: dict[tuple[Any, ...], list[tuple[Any, Any]]], max_batch: int
 ) -> tuple[tuple[Any, ...], list[tuple[Any, Any]]] | None:
@@ -340,7 +352,7 @@ class Coalescer(_Batching):
             self._track(answer)
         else:
             answer = loop.create_future()
-            state.waiting.setdefault(tuple(sorted(options.items())), []).append((item, answer))
+            state.waiting.setdefault(_group(options), []).append((item, answer))
             caller = state.callers[answer] = loop.create_future()
             self._send_waiting(loop, state)
             try:
@@ -492,7 +504,7 @@ class SyncCoalescer(_Batching):
         `StoreError`, or what the whole call raised)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
-            self._waiting.setdefault(tuple(sorted(options.items())), []).append((item, future))
+            self._waiting.setdefault(_group(options), []).append((item, future))
             if self._sender is None:
                 self._sender = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._sender.start()
