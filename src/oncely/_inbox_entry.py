@@ -9,15 +9,12 @@ import asyncio
 import contextvars
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from oncely import _events, _execution, _inbox_flow, _observed, _switches, _txn
 from oncely._core.flow import Flow
 from oncely._core.records import Acquired, Replay
 from oncely.errors import InProgressError, OncelyError
-
-if TYPE_CHECKING:
-    from oncely.inbox import Inbox
 
 _OPEN: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
     "oncely_inbox_open", default=frozenset()
@@ -36,7 +33,11 @@ class _EntryState:
     """What the sync and async entries share: the plan, the claim's answer, the result."""
 
     def __init__(
-        self, inbox: Inbox, plan: _inbox_flow.Plan, annotation: Any = Any, own: bool = False
+        self,
+        inbox: _inbox_flow.InboxView,
+        plan: _inbox_flow.Plan,
+        annotation: Any = Any,
+        own: bool = False,
     ) -> None:
         self._inbox = inbox
         self._plan = plan
