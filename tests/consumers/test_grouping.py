@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from oncely import Status
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 from tests.consumers._batching import BatchingStore
 
 LEASE = timedelta(seconds=30)
