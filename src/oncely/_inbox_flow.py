@@ -9,19 +9,35 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from oncely import _execution
 from oncely._core import codec as _codec
+from oncely._core.codec import Codec
 from oncely._core.flow import Flow
+from oncely._core.policy import Policy
 from oncely._core.records import Acquired, ClaimResult, LeaseLost, Mismatch, Replay, Status
-from oncely._inbox_store import Begin, Commit, Finish, Open, Rollback
+from oncely._inbox_store import Begin, Commit, Finish, InboxDriver, Open, Rollback
 from oncely.errors import FingerprintMismatchError, InProgressError, LeaseLostError
 
-if TYPE_CHECKING:
-    from oncely.inbox import Inbox
+__all__ = ["BUSY_HINT", "InboxView", "Plan", "end", "enter", "exit_flow", "open_flow"]
 
-__all__ = ["BUSY_HINT", "Plan", "end", "enter", "exit_flow", "open_flow"]
+
+class InboxView(Protocol):
+    """What the flows and the entries read of an `oncely.inbox.Inbox`: a protocol, so that
+    they need not import the module that imports them."""
+
+    @property
+    def store(self) -> Any: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def codec(self) -> Codec: ...
+    @property
+    def _driver(self) -> InboxDriver: ...
+    @property
+    def _none(self) -> bytes: ...
+
 
 BUSY_HINT = timedelta(seconds=1)
 """`InProgressError.retry_after` when another transaction holds the key: a short hint."""
@@ -35,7 +51,7 @@ class Plan:
     fingerprint: str
 
 
-def enter(inbox: Inbox, plan: Plan, own: bool) -> Flow[Acquired | Replay]:
+def enter(inbox: InboxView, plan: Plan, own: bool) -> Flow[Acquired | Replay]:
     """Claim *plan*'s key (with *own*: in a transaction the claim opens, and that any answer
     but `Acquired` or `Replay` has ended), waiting or raising as the policy says."""
     policy = inbox.policy
@@ -66,7 +82,7 @@ def enter(inbox: Inbox, plan: Plan, own: bool) -> Flow[Acquired | Replay]:
 
 
 def exit_flow(
-    inbox: Inbox, plan: Plan, token: int, value: Any, error: BaseException | None, own: bool
+    inbox: InboxView, plan: Plan, token: int, value: Any, error: BaseException | None, own: bool
 ) -> Flow[None]:
     """Record the block's outcome, as the decorator does: a value, or a final error (which
     still propagates: whatever recording it raises is chained to it, never masking it). With

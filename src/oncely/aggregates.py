@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oncely._core.flow import Flow, adrive, drive
+from oncely._inbox_entry import _araw_connection, _raw_connection
 from oncely.errors import ConfigurationError, VersionConflictError
-from oncely.inbox import _araw_connection, _raw_connection
 
 __all__ = ["Applied", "Change", "VersionedTable"]
 

@@ -349,7 +349,7 @@ def test_a_lease_held_in_one_partition_runs_a_copy_in_another(store: BatchingSto
     """Kafka shares the leases held for blocked records across partitions: a copy of such a
     key in another partition runs under that lease (no start counted), instead of finding
     the key busy and blocking its partition too."""
-    from oncely.consumers.kafka import _Held, _PartitionState
+    from oncely.consumers._kafka_flows import _Held, _PartitionState
 
     consumer = IdempotentConsumer(store, scope="s", policy=POLICY)
     make_busy(consumer, store)

@@ -12,7 +12,7 @@ import pytest
 from oncely import AsyncStore, BatchStore, Status, SyncStore
 from oncely.consumers import Delivery, IdempotentConsumer
 from oncely.errors import ConfigurationError
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 from tests.consumers._batching import BatchingStore
 
 LEASE = timedelta(seconds=30)

@@ -15,7 +15,8 @@ from oncely.stores.memory import MemoryStore
 
 pytest.importorskip("aiokafka")
 
-from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer, _PartitionState
+from oncely.consumers._kafka_flows import _PartitionState
+from oncely.consumers.kafka import AsyncIdempotentKafkaConsumer
 
 LEASE = timedelta(seconds=30)
 

@@ -19,7 +19,7 @@ import pytest
 import oncely
 from oncely import Status
 from oncely.consumers import ConsumerPolicy, Delivery, IdempotentConsumer
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 from tests._gated import GatedClaims
 
 LEASE = timedelta(seconds=30)

@@ -15,7 +15,8 @@ import pytest
 import oncely
 from oncely import Acquired, InProgress, LeaseLost, Replay, Status
 from oncely.errors import CorruptRecordError, StoreUnavailableError
-from oncely.stores._coalesce import CoalescingStore, SyncCompletions, _group
+from oncely.stores._coalesce import SyncCompletions, _group
+from oncely.stores._coalescing import CoalescingStore
 from oncely.stores.memory import MemoryStore
 from tests._proxy import Proxy
 from tests.conftest import service_url

@@ -28,386 +28,42 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import multiprocessing
-import os
-import random
-import signal
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import oncely
 from oncely._core.keys import scope_key
-from oncely._demos._common import (
-    DemoAborted,
-    PipeLogHandler,
-    fraction,
-    positive_int,
-    rate_below_one,
-    render_table,
-    say,
+from oncely._demos._common import DemoAborted, positive_int, rate_below_one, render_table, say
+from oncely._demos._storm_plan import (
+    _LEDGER_SCHEMA,
+    CRASH_EXIT_CODE,
+    EXIT_ABORTED,
+    EXIT_LEDGER_FAILED,
+    EXIT_OK,
+    LEASE_SECONDS,
+    RUN_TIMEOUT,
+    SCOPE,
+    Job,
+    Message,
+    WorkerConfig,
+    open_bank,
+    payment_id,
+    planned_crashes,
+    schedule,
 )
-from oncely.errors import InProgressError, LeaseLostError
+from oncely._demos._storm_worker import worker_main
 
 __all__ = ["main"]
-
-SCOPE = "payments.charge"
-"""The decorator's scope: stored keys are ``payments.charge|pay-0042``."""
-
-LEASE_SECONDS = 1.0
-"""A short lease, so that crashed calls are recovered within the demo's few seconds."""
-
-CRASH_EXIT_CODE = 86
-"""The exit status of a worker that crashed on purpose (anything else aborts the demo)."""
-
-MAX_CRASHES_PER_CALL = 3
-"""A payment (or, with ``--unsafe``, a call) crashes at most this many times in a row."""
-
-FIRST_BACKOFF = 0.02
-"""The client's first wait after `InProgressError`; it doubles, capped by ``retry_after``."""
-
-RUN_TIMEOUT = 300.0
-"""Give up (and say so) if the storm has not drained after this many seconds."""
-
-EXIT_OK, EXIT_LEDGER_FAILED, EXIT_ABORTED = 0, 1, 3
-
-
-# -- plan: what happens, decided up front -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Job:
-    """One client call: *attempt* of *payment*, delivered for the *delivery*-th time."""
-
-    id: int
-    payment: int
-    attempt: int
-    delivery: int = 1
-
-
-def payment_id(payment: int) -> str:
-    """The idempotency key of payment number *payment*."""
-    return f"pay-{payment:04d}"
-
-
-def amount_cents(payment: int) -> int:
-    """A deterministic amount for payment number *payment*."""
-    return 1_000 + (payment * 7_919) % 9_000
-
-
-def crashes(seed: int, rate: float, label: str, execution: int) -> bool:
-    """Whether execution number *execution* of the call named *label* crashes."""
-    return execution <= MAX_CRASHES_PER_CALL and fraction(seed, f"{label}#{execution}") < rate
-
-
-def planned_crashes(seed: int, rate: float, labels: list[str]) -> int:
-    """How many crashes the plan holds: each label crashes until its first clean execution."""
-    total = 0
-    for label in labels:
-        execution = 1
-        while crashes(seed, rate, label, execution):
-            total += 1
-            execution += 1
-    return total
-
-
-def schedule(payments: int, attempts: int, seed: int) -> list[Job]:
-    """Every attempt of every payment, in a seeded order that keeps a payment's retries close.
-
-    A retry storm: each payment's attempts are spread over a window of a few payments, so
-    duplicates overlap the first call (conflicts) or follow it (replays).
-    """
-    rng = random.Random(seed)
-    window = 3.0
-    arrivals = sorted(
-        (payment + rng.random() * window, payment, attempt)
-        for payment in range(payments)
-        for attempt in range(attempts)
-    )
-    return [Job(index, payment, attempt) for index, (_, payment, attempt) in enumerate(arrivals)]
-
-
-# -- messages from workers to the parent ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Message:
-    """What a worker reports; sent synchronously over a pipe, so it survives ``os._exit()``.
-
-    *kind* is one of ``charged``, ``replayed``, ``conflict``, ``crash``, ``lease_lost``,
-    ``error`` (about job *job*) or ``log`` (a line of the ``oncely`` logger, in *text*).
-    """
-
-    kind: str
-    worker: int
-    pid: int
-    job: int = -1
-    payment: int = -1
-    token: int = 0
-    text: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker process needs (pickled to it by the spawn start method)."""
-
-    worker: int
-    threads: int
-    store_url: str
-    namespace: str
-    bank_path: str
-    run: str
-    seed: int
-    crash_rate: float
-    safe: bool
-
-
-# -- the bank -----------------------------------------------------------------------------------
-
-_LEDGER_SCHEMA = """
-CREATE TABLE IF NOT EXISTS ledger (
-    id INTEGER PRIMARY KEY,
-    run TEXT NOT NULL,
-    payment_id TEXT NOT NULL,
-    amount_cents INTEGER NOT NULL,
-    fencing_token INTEGER NOT NULL,
-    pid INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS ledger_run_payment ON ledger (run, payment_id)
-"""
-
-
-def open_bank(path: str) -> sqlite3.Connection:
-    """Open the bank's ledger database (autocommit; WAL so that workers write concurrently)."""
-    connection = sqlite3.connect(path, timeout=60.0, isolation_level=None)
-    connection.execute("PRAGMA journal_mode=WAL")
-    return connection
-
-
-@dataclass(frozen=True, slots=True)
-class Receipt:
-    """What a charge returns; oncely stores it and replays it to duplicates."""
-
-    payment_id: str
-    amount_cents: int
-    ledger_row: int
-    fencing_token: int
-
-
-# -- worker process -----------------------------------------------------------------------------
-
-
-class CrashGate:
-    """Lets an injected crash interrupt only its own call.
-
-    Every protected call runs inside `call`. `crash` stops new calls from starting, waits for the
-    calls in flight to return (and report), then hard-exits the process.
-    """
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._busy = 0
-        self._closing = False
-
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """Run one call; blocks for good once the process is about to crash."""
-        with self._condition:
-            while self._closing:
-                self._condition.wait()
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._busy -= 1
-                self._condition.notify_all()
-
-    def crash(self) -> NoReturn:
-        """Hard-exit once every other call has returned: no cleanup, the lease stays held."""
-        with self._condition:
-            self._busy -= 1
-            self._condition.notify_all()
-            if self._closing:  # another thread is already taking the process down
-                while True:
-                    self._condition.wait()
-            self._closing = True
-            while self._busy > 0:
-                self._condition.wait()
-        os._exit(CRASH_EXIT_CODE)
-
-
-class Worker:
-    """One worker process: a store, a crash gate, a pipe to the parent, several client threads."""
-
-    def __init__(
-        self, jobs: Connection[Any, Any], reports: Connection[Any, Any], config: WorkerConfig
-    ) -> None:
-        self.jobs = jobs
-        self.reports = reports
-        self.config = config
-        self.pid = os.getpid()
-        self.gate = CrashGate()
-        self._send_lock = threading.Lock()
-        self.store: oncely.Store | None = None
-        if config.safe:
-            self.store = oncely.open_store(config.store_url, namespace=config.namespace)
-
-    def send(self, kind: str, **fields: Any) -> None:
-        """Report to the parent; returns once the message is in the pipe."""
-        message = Message(kind, self.config.worker, self.pid, **fields)
-        with self._send_lock:
-            self.reports.send(message)
-
-    def serve(self) -> None:
-        """Hand jobs from the parent to the client threads until told to stop."""
-        jobs: deque[Job | None] = deque()
-        ready = threading.Condition()
-
-        def take() -> Job | None:
-            with ready:
-                while not jobs:
-                    ready.wait()
-                return jobs.popleft()
-
-        clients = [Client(self, take) for _ in range(self.config.threads)]
-        threads = [
-            threading.Thread(target=client.run, name=f"client-{n}", daemon=True)
-            for n, client in enumerate(clients)
-        ]
-        for thread in threads:
-            thread.start()
-        while True:
-            try:
-                job: Job | None = self.jobs.recv()
-            except EOFError:  # the parent went away
-                job = None
-            with ready:
-                if job is None:
-                    jobs.extend([None] * len(threads))
-                else:
-                    jobs.append(job)
-                ready.notify_all()
-            if job is None:
-                break
-        for thread in threads:
-            thread.join()
-        if self.store is not None:
-            self.store.close()
-
-
-class Client:
-    """One client thread: calls ``charge`` for each job, retrying while it is in progress."""
-
-    def __init__(self, worker: Worker, take: Callable[[], Job | None]) -> None:
-        self.worker = worker
-        self.take = take
-        self.bank: sqlite3.Connection | None = None  # opened by the client's own thread
-        self.job: Job | None = None
-        self.executed = False  # whether the current call ran the body (or was replayed)
-        self.charge: Callable[[str, int], Receipt] = self._charge
-        if worker.store is not None:
-            # The whole integration: one decorator. A duplicate of a running charge raises
-            # InProgressError; a finished one replays its Receipt.
-            self.charge = oncely.idempotent(
-                store=worker.store,
-                key="payment_id",
-                scope=SCOPE,
-                lease=LEASE_SECONDS,
-                ttl=3600,
-                on_conflict="raise",
-            )(self._charge)
-
-    def run(self) -> None:
-        """Serve jobs until the worker stops."""
-        self.bank = open_bank(self.worker.config.bank_path)
-        try:
-            while (job := self.take()) is not None:
-                self.call(job)
-        finally:
-            self.bank.close()
-
-    def call(self, job: Job) -> None:
-        """One client call of the storm, with the client-side retry loop."""
-        rng = random.Random(f"{self.worker.config.seed}:{job.id}:{job.delivery}")
-        backoff = FIRST_BACKOFF
-        key = payment_id(job.payment)
-        while True:
-            with self.worker.gate.call():
-                self.job, self.executed = job, False
-                try:
-                    receipt = self.charge(key, amount_cents(job.payment))
-                except InProgressError as exc:
-                    self.worker.send("conflict", job=job.id, payment=job.payment)
-                    delay = min(exc.retry_after.total_seconds(), backoff)
-                except LeaseLostError as exc:
-                    self.worker.send("lease_lost", job=job.id, payment=job.payment, text=str(exc))
-                    return
-                except Exception as exc:
-                    text = f"{type(exc).__name__}: {exc}"
-                    self.worker.send("error", job=job.id, payment=job.payment, text=text)
-                    return
-                else:
-                    kind = "charged" if self.executed else "replayed"
-                    self.worker.send(
-                        kind, job=job.id, payment=job.payment, token=receipt.fencing_token
-                    )
-                    return
-            time.sleep(delay * rng.uniform(0.5, 1.0))  # client backoff, never synchronisation
-            backoff *= 2
-
-    def _charge(self, payment_id: str, amount_cents: int) -> Receipt:
-        """The payments function: charge *amount_cents* for *payment_id* at the bank."""
-        job = self.job
-        assert job is not None
-        config = self.worker.config
-        self.executed = True
-        if self.worker.store is not None:
-            # The lease we hold: its fencing token, and which execution of this payment this
-            # is (1, or more after crashes: crashes are planned per both).
-            lease = oncely.current_lease()
-            assert lease is not None, f"{payment_id} runs without a lease"
-            token, execution, label = lease.token, lease.attempt, payment_id
-        else:
-            token, execution, label = 0, job.delivery, f"{payment_id}/{job.attempt}"
-        if crashes(config.seed, config.crash_rate, label, execution):
-            self.worker.send("crash", job=job.id, payment=job.payment, token=token)
-            self.worker.gate.crash()
-        assert self.bank is not None
-        cursor = self.bank.execute(
-            "INSERT INTO ledger (run, payment_id, amount_cents, fencing_token, pid) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (config.run, payment_id, amount_cents, token, self.worker.pid),
-        )
-        return Receipt(payment_id, amount_cents, cursor.lastrowid or 0, token)
-
-
-def worker_main(
-    jobs: Connection[Any, Any], reports: Connection[Any, Any], config: WorkerConfig
-) -> None:
-    """Entry point of a worker process: jobs come in on one pipe, reports go out on another."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    worker = Worker(jobs, reports, config)
-    logger = logging.getLogger("oncely")
-    logger.addHandler(PipeLogHandler(worker))
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    try:
-        worker.serve()
-    finally:
-        jobs.close()
-        reports.close()
-
 
 # -- parent: dispatch, restart, count -----------------------------------------------------------
 

@@ -21,7 +21,7 @@ from oncely import _execution
 from oncely.consumers._batch import CLAIM_CHUNK, copies_decided, sorted_out
 from oncely.consumers._running import Running
 from oncely.consumers._verdicts import Delivery, Verdict
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 
 __all__ = ["abatched"]
 

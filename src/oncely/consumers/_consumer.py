@@ -79,7 +79,7 @@ from oncely.errors import (
     StoreError,
 )
 from oncely.keys import from_header
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 
 logger = get_logger(__name__)
 
@@ -455,7 +455,7 @@ class IdempotentConsumer:
 
         With a store that has the batch verbs and `ConsumerPolicy.coalesce`, the deliveries
         handled at once (one task each, as aio-pika and nats-py run callbacks) share their
-        store calls through one `oncely.stores._coalesce.CoalescingStore`: a few calls go to
+        store calls through one `oncely.stores._coalescing.CoalescingStore`: a few calls go to
         the store at once, and the claims (completions) made meanwhile go together in the next
         batch call (group commit). A copy of a delivery being processed here waits for it (up
         to `ConsumerPolicy.retry_delay`) before it claims. Every delivery runs through `flow`

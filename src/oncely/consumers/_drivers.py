@@ -17,7 +17,8 @@ from oncely._core.protocols import AsyncStore, SyncStore
 from oncely.consumers._grouping import Landed, Settle, acomplete, landed, sent, settle_all
 from oncely.consumers._sharing import Decide, Share, Slot, Wait
 from oncely.errors import ConfigurationError, StoreError
-from oncely.stores._coalesce import CoalescingStore, SyncCompletions
+from oncely.stores._coalesce import SyncCompletions
+from oncely.stores._coalescing import CoalescingStore
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 A batch's handler that returns yields `Settle`: its completion goes to the store at once,
 without waiting for the answer (a handle answers it), and `Landed` waits for those handles.
 Async, each completion is the shared settle flow (`completion`) over the run's
-`oncely.stores._coalesce.CoalescingStore`, the one grouping of claims and completions into
+`oncely.stores._coalescing.CoalescingStore`, the one grouping of claims and completions into
 batch calls that the async consumer and the ASGI middleware use too. Sync, its sync side
 (`oncely.stores._coalesce.SyncCompletions`) sends them from a thread of its own, by the same
 rules: one call at once, those queued meanwhile together as one ``complete_many`` call, at most

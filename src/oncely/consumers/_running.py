@@ -12,7 +12,7 @@ from oncely._core.codec import Codec
 from oncely._core.flow import Flow
 from oncely._core.policy import Policy
 from oncely.consumers._verdicts import ConsumerPolicy, Delivery, Verdict
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 
 __all__ = ["Running"]
 

@@ -47,7 +47,7 @@ from oncely.http._routes import RouteResolver, RouteTable, is_django, resolve_as
 from oncely.http._semantics import HttpRequest, Response, ResponseCapture
 from oncely.http._types import ASGIApp, Message, Receive, Scope, Send
 from oncely.http.fastapi import _Parked, _parking
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 
 __all__ = ["IdempotencyMiddleware"]
 

@@ -49,7 +49,7 @@ from oncely.http import _flow, _semantics
 from oncely.http._policy import HttpPolicy, RouteOptions
 from oncely.http._routes import RouteTable, resolve_django
 from oncely.http._semantics import Header, HttpRequest, Response, ResponseCapture
-from oncely.stores._coalesce import CoalescingStore
+from oncely.stores._coalescing import CoalescingStore
 
 __all__ = ["IdempotencyMiddleware"]
 

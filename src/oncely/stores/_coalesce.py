@@ -2,12 +2,13 @@
 
 A consumer that handles many deliveries concurrently (aio-pika runs a task per delivered
 message), or an ASGI server under load, makes one ``aclaim`` and one ``acomplete`` per message
-or request. `CoalescingStore` lets a few calls go to the store at once, as they come; while
-that many are in flight, the calls that arrive wait, and go together as one ``aclaim_many``
-(``acomplete_many``) call as soon as one of those returns: group commit. An idle store adds no
-latency (a call goes out at once, as a single call), and a busy one gets batches as large as
-the load. Each caller still gets exactly the answer (or the exception) its own single call
-would have given: the batch verbs answer every item as the single verb would, in order.
+or request. `CoalescingStore` (`oncely.stores._coalescing`) lets a few calls go to the store
+at once, as they come; while that many are in flight, the calls that arrive wait, and go
+together as one ``aclaim_many`` (``acomplete_many``) call as soon as one of those returns: group
+commit. An idle store adds no latency (a call goes out at once, as a single call), and a busy
+one gets batches as large as the load. Each caller still gets exactly the answer (or the
+exception) its own single call would have given: the batch verbs answer every item as the single
+verb would, in order.
 
 A batch call that times out or loses its connection is resolved per caller: its items are
 sent again once, and every answer that tells what happened replaces the error (a completion
@@ -37,27 +38,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
-import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
-from oncely._cancel import give_back, shielded
+from oncely._cancel import shielded
 from oncely._core.flow import Flow, adrive, drive
 from oncely._core.machine import landed
-from oncely._core.records import ClaimResult, InProgress, LeaseLost, Record
+from oncely._core.records import InProgress, LeaseLost
 from oncely._log import fields, get_logger
 from oncely.errors import StoreError, StoreUnavailableError
-from oncely.stores._batch import takes_ops
 
 __all__ = [
     "ClaimRule",
     "Coalescer",
-    "CoalescingStore",
     "MAX_BATCH",
     "SyncCoalescer",
     "SyncCompletions",
@@ -549,53 +545,6 @@ class SyncCoalescer(_Batching):
             _settle(batch, answers)
 
 
-class _Claims(ClaimRule, Coalescer):
-    def __init__(
-        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
-    ) -> None:
-        super().__init__(
-            store.aclaim, store.aclaim_many, max_in_flight, max_batch, singles, burst=burst
-        )
-        self.takes_ops = takes_ops(store.aclaim_many)
-        self._store = store
-
-    async def _call_single(self, item: tuple[Any, ...], options: dict[str, Any]) -> Any:
-        return await self._single(*item[:2], **options)
-
-    def _abandoned(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        state: _LoopState,
-        item: tuple[Any, ...],
-        answer: asyncio.Future[Any],
-    ) -> asyncio.Future[Any] | None:
-        """A claim not sent yet is not sent (it would take a lease nobody uses); one in flight
-        gives its lease back once it answers `Acquired`, before the caller goes on being
-        cancelled (its retry then runs at once)."""
-        for group in state.waiting.values():
-            if any(future is answer for _, future in group):
-                answer.cancel()
-                return None
-        releasing = loop.create_task(give_back(answer, self._store, item[0]))
-        self._track(releasing)
-        return releasing
-
-
-class _Completions(_CompletionRule, Coalescer):
-    def __init__(
-        self, store: Any, max_in_flight: int, max_batch: int, singles: bool, burst: int | None
-    ) -> None:
-        super().__init__(
-            store.acomplete,
-            store.acomplete_many,
-            max_in_flight,
-            max_batch,
-            singles,
-            get=store.aget,
-            burst=burst,
-        )
-
-
 class SyncCompletions(_CompletionRule, SyncCoalescer):
     """Completions of a sync *store* (items ``(key, token, result)``, option ``ttl``), sent
     from a thread of their own (see `SyncCoalescer`): a sync consumer's, as its handlers
@@ -603,119 +552,3 @@ class SyncCompletions(_CompletionRule, SyncCoalescer):
 
     def __init__(self, store: Any, max_batch: int = MAX_BATCH) -> None:
         super().__init__(store.complete_many, max_batch, store.get, "oncely-complete")
-
-
-class CoalescingStore:
-    """An async view of a store with the batch verbs that group concurrent claims and
-    completions into batch calls (group commit).
-
-    Args:
-        store: A store with the `oncely.BatchStore` verbs.
-        max_in_flight: Claims (and, separately, completions) sent at once per event loop before
-            later ones wait to go together.
-        max_batch: The most items sent in one batch call.
-        singles: Send a call that need not wait alone, with the single verb; else every call
-            goes with the batch verb (a consumer's: the same script, warm, for every call).
-        burst: Claims (completions) sent at once, alone, while the event loop's thread has
-            CPU to spare (see `Coalescer`); at most *max_in_flight* otherwise.
-    """
-
-    _cancel_safe: ClassVar[type[CoalescingStore]]
-    """A cancelled caller's claim is settled here, its finish lands (see the module's
-    docstring): `oncely._cancel.guards_itself` says so to the entry points."""
-
-    def __init__(
-        self,
-        store: Any,
-        *,
-        max_in_flight: int = 4,
-        max_batch: int = MAX_BATCH,
-        singles: bool = True,
-        burst: int | None = None,
-    ) -> None:
-        self.store = store
-        self._ids = itertools.count()
-        self._prefix = secrets.token_hex(8)  # call ids: unique per view, cheap per claim
-        self._claims = _Claims(store, max_in_flight, max_batch, singles, burst)
-        self._completions = _Completions(store, max_in_flight, max_batch, singles, burst)
-
-    async def aclaim(
-        self, key: str, fingerprint: str, *, lease: timedelta, ttl: timedelta
-    ) -> ClaimResult:
-        """`oncely.AsyncStore.aclaim`, batched with other claims while the store is busy."""
-        options = {"lease": lease, "ttl": ttl}
-        op = f"{self._prefix}.{next(self._ids)}"  # its call id, the same if it is sent again
-        answer: ClaimResult = await self._claims.submit((key, fingerprint, op), options)
-        return answer
-
-    async def acomplete(
-        self, key: str, token: int, result: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """`oncely.AsyncStore.acomplete`, batched with other completions while it is busy."""
-        answer: LeaseLost | None = await self._completions.submit(
-            (key, token, result), {"ttl": ttl}
-        )
-        return answer
-
-    async def afail(
-        self, key: str, token: int, error: bytes, *, ttl: timedelta
-    ) -> LeaseLost | None:
-        """`oncely.AsyncStore.afail` (not batched: failures are rare)."""
-        answer: LeaseLost | None = await self.store.afail(key, token, error, ttl=ttl)
-        return answer
-
-    async def arelease(self, key: str, token: int) -> LeaseLost | None:
-        """`oncely.AsyncStore.arelease`."""
-        answer: LeaseLost | None = await self.store.arelease(key, token)
-        return answer
-
-    async def aextend(self, key: str, token: int, *, lease: timedelta) -> LeaseLost | None:
-        """`oncely.AsyncStore.aextend`."""
-        answer: LeaseLost | None = await self.store.aextend(key, token, lease=lease)
-        return answer
-
-    async def aget(self, key: str) -> Record | None:
-        """`oncely.AsyncStore.aget`."""
-        record: Record | None = await self.store.aget(key)
-        return record
-
-    async def aclaim_many(
-        self,
-        requests: Sequence[tuple[str, str]],
-        *,
-        lease: timedelta,
-        ttl: timedelta,
-        ops: Sequence[str] | None = None,
-    ) -> list[ClaimResult | StoreError]:
-        """`oncely.BatchStore.aclaim_many`, sent as it is (with the claims' call ids *ops* when
-        given and the store takes them)."""
-        if ops is not None and self._claims.takes_ops:
-            answers: list[ClaimResult | StoreError] = await self.store.aclaim_many(
-                requests, lease=lease, ttl=ttl, ops=ops
-            )
-        else:
-            answers = await self.store.aclaim_many(requests, lease=lease, ttl=ttl)
-        return answers
-
-    async def acomplete_many(
-        self, items: Sequence[tuple[str, int, bytes]], *, ttl: timedelta
-    ) -> list[LeaseLost | StoreError | None]:
-        """`oncely.BatchStore.acomplete_many`, sent as it is."""
-        answers: list[LeaseLost | StoreError | None] = await self.store.acomplete_many(
-            items, ttl=ttl
-        )
-        return answers
-
-    async def adrain(self) -> None:
-        """Wait until every claim and completion sent on this event loop has answered (those
-        of cancelled callers included): before the store is closed."""
-        await self._claims.drain()
-        await self._completions.drain()
-
-    async def aclose(self) -> None:
-        """Close the store underneath, once the calls in flight have answered."""
-        await self.adrain()
-        await self.store.aclose()
-
-
-CoalescingStore._cancel_safe = CoalescingStore

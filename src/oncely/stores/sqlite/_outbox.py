@@ -76,7 +76,7 @@ SELECT {_EVENT}
  ORDER BY o.id
  LIMIT :limit
 """
-"""`oncely.stores.postgres._outbox.PG_HEADS` with claims for locks: a head claimed by a live
+"""`oncely.stores.postgres._outbox_sql.PG_HEADS` with claims for locks: a head claimed by a live
 relay is skipped."""
 
 SQLITE_FOLLOWERS: Final = f"""
@@ -92,7 +92,7 @@ SELECT {_EVENT}
  LIMIT :limit
 """
 """Parameters: scopes (a JSON array of [key, destination] pairs), ids (a JSON array), limit. See
-`oncely.stores.postgres._outbox.PG_FOLLOWERS`."""
+`oncely.stores.postgres._outbox_sql.PG_FOLLOWERS`."""
 
 SQLITE_CLAIM: Final = """
 UPDATE oncely_outbox SET claimed_until_ms = :until WHERE id IN (SELECT value FROM json_each(:ids))
@@ -144,13 +144,13 @@ SQLITE_DUE: Final = """
 UPDATE oncely_outbox SET next_attempt_at_ms = ?
  WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
 """
-"""Parameters: now_ms, id. See `oncely.stores.postgres._outbox.PG_DUE`."""
+"""Parameters: now_ms, id. See `oncely.stores.postgres._outbox_sql.PG_DUE`."""
 
 SQLITE_DEAD_LETTER: Final = """
 UPDATE oncely_outbox SET dead_at_ms = ?, last_error = ?
  WHERE id = ? AND published_at_ms IS NULL AND dead_at_ms IS NULL
 """
-"""Parameters: now_ms, error, id. See `oncely.stores.postgres._outbox.PG_DEAD_LETTER`."""
+"""Parameters: now_ms, error, id. See `oncely.stores.postgres._outbox_sql.PG_DEAD_LETTER`."""
 
 _COLUMNS: Final = (
     "id, message_id, destination, ordering_key, attempts, created_at_ms, next_attempt_at_ms, "
