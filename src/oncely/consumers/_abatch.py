@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from oncely import _execution
 from oncely.consumers._batch import CLAIM_CHUNK, copies_decided, sorted_out
+from oncely.consumers._drivers import gathered
 from oncely.consumers._running import Running
 from oncely.consumers._verdicts import Delivery, Verdict
 from oncely.stores._coalescing import CoalescingStore
@@ -98,11 +99,4 @@ async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
     others are cancelled and awaited before it propagates (see `arun_with`'s `Parallel`)."""
     if len(calls) == 1:
         return [await calls[0]]
-    tasks = [asyncio.ensure_future(call) for call in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gathered([asyncio.ensure_future(call) for call in calls])

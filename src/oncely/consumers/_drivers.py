@@ -223,14 +223,10 @@ async def arun_with(
                 nonlocal sharing
                 several = len(op.flows) > 1 and op.shares
                 sharing += several
-                tasks = [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
                 try:
-                    return await asyncio.gather(*tasks)
-                except BaseException:
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
+                    return await gathered(
+                        [asyncio.ensure_future(adrive(each, perform)) for each in op.flows]
+                    )
                 finally:
                     sharing -= several
             if isinstance(op, BrokerOp):
@@ -276,3 +272,15 @@ def mark_coroutine_function(handler: Any) -> None:
     if mark is not None:
         mark(handler)
     handler._is_coroutine = getattr(asyncio.coroutines, "_is_coroutine", None)
+
+
+async def gathered(tasks: list[asyncio.Future[T]]) -> list[T]:
+    """Await *tasks* together; on an error or a cancellation the others are cancelled and
+    awaited before it propagates (no task is left running behind a failed batch)."""
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
